@@ -1,0 +1,544 @@
+"""Fake vLLM servers that follow ../shared/PROTOCOL.md, for the tests and the demo.
+
+A ``FakeVllm`` is one vLLM OpenAI server in the role of a Mooncake ``kv_producer`` (prefill,
+with its bootstrap server) or ``kv_consumer`` (decode). The KV "transfer" goes over real
+sockets the way Mooncake's does: the decode reads ``remote_bootstrap_addr + "/query"``, finds
+the worker of ``remote_engine_id`` and pulls ``transfer_id`` from it; the prefill hands that KV
+out only once a request with that ``transfer_id`` finished *length-capped* on that very engine.
+So a proxy that skips the prefill, names the wrong engine or rank, or lets the prefill stop
+early sees the decode wait, exactly as real vLLM does, and a test sees a failure.
+
+Generation is deterministic: the tokens depend only on the prompt, so a decode's answer from
+transferred KV equals its own local answer to the same request.
+
+``python fake_vllm.py`` runs the demo: a small simulated cluster, the proxy in front of it
+started as users start it, and one streamed request whose tokens arrive on the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+MODEL = "fake-model"
+# The marker that makes the first sampled token EOS, unless the request says ignore_eos.
+EOS_MARKER = "<eos-first>"
+VOCAB = tuple(
+    "the a PD proxy mooncake prefill decode cache token stream engine rank transfer "
+    "vLLM kv block fast model answer".split()
+)
+
+
+def error(status: int, message: str, param: str | None = None) -> web.Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    body = {
+        "error": {
+            "message": message,
+            "type": kind.get(status, "InternalServerError"),
+            "param": param,
+            "code": status,
+        }
+    }
+    return web.json_response(body, status=status)
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Recorded:
+    path: str
+    headers: CIMultiDict[str]
+    body: dict[str, Any]
+    peer: Any = None  # the client's (host, port): tells connection reuse apart
+
+
+@dataclass
+class Generation:
+    tokens: list[str]
+    finish_reason: str
+    prompt_tokens: int
+
+
+def prompt_of(path: str, body: dict[str, Any]) -> Any:
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list", "messages")
+        return messages
+    if "prompt" not in body:
+        raise BadRequest("prompt is required", "prompt")
+    return body["prompt"]
+
+
+def digest_of(prompt: Any) -> str:
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()
+
+
+def generate(prompt: Any, body: dict[str, Any]) -> Generation:
+    """What this fake model answers: a function of the prompt and the sampling limits only."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise BadRequest("max_tokens must be a positive integer", "max_tokens")
+    min_tokens = body.get("min_tokens", 0)
+    if isinstance(min_tokens, int) and min_tokens > max_tokens:
+        raise BadRequest("min_tokens must be less than or equal to max_tokens", "min_tokens")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    rng = random.Random(digest_of(prompt))
+    text = json.dumps(prompt)
+    tokens: list[str] = []
+    for index in range(max_tokens):
+        if index == 0 and EOS_MARKER in text and not body.get("ignore_eos"):
+            return Generation(tokens, "stop", len(text.split()))
+        word = rng.choice(VOCAB)
+        if word in stop:
+            return Generation(tokens, "stop", len(text.split()))
+        tokens.append(f" {word}")
+    return Generation(tokens, "length", len(text.split()))
+
+
+@dataclass
+class FakeVllm:
+    """One fake vLLM server. ``role`` is "prefill" (kv_producer) or "decode" (kv_consumer)."""
+
+    role: str
+    dp_size: int = 1
+    api_key: str | None = None
+    # Failure injection.
+    fail_status: int | None = None  # answer every completion with this error status
+    force_finish_reason: str | None = None  # e.g. "stop": the one-token prefill ends early
+    delay: float = 0.0  # seconds of "compute" before answering (prefill) or pulling (decode)
+    hang: bool = False  # never answer completions
+    token_delay: float = 0.0  # seconds between streamed tokens
+    keepalive_first: bool = False  # a streaming decode sends ": keep-alive" before its KV
+    break_after_tokens: int | None = None  # drop the connection mid-stream
+    kv_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
+    bootstrap_not_ready: int = 0  # answer /query 503 this many times, then {} once
+    health_status: int = 200
+    # Observations.
+    requests: list[Recorded] = field(default_factory=list)
+    sent: dict[str, bytearray] = field(default_factory=dict)  # request id -> bytes written
+    aborted: list[str] = field(default_factory=list)  # request ids whose client went away
+    running: int = 0
+    kv_tokens_received: int = 0
+    transfers_served: int = 0
+    transfer_collisions: int = 0
+    query_count: int = 0
+    api_url: str = ""
+    # transfer_id -> (engine id, prompt digest, prompt tokens) of finished prefills.
+    _held_kv: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+    _kv_ready: asyncio.Condition | None = None
+    engine_prefix: str = field(default_factory=lambda: str(uuid.uuid4()))
+
+    # --- identity
+
+    @property
+    def engine_ids(self) -> list[str]:
+        return [f"{self.engine_prefix}_dp{rank}" for rank in range(self.dp_size)]
+
+    def restart(self) -> None:
+        """What a vLLM restart looks like from outside: new engine ids, held KV gone."""
+        self.engine_prefix = str(uuid.uuid4())
+        self._held_kv.clear()
+
+    def condition(self) -> asyncio.Condition:
+        if self._kv_ready is None:
+            self._kv_ready = asyncio.Condition()
+        return self._kv_ready
+
+    # --- apps
+
+    def api_app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_post("/v1/completions", self.handle_completion)
+        app.router.add_post("/v1/chat/completions", self.handle_completion)
+        app.router.add_get("/_fake/kv", self.handle_kv_pull)
+        app.cleanup_ctx.append(self._session_ctx)
+        return app
+
+    def bootstrap_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/query", self.handle_query)
+        return app
+
+    async def _session_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await self._session.close()
+
+    # --- handlers
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        if (denied := self.check_auth(request)) is not None:
+            return denied
+        model = {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def handle_query(self, request: web.Request) -> web.Response:
+        self.query_count += 1
+        if self.role != "prefill":
+            return web.Response(status=404)
+        if self.bootstrap_not_ready > 0:
+            self.bootstrap_not_ready -= 1
+            if self.bootstrap_not_ready == 0:
+                return web.json_response({})
+            return web.json_response({"detail": "topology is not ready."}, status=503)
+        worker = {"0": {"0": self.api_url}}
+        return web.json_response(
+            {
+                str(rank): {"engine_id": engine_id, "worker_addr": worker, "tp_size": 1}
+                for rank, engine_id in enumerate(self.engine_ids)
+            }
+        )
+
+    def check_auth(self, request: web.Request) -> web.Response | None:
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return error(401, "Unauthorized")
+        return None
+
+    async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        if (denied := self.check_auth(request)) is not None:
+            return denied
+        try:
+            body = await request.json()
+        except ValueError:
+            return error(400, "body is not JSON")
+        if not isinstance(body, dict):
+            return error(400, "body must be an object")
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        self.requests.append(Recorded(request.path, CIMultiDict(request.headers), body, peer))
+        self.running += 1
+        try:
+            return await self.complete(request, body, request_id)
+        except BadRequest as bad:
+            return error(400, str(bad), bad.param)
+        except asyncio.CancelledError:
+            # The client (the proxy) closed the connection: vLLM aborts the request.
+            self.aborted.append(request_id)
+            raise
+        finally:
+            self.running -= 1
+
+    async def complete(
+        self, request: web.Request, body: dict[str, Any], request_id: str
+    ) -> web.StreamResponse:
+        stream = body.get("stream", False)
+        if body.get("stream_options") is not None and not stream:
+            raise BadRequest("Stream options can only be defined when `stream=True`.")
+        rank_header = request.headers.get("X-data-parallel-rank")
+        if rank_header is not None and (
+            not rank_header.isdigit() or int(rank_header) >= self.dp_size
+        ):
+            raise BadRequest(f"data parallel rank {rank_header} is out of range")
+        rank = int(rank_header or 0)
+        prompt = prompt_of(request.path, body)
+        generation = generate(prompt, body)
+        if self.fail_status is not None:
+            return error(self.fail_status, f"injected failure {self.fail_status}")
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.force_finish_reason is not None:
+            generation.finish_reason = self.force_finish_reason
+        params = body.get("kv_transfer_params") or {}
+        if self.role == "prefill":
+            await asyncio.sleep(self.delay)
+            if params.get("do_remote_decode") and generation.finish_reason == "length":
+                await self.hold_kv(self.engine_ids[rank], params, prompt, generation)
+            return await self.answer(request, body, request_id, generation)
+        response: web.StreamResponse | None = None
+        if stream:
+            # vLLM sends 200 and its headers at once, before the KV has arrived.
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream; charset=utf-8"}
+            )
+            await response.prepare(request)
+            self.sent[request_id] = bytearray()
+            if self.keepalive_first:
+                await self.write(response, request_id, b": keep-alive\n\n")
+        if params.get("do_remote_prefill"):
+            failure = await self.pull_kv(params, prompt, generation)
+            if failure is not None:
+                if response is None:
+                    return error(500, failure)
+                frame = {"error": {"message": failure, "type": "InternalServerError", "code": 500}}
+                await self.write(response, request_id, f"data: {json.dumps(frame)}\n\n".encode())
+                await self.write(response, request_id, b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+        else:
+            await asyncio.sleep(self.delay)
+        return await self.answer(request, body, request_id, generation, response)
+
+    # --- Mooncake, simulated over HTTP
+
+    async def hold_kv(
+        self, engine_id: str, params: dict[str, Any], prompt: Any, generation: Generation
+    ) -> None:
+        transfer_id = params.get("transfer_id")
+        if not isinstance(transfer_id, str):
+            return  # vLLM warns and transfers nothing
+        if transfer_id in self._held_kv:
+            self.transfer_collisions += 1
+        async with self.condition():
+            self._held_kv[transfer_id] = (engine_id, digest_of(prompt), generation.prompt_tokens)
+            self.condition().notify_all()
+
+    async def handle_kv_pull(self, request: web.Request) -> web.Response:
+        transfer_id = request.query["transfer_id"]
+        engine_id = request.query["engine_id"]
+        wait = float(request.query.get("timeout", "480"))
+
+        def ready() -> bool:
+            held = self._held_kv.get(transfer_id)
+            return held is not None and held[0] == engine_id
+
+        try:
+            async with self.condition():
+                await asyncio.wait_for(self.condition().wait_for(ready), wait)
+        except TimeoutError:
+            return web.json_response({"error": "timeout"}, status=504)
+        _, digest, prompt_tokens = self._held_kv.pop(transfer_id)
+        self.transfers_served += 1
+        return web.json_response({"digest": digest, "prompt_tokens": prompt_tokens})
+
+    async def pull_kv(self, params: dict[str, Any], prompt: Any, generation: Generation) -> str | None:
+        """Pull the KV the way the decode does; a failure message, or None once it arrived."""
+        bootstrap = params.get("remote_bootstrap_addr")
+        engine_id = params.get("remote_engine_id")
+        transfer_id = params.get("transfer_id")
+        if not all(isinstance(v, str) for v in (bootstrap, engine_id, transfer_id)):
+            return "kv_transfer_params lacks remote_bootstrap_addr, remote_engine_id or transfer_id"
+        try:
+            async with self._session.get(f"{bootstrap}/query") as query:
+                if query.status != 200:
+                    return f"bootstrap {bootstrap}/query answered {query.status}"
+                ranks = await query.json()
+            workers = {
+                entry["engine_id"]: entry["worker_addr"]["0"]["0"] for entry in ranks.values()
+            }
+            if engine_id not in workers:
+                return f"Internal server error: unknown engine id {engine_id}"
+            async with self._session.get(
+                f"{workers[engine_id]}/_fake/kv",
+                params={
+                    "transfer_id": transfer_id,
+                    "engine_id": engine_id,
+                    "timeout": str(self.kv_timeout),
+                },
+            ) as pull:
+                if pull.status != 200:
+                    return f"KV for {transfer_id} did not arrive within {self.kv_timeout} s"
+                kv = await pull.json()
+        except aiohttp.ClientError as failure:
+            return f"KV transfer failed: {failure}"
+        if kv["digest"] != digest_of(prompt):
+            return f"KV for {transfer_id} belongs to another prompt"
+        self.kv_tokens_received += kv["prompt_tokens"]
+        return None
+
+    # --- answers
+
+    async def write(self, response: web.StreamResponse, request_id: str, data: bytes) -> None:
+        self.sent.setdefault(request_id, bytearray()).extend(data)
+        await response.write(data)
+
+    async def answer(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        request_id: str,
+        generation: Generation,
+        response: web.StreamResponse | None = None,
+    ) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        created = int(time.time())
+        base = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": body.get("model", MODEL),
+        }
+        usage = {
+            "prompt_tokens": generation.prompt_tokens,
+            "completion_tokens": len(generation.tokens),
+            "total_tokens": generation.prompt_tokens + len(generation.tokens),
+        }
+        if not body.get("stream"):
+            text = "".join(generation.tokens)
+            choice: dict[str, Any] = {"index": 0, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["finish_reason"] = generation.finish_reason
+            payload = {**base, "choices": [choice], "usage": usage, "kv_transfer_params": None}
+            if chat:
+                payload["object"] = "chat.completion"
+            raw = json.dumps(payload).encode()
+            self.sent[request_id] = bytearray(raw)
+            return web.Response(body=raw, content_type="application/json")
+        if response is None:
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream; charset=utf-8"}
+            )
+            await response.prepare(request)
+        if chat:
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+            await self.frame(response, request_id, {**base, "choices": [first]})
+        for index, token in enumerate(generation.tokens):
+            if self.break_after_tokens is not None and index == self.break_after_tokens:
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+            last = index == len(generation.tokens) - 1
+            delta: dict[str, Any] = {"delta": {"content": token}} if chat else {"text": token}
+            finish = generation.finish_reason if last else None
+            choice = {"index": 0, **delta, "logprobs": None, "finish_reason": finish}
+            await self.frame(response, request_id, {**base, "choices": [choice]})
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await self.frame(response, request_id, {**base, "choices": [], "usage": usage})
+        await self.write(response, request_id, b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def frame(self, response: web.StreamResponse, request_id: str, obj: Any) -> None:
+        await self.write(response, request_id, f"data: {json.dumps(obj)}\n\n".encode())
+
+
+# --- a whole simulated cluster, for the demo
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class RunningFake:
+    fake: FakeVllm
+    url: str
+    bootstrap_port: int | None
+
+
+async def start_fake(fake: FakeVllm, runners: list[web.AppRunner]) -> RunningFake:
+    async def serve(app: web.Application) -> int:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        return port
+
+    port = await serve(fake.api_app())
+    fake.api_url = f"http://127.0.0.1:{port}"
+    bootstrap = await serve(fake.bootstrap_app()) if fake.role == "prefill" else None
+    return RunningFake(fake, fake.api_url, bootstrap)
+
+
+async def demo(once: bool, port: int) -> int:
+    runners: list[web.AppRunner] = []
+    cluster = [
+        await start_fake(FakeVllm("prefill", dp_size=2), runners),
+        await start_fake(FakeVllm("prefill"), runners),
+        await start_fake(FakeVllm("decode", token_delay=0.08), runners),
+        await start_fake(FakeVllm("decode", token_delay=0.08), runners),
+    ]
+    argv = [sys.executable, "mooncake_proxy.py", "--port", str(port)]
+    for node in cluster:
+        if node.bootstrap_port is not None:
+            argv += ["--prefill", node.url, str(node.bootstrap_port)]
+        else:
+            argv += ["--decode", node.url]
+    print("simulated cluster: 2 prefill instances (3 DP engines), 2 decode instances")
+    print("starting:", " ".join(argv[1:]), flush=True)
+    proxy = subprocess.Popen(argv)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"{base}/health") as health:
+                        if health.status == 200:
+                            break
+                if proxy.poll() is not None:
+                    return proxy.returncode or 1
+                await asyncio.sleep(0.1)
+            else:
+                print("the proxy did not become ready", file=sys.stderr)
+                return 1
+            request = {
+                "model": MODEL,
+                "prompt": "Explain prefill/decode disaggregation",
+                "max_tokens": 24,
+                "stream": True,
+            }
+            print(f"\nPOST {base}/v1/completions (streamed):\n", flush=True)
+            async with session.post(f"{base}/v1/completions", json=request) as answer:
+                async for line in answer.content:
+                    if line.startswith(b"data: {"):
+                        chunk = json.loads(line[6:])
+                        print(chunk["choices"][0]["text"], end="", flush=True)
+            print("\n\nrequest id:", answer.headers.get("X-Request-Id"))
+            if once:
+                return 0
+            print(f"\nThe proxy keeps serving on {base}; try:")
+            print(
+                f"  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' "
+                """-d '{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], """
+                """"stream": true}'"""
+            )
+            print(f"  curl {base}/healthcheck\nCtrl-C stops everything.", flush=True)
+            while proxy.poll() is None:
+                await asyncio.sleep(0.5)
+            return proxy.returncode or 0
+    finally:
+        if proxy.poll() is None:
+            proxy.terminate()
+            proxy.wait(10)
+        for runner in runners:
+            await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the proxy against a simulated cluster.")
+    parser.add_argument("--once", action="store_true", help="exit after the first request")
+    parser.add_argument("--port", type=int, default=8000, help="port for the proxy")
+    args = parser.parse_args(argv)
+    try:
+        return asyncio.run(demo(args.once, args.port))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

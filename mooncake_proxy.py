@@ -1,0 +1,1096 @@
+"""mooncake-proxy: a prefill/decode (PD) disaggregation proxy for vLLM's MooncakeConnector.
+
+Clients send ordinary OpenAI requests (``/v1/completions``, ``/v1/chat/completions``). For each
+one the proxy picks a prefill engine (a prefill instance and one of its data-parallel ranks) and
+a decode instance, mints a unique ``transfer_id`` and sends both legs at once: the prefill
+computes the prompt's KV cache with ``max_tokens`` 1, the decode pulls that KV through Mooncake
+and streams the answer, which the proxy passes to the client byte for byte. A prefill that fails
+fails the request at once instead of leaving the decode waiting for vLLM's 480 s KV timeout.
+
+Run it as vLLM's example proxy is run::
+
+    python mooncake_proxy.py --host 0.0.0.0 --port 8000 \\
+        --prefill http://10.0.0.1:8100 8998 --decode http://10.0.0.3:8200
+
+``python mooncake_proxy.py --help`` lists every flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import re
+import socket
+import sys
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Final, NoReturn, TypedDict
+
+import aiohttp
+from aiohttp import hdrs, web
+from yarl import URL
+
+log = logging.getLogger("mooncake_proxy")
+
+# --- identity and defaults
+
+# Byte-stable identity that tools launching the proxy record as evidence (the seed's values).
+ID: Final = "inferlab-vllm-mooncake-proxy"
+VERSION: Final = 1
+
+DEFAULT_HOST: Final = "127.0.0.1"
+DEFAULT_PORT: Final = 8000
+# vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default: one bootstrap server per prefill instance.
+DEFAULT_BOOTSTRAP_PORT: Final = 8998
+# Long prompts and base64 images make big bodies; 100 MiB still stops a runaway upload.
+DEFAULT_MAX_REQUEST_BYTES: Final = 100 * 1024 * 1024
+DEFAULT_CONNECT_TIMEOUT: Final = 5.0
+# vLLM (uvicorn) closes idle keep-alive connections after 5 s; reusing one it already closed
+# fails the request, so the pool must forget idle connections before vLLM does.
+DEFAULT_KEEPALIVE_TIMEOUT: Final = 4.0
+# Past vLLM's default VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT the decode gives up on the KV anyway.
+DEFAULT_PREFILL_TIMEOUT: Final = 480.0
+DEFAULT_DISCOVERY_INTERVAL: Final = 1.0
+DEFAULT_DISCOVERY_TIMEOUT: Final = 5.0
+
+COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
+REQUEST_ID_HEADER: Final = "X-Request-Id"
+DP_RANK_HEADER: Final = "X-data-parallel-rank"
+SSE_CONTENT_TYPE: Final = "text/event-stream"
+
+# Headers that describe one hop, not the request (RFC 9110 section 7.6.1), plus the ones the
+# proxy sets itself on each leg. A client-sent DP rank must never steer the prefill.
+HOP_BY_HOP_HEADERS: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+NOT_FORWARDED_HEADERS: Final = HOP_BY_HOP_HEADERS | {
+    "host",
+    "content-length",
+    "content-type",
+    # aiohttp already decoded a compressed request body, and upstream answers must stay
+    # uncompressed so they can be passed through byte for byte.
+    "content-encoding",
+    "accept-encoding",
+    "expect",
+    "authorization",
+    REQUEST_ID_HEADER.lower(),
+    DP_RANK_HEADER.lower(),
+}
+# A client's own request id is kept for tracing only if it is short and harmless in logs.
+CLIENT_REQUEST_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+# --- configuration
+
+
+class ConfigError(ValueError):
+    """A flag's value is unusable; the message names the flag and the value."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpec:
+    """One prefill instance as configured: its OpenAI server and its bootstrap server."""
+
+    url: URL
+    bootstrap: URL
+
+    @property
+    def bootstrap_addr(self) -> str:
+        # The decode requests ``remote_bootstrap_addr + "/query"``: no trailing slash.
+        return str(self.bootstrap)
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Everything the daemon needs, validated once by the command line."""
+
+    prefills: tuple[PrefillSpec, ...]
+    decodes: tuple[URL, ...]
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    upstream_api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
+    # None: a stream may last as long as the decode keeps producing tokens.
+    request_timeout: float | None = None
+    prefill_timeout: float | None = DEFAULT_PREFILL_TIMEOUT
+    # 0: no cap; each open stream holds one upstream connection.
+    max_connections: int = 0
+    discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL
+    discovery_timeout: float = DEFAULT_DISCOVERY_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if not self.prefills:
+            raise ConfigError("at least one --prefill URL is required")
+        if not self.decodes:
+            raise ConfigError("at least one --decode URL is required")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: expected 0-65535")
+        if self.max_request_bytes < 1:
+            raise ConfigError("--max-request-bytes must be at least 1")
+        if self.max_connections < 0:
+            raise ConfigError("--max-connections must be 0 (no cap) or more")
+        for flag, value in (
+            ("--connect-timeout", self.connect_timeout),
+            ("--keepalive-timeout", self.keepalive_timeout),
+            ("--discovery-interval", self.discovery_interval),
+            ("--discovery-timeout", self.discovery_timeout),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{flag} must be a positive number of seconds")
+
+
+def parse_backend_url(text: str, flag: str) -> URL:
+    """An upstream base URL, normalised to ``scheme://host:port`` with no trailing slash."""
+    expected = f"{flag} {text!r}: expected http(s)://host:port"
+    try:
+        url = URL(text)
+        port = url.explicit_port
+    except ValueError as error:
+        raise ConfigError(f"{expected} ({error})") from None
+    if url.scheme not in ("http", "https") or not url.host or port is None:
+        raise ConfigError(expected)
+    if url.path not in ("", "/") or url.query_string or url.fragment or url.user:
+        raise ConfigError(f"{expected}, with no path, query or credentials")
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{expected} (port {port} is out of range)")
+    return URL.build(scheme=url.scheme, host=url.host, port=port)
+
+
+def parse_bootstrap(url: URL, value: str | None) -> URL:
+    """The bootstrap server of a prefill: a port on its host, a full URL, or 8998 by default."""
+    if value is None or value.lower() == "none":
+        return URL.build(scheme="http", host=url.raw_host or "", port=DEFAULT_BOOTSTRAP_PORT)
+    if value.isdigit():
+        port = int(value)
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"--prefill {url} {value}: bootstrap port must be 1-65535")
+        return URL.build(scheme="http", host=url.raw_host or "", port=port)
+    return parse_backend_url(value, f"--prefill {url} BOOTSTRAP")
+
+
+# --- errors
+
+
+def error_type(status: int) -> str:
+    """The OpenAI/vLLM error type for a status: 400 BadRequestError, 503 ..., and so on."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        return "InternalServerError"
+    name = "".join(word.capitalize() for word in re.split(r"[\s-]+", phrase))
+    return name if name.endswith("Error") else f"{name}Error"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {"message": message, "type": error_type(status), "param": param, "code": status}
+    }
+
+
+class ProxyError(Exception):
+    """A request failed: carries the HTTP status and the OpenAI-style error for the client.
+
+    An upstream's own error answer is carried as it came (``body``, ``content_type``) so that
+    the client sees vLLM's message, not the proxy's paraphrase of it.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        body: bytes | None = None,
+        content_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.body = body
+        self.content_type = content_type
+
+    @classmethod
+    def from_upstream(
+        cls, stage: str, url: URL, status: int, body: bytes, ctype: str
+    ) -> ProxyError:
+        summary = body[:200].decode("utf-8", "replace")
+        return cls(
+            status,
+            f"{stage} {url} answered {status}: {summary}",
+            body=body,
+            content_type=ctype or "application/json",
+        )
+
+    @property
+    def error_type(self) -> str:
+        return error_type(self.status)
+
+    def payload(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param)
+
+    def response(self, headers: Mapping[str, str] | None = None) -> web.Response:
+        if self.body is not None:
+            response = web.Response(status=self.status, body=self.body, headers=headers)
+            response.headers[hdrs.CONTENT_TYPE] = self.content_type or "application/json"
+            return response
+        return web.json_response(self.payload(), status=self.status, headers=headers)
+
+    def sse_frame(self) -> bytes:
+        """The in-band error vLLM itself sends once a stream's 200 has gone out."""
+        if self.body is not None:
+            with contextlib.suppress(ValueError):
+                upstream = json.loads(self.body)
+                if isinstance(upstream, dict) and isinstance(upstream.get("error"), dict):
+                    return b"data: " + json.dumps(upstream).encode() + b"\n\ndata: [DONE]\n\n"
+        return b"data: " + json.dumps(self.payload()).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+# --- backends and selection
+
+
+def route_urls(base: URL) -> dict[str, URL]:
+    # Built once per instance so the hot path never parses or joins a URL.
+    return {path: base.with_path(path) for path in (*COMPLETION_PATHS, "/v1/models", "/health")}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEngine:
+    """One data-parallel rank of a prefill instance: what a decode names as its KV source."""
+
+    url: URL
+    routes: Mapping[str, URL]
+    bootstrap_addr: str
+    dp_rank: int
+    engine_id: str
+
+
+class PrefillInstance:
+    """A prefill server, its bootstrap server and the engines discovered behind it."""
+
+    def __init__(self, spec: PrefillSpec) -> None:
+        self.spec = spec
+        self.routes = route_urls(spec.url)
+        self.query_url = spec.bootstrap.with_path("/query")
+        # Replaced as a whole tuple, never mutated: a request sees the old set or the new one.
+        self.engines: tuple[PrefillEngine, ...] = ()
+        self.last_error: str | None = None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "url": str(self.spec.url),
+            "bootstrap": self.spec.bootstrap_addr,
+            "usable": bool(self.engines),
+            "engine_ids": [engine.engine_id for engine in self.engines],
+            "last_error": self.last_error,
+        }
+
+
+class DecodeInstance:
+    """A decode server (vLLM ``kv_consumer``); it runs no bootstrap server."""
+
+    def __init__(self, url: URL) -> None:
+        self.url = url
+        self.routes = route_urls(url)
+
+    def status(self) -> dict[str, Any]:
+        return {"url": str(self.url), "usable": True}
+
+
+class Fleet:
+    """The configured instances and the round-robin cursors that pick among them."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.prefills = tuple(PrefillInstance(spec) for spec in config.prefills)
+        self.decodes = tuple(DecodeInstance(url) for url in config.decodes)
+        # Every (prefill instance, DP rank) pair in configuration order: the seed's rotation.
+        self._engines: tuple[PrefillEngine, ...] = ()
+        self._prefill_turn = itertools.count()
+        self._decode_turn = itertools.count()
+
+    @property
+    def ready(self) -> bool:
+        # The seed's rule: serve once every prefill has been discovered.
+        return all(instance.engines for instance in self.prefills)
+
+    def set_engines(self, instance: PrefillInstance, engine_ids: Sequence[str]) -> None:
+        instance.engines = tuple(
+            PrefillEngine(
+                url=instance.spec.url,
+                routes=instance.routes,
+                bootstrap_addr=instance.spec.bootstrap_addr,
+                dp_rank=rank,
+                engine_id=engine_id,
+            )
+            for rank, engine_id in enumerate(engine_ids)
+        )
+        instance.last_error = None
+        self._engines = tuple(itertools.chain.from_iterable(p.engines for p in self.prefills))
+
+    @property
+    def engine_count(self) -> int:
+        return len(self._engines)
+
+    def next_prefill_engine(self) -> PrefillEngine:
+        engines = self._engines
+        if not engines:
+            raise ProxyError(503, "no prefill engine has been discovered yet")
+        return engines[next(self._prefill_turn) % len(engines)]
+
+    def next_decode(self) -> DecodeInstance:
+        return self.decodes[next(self._decode_turn) % len(self.decodes)]
+
+
+def parse_engine_ids(payload: object) -> tuple[str, ...]:
+    """Engine ids by DP rank from a bootstrap ``/query`` answer; () means "not registered yet".
+
+    Raises ValueError, naming what is wrong, for an answer that is not the expected shape.
+    """
+    if not isinstance(payload, dict):
+        raise ValueError(f"expected a JSON object of ranks, got {type(payload).__name__}")
+    ranks: dict[int, str] = {}
+    for key, entry in payload.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            continue  # not a rank: newer builds may add fields of their own
+        engine_id = entry.get("engine_id") if isinstance(entry, dict) else None
+        if not isinstance(engine_id, str) or not engine_id:
+            raise ValueError(f"rank {key} has no string engine_id")
+        ranks[int(key)] = engine_id
+    if sorted(ranks) != list(range(len(ranks))):
+        raise ValueError(f"ranks must be contiguous from 0, got {sorted(ranks)}")
+    return tuple(ranks[rank] for rank in range(len(ranks)))
+
+
+# --- request rewriting
+
+
+class PrefillKvTransferParams(TypedDict):
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    transfer_id: str
+
+
+class DecodeKvTransferParams(TypedDict):
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    remote_bootstrap_addr: str
+    remote_engine_id: str
+    transfer_id: str
+
+
+def mint_request_id(client_request_id: str | None) -> str:
+    """A request id unique across restarts and replicas: random, never a counter.
+
+    A client's own id is kept as a prefix so it shows in vLLM's logs and response ids, but the
+    random part keeps two requests with the same client id from sharing a ``transfer_id``.
+    """
+    suffix = uuid.uuid4().hex
+    if client_request_id and CLIENT_REQUEST_ID_PATTERN.fullmatch(client_request_id):
+        return f"{client_request_id}-{suffix}"
+    return suffix
+
+
+def transfer_id_for(request_id: str) -> str:
+    return f"xfer-{request_id}"
+
+
+def prefill_body(body: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
+    """The prefill leg: one length-capped token whose only purpose is the KV cache.
+
+    The prefill pushes KV only if its single token ends the request by length. EOS, a stop
+    string or a stop token would end it "stopped" and free the KV unsent, so everything that
+    can stop it early is removed; the token itself is discarded (the decode samples its own).
+    """
+    prefill = dict(body)
+    for key in ("stream_options", "min_tokens", "stop", "stop_token_ids"):
+        prefill.pop(key, None)
+    prefill["stream"] = False
+    prefill["max_tokens"] = 1
+    if "max_completion_tokens" in prefill:
+        prefill["max_completion_tokens"] = 1
+    prefill["ignore_eos"] = True
+    prefill["kv_transfer_params"] = PrefillKvTransferParams(
+        do_remote_decode=True, do_remote_prefill=False, transfer_id=transfer_id
+    )
+    return prefill
+
+
+def decode_body(body: Mapping[str, Any], engine: PrefillEngine, transfer_id: str) -> dict[str, Any]:
+    """The decode leg: the client's request as sent, told where to pull its KV from."""
+    decode = dict(body)
+    decode["kv_transfer_params"] = DecodeKvTransferParams(
+        do_remote_decode=False,
+        do_remote_prefill=True,
+        remote_bootstrap_addr=engine.bootstrap_addr,
+        remote_engine_id=engine.engine_id,
+        transfer_id=transfer_id,
+    )
+    return decode
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_request_json(raw: bytes) -> dict[str, Any]:
+    """The client's body as a JSON object, or a 400 saying what is wrong with it."""
+    if not raw.strip():
+        raise ProxyError(400, "request body is empty: expected a JSON object")
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ProxyError(400, "request body is nested too deeply") from None
+    except ValueError as error:  # JSONDecodeError, invalid UTF-8, oversized integers
+        raise ProxyError(400, f"request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, f"request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def encode_json(body: Mapping[str, Any]) -> bytes:
+    try:
+        return json.dumps(body, separators=(",", ":")).encode()
+    except RecursionError:
+        raise ProxyError(400, "request body is nested too deeply") from None
+
+
+def upstream_headers(
+    client_headers: Mapping[str, str], request_id: str, api_key: str | None
+) -> dict[str, str]:
+    """Headers for both legs: the client's end-to-end headers plus the proxy's own."""
+    listed = {name.strip().lower() for name in client_headers.get(hdrs.CONNECTION, "").split(",")}
+    headers = {
+        name: value
+        for name, value in client_headers.items()
+        if name.lower() not in NOT_FORWARDED_HEADERS and name.lower() not in listed
+    }
+    headers[hdrs.CONTENT_TYPE] = "application/json"
+    headers[REQUEST_ID_HEADER] = request_id
+    if api_key:
+        headers[hdrs.AUTHORIZATION] = f"Bearer {api_key}"
+    elif authorization := client_headers.get(hdrs.AUTHORIZATION):
+        headers[hdrs.AUTHORIZATION] = authorization
+    return headers
+
+
+# --- upstream legs
+
+
+def transport_error(stage: str, url: URL, error: BaseException) -> ProxyError:
+    """The one place that turns a failure to reach an upstream into the client's error."""
+    if isinstance(error, TimeoutError):
+        return ProxyError(504, f"{stage} {url} timed out")
+    reason = str(error) or type(error).__name__
+    return ProxyError(502, f"{stage} {url} failed: {reason}")
+
+
+def prefill_finish_problem(body: bytes) -> str | None:
+    """Why a 2xx prefill answer means its KV will never reach the decode, or None if it will."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return "answered 2xx with a body that is not JSON"
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return "answered 2xx without choices"
+    for choice in choices:
+        reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+        if reason != "length":
+            return (
+                f"ended with finish_reason {reason!r} instead of 'length', "
+                "so vLLM frees its KV cache instead of sending it"
+            )
+    return None
+
+
+async def send_prefill(
+    session: aiohttp.ClientSession,
+    engine: PrefillEngine,
+    path: str,
+    payload: bytes,
+    headers: Mapping[str, str],
+    limit_seconds: float | None,
+) -> None:
+    """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
+    url = engine.routes[path]
+    where = f"prefill {engine.url} rank {engine.dp_rank}"
+    try:
+        async with session.post(
+            url,
+            data=payload,
+            headers={**headers, DP_RANK_HEADER: str(engine.dp_rank)},
+            timeout=aiohttp.ClientTimeout(total=limit_seconds),
+        ) as upstream:
+            # Read to the end so the connection goes back to the pool.
+            body = await upstream.read()
+            status = upstream.status
+            ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "")
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise transport_error(where, url, error) from None
+    if not 200 <= status < 300:
+        raise ProxyError.from_upstream(where, url, status, body, ctype)
+    if problem := prefill_finish_problem(body):
+        raise ProxyError(502, f"{where} {problem}")
+
+
+class DecodeStreamBroken(ProxyError):
+    """The decode failed after its answer began; only an in-band error can still be sent."""
+
+
+async def relay_decode(
+    session: aiohttp.ClientSession,
+    decode: DecodeInstance,
+    path: str,
+    payload: bytes,
+    headers: Mapping[str, str],
+    request: web.Request,
+    response: web.StreamResponse,
+) -> None:
+    """The decode leg: pass its status, content type and bytes to the client as they come.
+
+    The client's headers are held until the decode's first body bytes: a streaming decode
+    sends 200 before its KV arrives, and until real bytes flow a prefill failure can still be
+    answered with the prefill's own status.
+    """
+    url = decode.routes[path]
+    try:
+        async with session.post(url, data=payload, headers=headers) as upstream:
+            if upstream.status >= 400:
+                body = await upstream.read()
+                ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "")
+                raise ProxyError.from_upstream("decode", url, upstream.status, body, ctype)
+            response.set_status(upstream.status, upstream.reason)
+            response.headers[hdrs.CONTENT_TYPE] = upstream.headers.get(
+                hdrs.CONTENT_TYPE, "application/octet-stream"
+            )
+            try:
+                # iter_any yields whatever bytes arrived, as they arrived: no re-chunking.
+                async for chunk in upstream.content.iter_any():
+                    if not response.prepared:
+                        await response.prepare(request)
+                    await response.write(chunk)
+            except (aiohttp.ClientError, TimeoutError) as error:
+                broken = transport_error("decode", url, error)
+                raise DecodeStreamBroken(broken.status, broken.message) from None
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise transport_error("decode", url, error) from None
+    if not response.prepared:
+        await response.prepare(request)
+    await response.write_eof()
+
+
+def task_error(task: asyncio.Task[None]) -> BaseException | None:
+    if not task.done() or task.cancelled():
+        return None
+    return task.exception()
+
+
+async def run_pd_request(
+    request: web.Request, body: dict[str, Any], request_id: str, path: str
+) -> web.StreamResponse:
+    """One PD request: choose, rewrite, send both legs at once, answer from whichever decides."""
+    app = request.app
+    config, fleet, session = app[CONFIG_KEY], app[FLEET_KEY], app[SESSION_KEY]
+    engine = fleet.next_prefill_engine()
+    decode = fleet.next_decode()
+    transfer_id = transfer_id_for(request_id)
+    headers = upstream_headers(request.headers, request_id, config.upstream_api_key)
+    prefill_payload = encode_json(prefill_body(body, transfer_id))
+    decode_payload = encode_json(decode_body(body, engine, transfer_id))
+    log.debug(
+        "request %s: prefill %s rank %d, decode %s",
+        request_id,
+        engine.url,
+        engine.dp_rank,
+        decode.url,
+    )
+
+    response = web.StreamResponse(headers={REQUEST_ID_HEADER: request_id})
+    prefill = asyncio.create_task(
+        send_prefill(session, engine, path, prefill_payload, headers, config.prefill_timeout)
+    )
+    relay = asyncio.create_task(
+        relay_decode(session, decode, path, decode_payload, headers, request, response)
+    )
+    try:
+        done, _ = await asyncio.wait((prefill, relay), return_when=asyncio.FIRST_COMPLETED)
+        if relay not in done and task_error(prefill) is not None:
+            # The KV will never come: stop the decode now rather than after vLLM's timeout.
+            relay.cancel()
+        await asyncio.wait((relay,))
+        prefill_error, decode_error = task_error(prefill), task_error(relay)
+        if relay.cancelled() or decode_error is not None:
+            error = prefill_error if relay.cancelled() else decode_error
+            assert error is not None
+            return await fail_request(request, response, error)
+        if not prefill.done():
+            watch_lingering_prefill(app, prefill, request_id)
+        elif prefill_error is not None:
+            log.warning(
+                "request %s: prefill failed after decode finished: %s", request_id, prefill_error
+            )
+        return response
+    finally:
+        # Reached with legs still running only when the client went away (the handler was
+        # cancelled): closing their connections makes vLLM abort both requests.
+        pending = [task for task in (prefill, relay) if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def fail_request(
+    request: web.Request, response: web.StreamResponse, error: BaseException
+) -> web.StreamResponse:
+    if not isinstance(error, ProxyError):
+        raise error  # a bug, not an upstream failure: the middleware logs it
+    if not response.prepared:
+        raise error
+    log.warning("stream already started, ending it with an error: %s", error.message)
+    if response.headers.get(hdrs.CONTENT_TYPE, "").startswith(SSE_CONTENT_TYPE):
+        with contextlib.suppress(ConnectionError):
+            await response.write(error.sse_frame())
+            await response.write_eof()
+    elif request.transport is not None:
+        # A plain body cut short must not look complete: drop the connection instead.
+        request.transport.close()
+    return response
+
+
+def watch_lingering_prefill(
+    app: web.Application, task: asyncio.Task[None], request_id: str
+) -> None:
+    """Keep a prefill that outlived its decode until it answers, and log how it ended."""
+    lingering = app[LINGERING_KEY]
+    lingering.add(task)
+
+    def finished(done: asyncio.Task[None]) -> None:
+        lingering.discard(done)
+        if (error := task_error(done)) is not None:
+            log.warning("request %s: prefill failed after decode finished: %s", request_id, error)
+
+    task.add_done_callback(finished)
+
+
+# --- discovery and health
+
+
+async def query_engine_ids(
+    session: aiohttp.ClientSession, instance: PrefillInstance, limit_seconds: float
+) -> tuple[str, ...]:
+    """Wait for the prefill API to be healthy, then read its engines from the bootstrap."""
+    client_timeout = aiohttp.ClientTimeout(total=limit_seconds)
+    health_url = instance.routes["/health"]
+    try:
+        async with session.get(health_url, timeout=client_timeout) as health:
+            await health.read()
+            if not 200 <= health.status < 300:
+                raise ValueError(f"{health_url} answered {health.status}")
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise ValueError(transport_error("health check", health_url, error).message) from None
+    try:
+        async with session.get(instance.query_url, timeout=client_timeout) as query:
+            raw = await query.read()
+            status = query.status
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise ValueError(transport_error("bootstrap", instance.query_url, error).message) from None
+    if status == 503:
+        raise ValueError(f"bootstrap {instance.query_url}: topology is not ready yet (503)")
+    if not 200 <= status < 300:
+        raise ValueError(f"bootstrap {instance.query_url} answered {status}")
+    try:
+        engine_ids = parse_engine_ids(json.loads(raw))
+    except ValueError as error:
+        raise ValueError(f"bootstrap {instance.query_url}: {error}") from None
+    if not engine_ids:
+        raise ValueError(f"bootstrap {instance.query_url}: no DP rank registered yet")
+    return engine_ids
+
+
+async def discover_prefill(app: web.Application, instance: PrefillInstance) -> None:
+    config, fleet, session = app[CONFIG_KEY], app[FLEET_KEY], app[SESSION_KEY]
+    while True:
+        try:
+            engine_ids = await query_engine_ids(session, instance, config.discovery_timeout)
+        except ValueError as error:
+            instance.last_error = str(error)
+            log.warning("prefill %s not discovered yet: %s", instance.spec.url, error)
+            await asyncio.sleep(config.discovery_interval)
+            continue
+        fleet.set_engines(instance, engine_ids)
+        log.info(
+            "prefill %s discovered: %d DP rank(s), engine ids %s",
+            instance.spec.url,
+            len(engine_ids),
+            ", ".join(engine_ids),
+        )
+        return
+
+
+async def discover_fleet(app: web.Application) -> None:
+    fleet = app[FLEET_KEY]
+    # Side by side: one slow or dead prefill must not delay finding the others.
+    await asyncio.gather(*(discover_prefill(app, instance) for instance in fleet.prefills))
+    log.info("ready: %d prefill engine(s) discovered", fleet.engine_count)
+
+
+# --- HTTP handlers
+
+
+def require_ready(request: web.Request) -> Fleet:
+    fleet = request.app[FLEET_KEY]
+    if not fleet.ready:
+        raise ProxyError(503, "proxy is not ready: prefill discovery has not finished")
+    return fleet
+
+
+async def read_body(request: web.Request) -> bytes:
+    limit = request.app[CONFIG_KEY].max_request_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise ProxyError(413, f"request body of {request.content_length} bytes exceeds {limit}")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ProxyError(413, f"request body exceeds {limit} bytes") from None
+
+
+async def handle_completion(request: web.Request) -> web.StreamResponse:
+    request_id = mint_request_id(request.headers.get(REQUEST_ID_HEADER))
+    request[REQUEST_ID_KEY] = request_id
+    require_ready(request)
+    body = parse_request_json(await read_body(request))
+    return await run_pd_request(request, body, request_id, request.path)
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    fleet = require_ready(request)
+    config, session = request.app[CONFIG_KEY], request.app[SESSION_KEY]
+    url = fleet.next_decode().routes["/v1/models"]
+    headers = {}
+    if config.upstream_api_key:
+        headers[hdrs.AUTHORIZATION] = f"Bearer {config.upstream_api_key}"
+    elif authorization := request.headers.get(hdrs.AUTHORIZATION):
+        headers[hdrs.AUTHORIZATION] = authorization
+    try:
+        async with session.get(url, headers=headers) as upstream:
+            body = await upstream.read()
+            response = web.Response(status=upstream.status, body=body)
+            response.headers[hdrs.CONTENT_TYPE] = upstream.headers.get(
+                hdrs.CONTENT_TYPE, "application/json"
+            )
+            return response
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise transport_error("decode", url, error) from None
+
+
+def healthcheck_payload(fleet: Fleet) -> dict[str, Any]:
+    return {
+        "id": ID,
+        "version": VERSION,
+        "ready": fleet.ready,
+        "prefill_instances": len(fleet.prefills),
+        "decode_instances": len(fleet.decodes),
+        "prefill": [instance.status() for instance in fleet.prefills],
+        "decode": [instance.status() for instance in fleet.decodes],
+    }
+
+
+async def handle_healthcheck(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET_KEY]
+    return web.json_response(healthcheck_payload(fleet), status=200 if fleet.ready else 503)
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[FLEET_KEY].ready else 503)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure leaves as an OpenAI-style error body, never as a traceback."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except ProxyError as error:
+        headers = {}
+        if request_id := request.get(REQUEST_ID_KEY):
+            headers[REQUEST_ID_HEADER] = request_id
+        log.info("%s %s -> %d: %s", request.method, request.path, error.status, error.message)
+        return error.response(headers)
+    except web.HTTPException as http_error:
+        if http_error.status < 400:
+            raise
+        message = f"{request.method} {request.path}: {http_error.reason}"
+        response = ProxyError(http_error.status, message).response()
+        if allow := http_error.headers.get(hdrs.ALLOW):
+            response.headers[hdrs.ALLOW] = allow
+        return response
+    except Exception:
+        log.exception("unexpected error while handling %s %s", request.method, request.path)
+        return ProxyError(500, "internal error in mooncake-proxy; see its log").response()
+
+
+# --- application
+
+CONFIG_KEY: Final = web.AppKey("config", ProxyConfig)
+FLEET_KEY: Final = web.AppKey("fleet", Fleet)
+SESSION_KEY: Final = web.AppKey("session", aiohttp.ClientSession)
+LINGERING_KEY: Final = web.AppKey[set[asyncio.Task[None]]]("lingering_prefills")
+REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)
+
+
+async def client_session_ctx(app: web.Application) -> AsyncIterator[None]:
+    """One connection pool for the app's lifetime, shared by every leg and every check."""
+    config = app[CONFIG_KEY]
+    connector = aiohttp.TCPConnector(
+        limit=config.max_connections,
+        limit_per_host=0,
+        keepalive_timeout=config.keepalive_timeout,
+    )
+    session = aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(
+            total=config.request_timeout, sock_connect=config.connect_timeout
+        ),
+        auto_decompress=False,
+        skip_auto_headers=(hdrs.ACCEPT_ENCODING,),
+        headers={hdrs.USER_AGENT: f"{ID}/{VERSION}"},
+    )
+    app[SESSION_KEY] = session
+    yield
+    await session.close()
+
+
+async def discovery_ctx(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(discover_fleet(app))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def lingering_prefills_ctx(app: web.Application) -> AsyncIterator[None]:
+    lingering: set[asyncio.Task[None]] = set()
+    app[LINGERING_KEY] = lingering
+    yield
+    tasks = list(lingering)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def create_app(config: ProxyConfig) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware],
+        # Bodies are checked against --max-request-bytes in read_body, with a clear 413.
+        client_max_size=config.max_request_bytes,
+    )
+    app[CONFIG_KEY] = config
+    app[FLEET_KEY] = Fleet(config)
+    # Order matters: cleanup runs in reverse, so discovery stops before the pool closes.
+    app.cleanup_ctx.extend((client_session_ctx, lingering_prefills_ctx, discovery_ctx))
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/healthcheck", handle_healthcheck)
+    app.router.add_get("/v1/models", handle_models)
+    for path in COMPLETION_PATHS:
+        app.router.add_post(path, handle_completion)
+    return app
+
+
+# --- command line
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """Bad flags end in one clear line on stderr, as a unit's journal shows it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineArgumentParser(
+        prog="mooncake-proxy",
+        description="Prefill/decode disaggregation proxy for vLLM's MooncakeConnector.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"{ID} {VERSION}")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("URL", "BOOTSTRAP"),
+        help="a prefill instance (repeatable): its OpenAI URL, then optionally its bootstrap "
+        f"server as a port on the same host, a full http://host:port, or 'none' for port "
+        f"{DEFAULT_BOOTSTRAP_PORT}",
+    )
+    parser.add_argument(
+        "--decode",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="decode instance URL(s) (repeatable)",
+    )
+    parser.add_argument(
+        "--upstream-api-key",
+        default=os.environ.get("OPENAI_API_KEY") or None,
+        help="send 'Authorization: Bearer KEY' to vLLM instead of the client's own "
+        "(default: $OPENAI_API_KEY, else the client's header is forwarded)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted; larger is answered 413",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=DEFAULT_CONNECT_TIMEOUT,
+        help="seconds to open a connection to an upstream",
+    )
+    parser.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=DEFAULT_KEEPALIVE_TIMEOUT,
+        help="seconds an idle upstream connection is kept; keep it below vLLM's 5 s",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        help="total seconds for one upstream request, stream included; 0 for none",
+    )
+    parser.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=DEFAULT_PREFILL_TIMEOUT,
+        help="seconds the prefill leg may take before the request fails with 504; 0 for none",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        help="cap on open upstream connections; 0 for none (each stream holds one)",
+    )
+    parser.add_argument(
+        "--discovery-interval",
+        type=float,
+        default=DEFAULT_DISCOVERY_INTERVAL,
+        help="seconds between discovery attempts of a prefill not yet discovered",
+    )
+    parser.add_argument(
+        "--discovery-timeout",
+        type=float,
+        default=DEFAULT_DISCOVERY_TIMEOUT,
+        help="seconds each health check or bootstrap query may take",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        type=str.upper,
+        help="logging threshold",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    prefills = []
+    for values in args.prefill:
+        if len(values) > 2:
+            raise ConfigError(f"--prefill takes URL [BOOTSTRAP], got {' '.join(values)}")
+        url = parse_backend_url(values[0], "--prefill")
+        prefills.append(
+            PrefillSpec(url, parse_bootstrap(url, values[1] if len(values) > 1 else None))
+        )
+    decodes = [parse_backend_url(text, "--decode") for group in args.decode for text in group]
+    return ProxyConfig(
+        prefills=tuple(prefills),
+        decodes=tuple(decodes),
+        host=args.host,
+        port=args.port,
+        upstream_api_key=args.upstream_api_key,
+        max_request_bytes=args.max_request_bytes,
+        connect_timeout=args.connect_timeout,
+        keepalive_timeout=args.keepalive_timeout,
+        request_timeout=args.request_timeout or None,
+        prefill_timeout=args.prefill_timeout or None,
+        max_connections=args.max_connections,
+        discovery_interval=args.discovery_interval,
+        discovery_timeout=args.discovery_timeout,
+    )
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """Bind before the app starts, so a taken port fails at once and nothing else runs."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if family == socket.AF_INET and not host.replace(".", "").isdigit():
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family = infos[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        sock = bind_listener(config.host, config.port)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        print(
+            f"{parser.prog}: error: cannot listen on {config.host}:{config.port}: {reason}",
+            file=sys.stderr,
+        )
+        return 1
+    host, port = sock.getsockname()[:2]
+    log.info(
+        "%s %d listening on %s:%d; prefill %s; decode %s",
+        ID,
+        VERSION,
+        host,
+        port,
+        ", ".join(f"{p.url} (bootstrap {p.bootstrap_addr})" for p in config.prefills),
+        ", ".join(str(url) for url in config.decodes),
+    )
+    web.run_app(
+        create_app(config),
+        sock=sock,
+        print=None,
+        handler_cancellation=True,
+        access_log=None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

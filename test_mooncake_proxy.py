@@ -1,0 +1,965 @@
+"""Tests for mooncake_proxy: fake vLLM servers on real loopback sockets, the proxy over HTTP.
+
+The fakes (fake_vllm.py) behave as ../shared/PROTOCOL.md says; in particular a decode only
+answers once the prefill with its ``transfer_id`` finished on the engine it names, so every test
+that gets tokens back also proves the prefill leg was sent, and sent right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from yarl import URL
+
+import mooncake_proxy as mp
+from fake_vllm import EOS_MARKER, FakeVllm, free_port
+
+HERE = Path(__file__).resolve().parent
+# Generous bounds: a proxy that fails fast answers in milliseconds, a broken one waits for the
+# decode's KV timeout (KV_TIMEOUT) and fails these.
+FAST = 3.0
+KV_TIMEOUT = 20.0
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+# --- the cluster under test
+
+
+@dataclass
+class Cluster:
+    prefills: list[FakeVllm]
+    decodes: list[FakeVllm]
+    config: mp.ProxyConfig
+    client: TestClient[web.Request, web.Application]
+
+    def prefill_requests(self) -> list[tuple[int, Any]]:
+        return [(i, r) for i, fake in enumerate(self.prefills) for r in fake.requests]
+
+
+StartCluster = Callable[..., Awaitable[Cluster]]
+
+
+async def serve(aiohttp_server: Any, app: web.Application) -> TestServer:
+    server: TestServer = await aiohttp_server(app)
+    return server
+
+
+@pytest.fixture
+def start_cluster(aiohttp_server: Any, aiohttp_client: Any) -> StartCluster:
+    async def start(
+        prefill_dp: tuple[int, ...] = (1,),
+        decodes: int = 1,
+        wait_ready: bool = True,
+        prefill: dict[str, Any] | None = None,
+        decode: dict[str, Any] | None = None,
+        **config: Any,
+    ) -> Cluster:
+        prefills, specs = [], []
+        for dp_size in prefill_dp:
+            fake = FakeVllm("prefill", dp_size=dp_size, **(prefill or {}))
+            api = await serve(aiohttp_server, fake.api_app())
+            bootstrap = await serve(aiohttp_server, fake.bootstrap_app())
+            fake.api_url = f"http://127.0.0.1:{api.port}"
+            prefills.append(fake)
+            specs.append(
+                mp.PrefillSpec(
+                    URL(fake.api_url), URL.build(scheme="http", host="127.0.0.1", port=bootstrap.port)
+                )
+            )
+        decode_fakes, decode_urls = [], []
+        for _ in range(decodes):
+            fake = FakeVllm("decode", kv_timeout=KV_TIMEOUT, **(decode or {}))
+            api = await serve(aiohttp_server, fake.api_app())
+            fake.api_url = f"http://127.0.0.1:{api.port}"
+            decode_fakes.append(fake)
+            decode_urls.append(URL(fake.api_url))
+        config.setdefault("discovery_interval", 0.02)
+        proxy_config = mp.ProxyConfig(prefills=tuple(specs), decodes=tuple(decode_urls), **config)
+        client = await aiohttp_client(mp.create_app(proxy_config))
+        if wait_ready:
+            await wait_ready_(client)
+        return Cluster(prefills, decode_fakes, proxy_config, client)
+
+    return start
+
+
+async def wait_ready_(client: TestClient[web.Request, web.Application]) -> None:
+    async with asyncio.timeout(FAST):
+        while (await client.get("/health")).status != 200:
+            await asyncio.sleep(0.01)
+
+
+async def eventually(check: Callable[[], bool], seconds: float = FAST) -> None:
+    async with asyncio.timeout(seconds):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    events = []
+    for frame in raw.split(b"\n\n"):
+        if frame.startswith(b"data: "):
+            data = frame[6:]
+            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return events
+
+
+def assert_openai_error(payload: Any, status: int) -> None:
+    assert set(payload) == {"error"}
+    error = payload["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert error["code"] == status
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"].endswith("Error")
+
+
+def completion(**extra: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": "Tell me about KV caches", "max_tokens": 8, **extra}
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": "Tell me about KV caches"}]
+    return {"model": "fake-model", "messages": messages, "max_tokens": 8, **extra}
+
+
+# --- pure functions: body rewriting
+
+
+def test_prefill_body_is_hardened_so_its_kv_is_always_sent() -> None:
+    body = completion(
+        stream=True,
+        stream_options={"include_usage": True},
+        max_tokens=100,
+        max_completion_tokens=100,
+        min_tokens=5,
+        stop=["the"],
+        stop_token_ids=[2],
+        ignore_eos=False,
+        temperature=0.3,
+        kv_transfer_params={"remote_bootstrap_addr": "http://evil:1"},
+    )
+    original = json.loads(json.dumps(body))
+    prefill = mp.prefill_body(body, "xfer-abc")
+    assert prefill == {
+        "model": "fake-model",
+        "prompt": "Tell me about KV caches",
+        "temperature": 0.3,
+        "stream": False,
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "ignore_eos": True,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": "xfer-abc",
+        },
+    }
+    assert body == original  # the decode leg still needs the client's own values
+
+
+def test_prefill_body_adds_max_completion_tokens_only_where_present() -> None:
+    assert "max_completion_tokens" not in mp.prefill_body(completion(), "x")
+
+
+def test_decode_body_names_the_chosen_engine_and_keeps_stream_flags() -> None:
+    engine = mp.PrefillEngine(
+        url=URL("http://p:1"),
+        routes={},
+        bootstrap_addr="http://[::1]:8998",
+        dp_rank=1,
+        engine_id="e_dp1",
+    )
+    body = chat(stream=True, stream_options={"include_usage": True}, kv_transfer_params={"x": 1})
+    decode = mp.decode_body(body, engine, "xfer-1")
+    assert decode["stream"] is True and decode["stream_options"] == {"include_usage": True}
+    assert decode["max_tokens"] == 8
+    assert decode["kv_transfer_params"] == {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_bootstrap_addr": "http://[::1]:8998",
+        "remote_engine_id": "e_dp1",
+        "transfer_id": "xfer-1",
+    }
+
+
+def test_request_ids_are_random_and_keep_a_safe_client_id_as_prefix() -> None:
+    ids = {mp.mint_request_id(None) for _ in range(1000)}
+    assert len(ids) == 1000
+    a, b = mp.mint_request_id("trace-7"), mp.mint_request_id("trace-7")
+    assert a != b and a.startswith("trace-7-") and b.startswith("trace-7-")
+    assert mp.transfer_id_for(a) == f"xfer-{a}"
+    # Ids that could smuggle anything into logs or headers are not kept.
+    assert "\n" not in mp.mint_request_id("a\nb") and " " not in mp.mint_request_id("a b")
+    assert not mp.mint_request_id("x" * 65).startswith("x")
+
+
+def test_upstream_headers_drop_hop_by_hop_and_client_dp_rank() -> None:
+    client = {
+        "Host": "proxy:8000",
+        "Connection": "keep-alive, X-Secret-Hop",
+        "X-Secret-Hop": "1",
+        "Keep-Alive": "timeout=5",
+        "Transfer-Encoding": "chunked",
+        "Content-Length": "10",
+        "Content-Type": "text/plain",
+        "Accept-Encoding": "gzip",
+        "X-data-parallel-rank": "7",
+        "X-Request-Id": "client-id",
+        "Authorization": "Bearer client-key",
+        "traceparent": "00-abc-def-01",
+    }
+    headers = mp.upstream_headers(client, "rid", None)
+    assert headers == {
+        "traceparent": "00-abc-def-01",
+        "Content-Type": "application/json",
+        "X-Request-Id": "rid",
+        "Authorization": "Bearer client-key",
+    }
+    assert mp.upstream_headers(client, "rid", "up-key")["Authorization"] == "Bearer up-key"
+    assert "Authorization" not in mp.upstream_headers({}, "rid", None)
+
+
+# --- pure functions: discovery answers, selection, configuration
+
+
+def test_parse_engine_ids_orders_ranks_and_ignores_extra_keys() -> None:
+    payload = {
+        "1": {"engine_id": "e_dp1", "worker_addr": {}, "tp_size": 2},
+        "0": {"engine_id": "e_dp0", "shard_info": [1]},
+        "version": "0.34",
+    }
+    assert mp.parse_engine_ids(payload) == ("e_dp0", "e_dp1")
+    assert mp.parse_engine_ids({}) == ()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [[], {"0": {"engine_id": 5}}, {"0": {}}, {"1": {"engine_id": "x"}}, {"0": "e"}],
+)
+def test_parse_engine_ids_rejects_malformed_answers(payload: Any) -> None:
+    with pytest.raises(ValueError):
+        mp.parse_engine_ids(payload)
+
+
+def test_round_robin_visits_every_prefill_rank_in_order_then_wraps() -> None:
+    config = mp.ProxyConfig(
+        prefills=(
+            mp.PrefillSpec(URL("http://a:1"), URL("http://a:8998")),
+            mp.PrefillSpec(URL("http://b:1"), URL("http://b:8998")),
+        ),
+        decodes=(URL("http://d1:1"), URL("http://d2:1")),
+    )
+    fleet = mp.Fleet(config)
+    fleet.set_engines(fleet.prefills[1], ["b0"])
+    fleet.set_engines(fleet.prefills[0], ["a0", "a1"])
+    picks = [(str(e.url), e.dp_rank, e.engine_id) for e in (fleet.next_prefill_engine() for _ in range(7))]
+    assert picks == [
+        ("http://a:1", 0, "a0"),
+        ("http://a:1", 1, "a1"),
+        ("http://b:1", 0, "b0"),
+        ("http://a:1", 0, "a0"),
+        ("http://a:1", 1, "a1"),
+        ("http://b:1", 0, "b0"),
+        ("http://a:1", 0, "a0"),
+    ]
+    assert [str(fleet.next_decode().url) for _ in range(3)] == ["http://d1:1", "http://d2:1", "http://d1:1"]
+
+
+def parse_cli(*argv: str) -> mp.ProxyConfig:
+    return mp.config_from_args(mp.build_parser().parse_args(list(argv)))
+
+
+def test_cli_accepts_every_form_of_vllms_example_proxy() -> None:
+    config = parse_cli(
+        "--host", "0.0.0.0", "--port", "8192",
+        "--prefill", "http://10.0.0.1:8100",
+        "--prefill", "http://10.0.0.1:8101", "8999",
+        "--prefill", "http://10.0.0.2:8100", "http://10.0.0.9:9000",
+        "--prefill", "http://[fd00::2]:8100", "none",
+        "--decode", "http://10.0.0.3:8200", "http://10.0.0.4:8200",
+        "--decode", "https://10.0.0.5:8200/",
+    )  # fmt: skip
+    assert (config.host, config.port) == ("0.0.0.0", 8192)
+    assert [(str(p.url), p.bootstrap_addr) for p in config.prefills] == [
+        ("http://10.0.0.1:8100", "http://10.0.0.1:8998"),
+        ("http://10.0.0.1:8101", "http://10.0.0.1:8999"),
+        ("http://10.0.0.2:8100", "http://10.0.0.9:9000"),
+        ("http://[fd00::2]:8100", "http://[fd00::2]:8998"),
+    ]
+    assert [str(u) for u in config.decodes] == [
+        "http://10.0.0.3:8200",
+        "http://10.0.0.4:8200",
+        "https://10.0.0.5:8200",
+    ]
+
+
+def test_cli_defaults_are_the_example_proxys_and_streams_have_no_total_timeout() -> None:
+    config = parse_cli("--prefill", "http://p:1", "--decode", "http://d:1")
+    assert (config.host, config.port) == ("127.0.0.1", 8000)
+    assert config.request_timeout is None
+    assert config.max_connections == 0
+    assert config.keepalive_timeout < 5
+    assert config.max_request_bytes == 100 * 1024 * 1024
+
+
+def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(HERE / "mooncake_proxy.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--decode", "http://d:1"],
+        ["--prefill", "http://p:1"],
+        ["--prefill", "p:1", "--decode", "http://d:1"],
+        ["--prefill", "ftp://p:1", "--decode", "http://d:1"],
+        ["--prefill", "http://p", "--decode", "http://d:1"],
+        ["--prefill", "http://p:1/v1", "--decode", "http://d:1"],
+        ["--prefill", "http://p:70000", "--decode", "http://d:1"],
+        ["--prefill", "http://p:1", "99999", "--decode", "http://d:1"],
+        ["--prefill", "http://p:1", "bogus", "--decode", "http://d:1"],
+        ["--prefill", "http://p:1", "1", "2", "--decode", "http://d:1"],
+        ["--prefill", "http://p:1", "--decode", "http://d:0"],
+        ["--prefill", "http://p:1", "--decode", "http://d:1", "--port", "x"],
+        ["--prefill", "http://p:1", "--decode", "http://d:1", "--port", "70000"],
+        ["--prefill", "http://p:1", "--decode", "http://d:1", "--no-such-flag"],
+    ],
+)
+def test_bad_configuration_exits_at_once_with_one_line(argv: list[str]) -> None:
+    started = time.monotonic()
+    result = run_cli(*argv)
+    assert result.returncode != 0
+    assert time.monotonic() - started < 10
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "error" in lines[0]
+    assert result.stdout == ""
+
+
+def test_port_in_use_exits_with_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("--port", str(port), "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2")
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], result.stderr
+
+
+def test_version_and_help() -> None:
+    assert mp.ID == "inferlab-vllm-mooncake-proxy" and mp.VERSION == 1
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == "inferlab-vllm-mooncake-proxy 1"
+    help_text = run_cli("--help").stdout
+    for action in mp.build_parser()._actions:
+        for option in action.option_strings:
+            assert option in help_text
+
+
+# --- readiness, discovery, health endpoints
+
+
+async def test_not_ready_until_every_prefill_is_discovered(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(prefill_dp=(1, 2), wait_ready=False, prefill={"bootstrap_not_ready": 30})
+    client = cluster.client
+    health = await client.get("/healthcheck")
+    assert health.status == 503
+    payload = await health.json()
+    assert payload["ready"] is False
+    assert (payload["prefill_instances"], payload["decode_instances"]) == (2, 1)
+    assert payload["id"] == mp.ID and payload["version"] == mp.VERSION
+    assert (await client.get("/health")).status == 503
+    for path in (COMPLETIONS, CHAT):
+        refused = await client.post(path, json=completion())
+        assert refused.status == 503
+        assert_openai_error(await refused.json(), 503)
+    models = await client.get("/v1/models")
+    assert models.status == 503
+    assert_openai_error(await models.json(), 503)
+
+    await wait_ready_(client)
+    payload = await (await client.get("/healthcheck")).json()
+    assert payload["ready"] is True
+    assert [p["engine_ids"] for p in payload["prefill"]] == [f.engine_ids for f in cluster.prefills]
+    assert all(p["usable"] for p in payload["prefill"])
+    assert payload["decode"] == [{"url": cluster.decodes[0].api_url, "usable": True}]
+    assert (await client.get("/health")).status == 200
+    # "{}" and 503 were both answered "not yet", and retried.
+    assert all(f.query_count >= 30 for f in cluster.prefills)
+
+
+async def test_discovery_is_side_by_side_and_logs_each_failure(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="mooncake_proxy")
+    cluster = await start_cluster(prefill_dp=(1, 1), wait_ready=False)
+    cluster.prefills[0].health_status = 503  # stuck: never healthy
+    await eventually(lambda: bool(cluster.client.app[mp.FLEET_KEY].prefills[1].engines))
+    payload = await (await cluster.client.get("/healthcheck")).json()
+    stuck, found = payload["prefill"]
+    assert not stuck["usable"] and "503" in stuck["last_error"]
+    assert found["usable"] and found["engine_ids"] == cluster.prefills[1].engine_ids
+    assert payload["ready"] is False
+    assert any(cluster.prefills[0].api_url in r.getMessage() and "503" in r.getMessage() for r in caplog.records)
+    cluster.prefills[0].health_status = 200
+    await wait_ready_(cluster.client)
+
+
+async def test_models_is_forwarded_to_a_decode(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster()
+    response = await cluster.client.get("/v1/models")
+    assert response.status == 200
+    assert (await response.json())["data"][0]["id"] == "fake-model"
+
+
+async def test_unknown_routes_and_methods_get_openai_errors(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster()
+    missing = await cluster.client.get("/v1/nothing")
+    assert missing.status == 404
+    assert_openai_error(await missing.json(), 404)
+    wrong = await cluster.client.get(COMPLETIONS)
+    assert wrong.status == 405
+    assert_openai_error(await wrong.json(), 405)
+    assert "POST" in wrong.headers["Allow"]
+
+
+# --- the PD flow
+
+
+async def test_streamed_answer_is_the_decodes_bytes_exactly(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster()
+    body = completion(stream=True, stream_options={"include_usage": True})
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=body)
+        raw = await response.read()
+    assert response.status == 200
+    assert response.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+    request_id = response.headers["X-Request-Id"]
+    assert raw == bytes(cluster.decodes[0].sent[request_id])
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and "usage" in events[-2]
+    assert cluster.decodes[0].kv_tokens_received > 0
+    assert cluster.prefills[0].transfers_served == 1
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_answer_through_the_proxy_equals_the_decodes_local_answer(
+    start_cluster: StartCluster, path: str, stream: bool
+) -> None:
+    cluster = await start_cluster()
+    body = (chat if path == CHAT else completion)(stream=stream, max_tokens=12)
+    async with asyncio.timeout(FAST):
+        proxied = await (await cluster.client.post(path, json=body)).read()
+        async with aiohttp.ClientSession() as direct:
+            local = await (await direct.post(cluster.decodes[0].api_url + path, json=body)).read()
+
+    def text(raw: bytes) -> str:
+        if not stream:
+            choice = json.loads(raw)["choices"][0]
+            return str(choice["message"]["content"] if path == CHAT else choice["text"])
+        parts = []
+        for event in sse_events(raw):
+            if event != "[DONE]" and event["choices"]:
+                choice = event["choices"][0]
+                parts.append(choice["delta"].get("content", "") if path == CHAT else choice["text"])
+        return "".join(parts)
+
+    assert text(proxied) == text(local) and len(text(proxied).split()) == 12
+    assert cluster.prefills[0].transfers_served == 1
+
+
+async def test_legs_carry_the_protocols_bodies_and_headers(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(prefill_dp=(2,))
+    body = chat(
+        stream=True,
+        stream_options={"include_usage": True},
+        max_completion_tokens=6,
+        min_tokens=2,
+        stop=["never-said"],
+        kv_transfer_params={"remote_bootstrap_addr": "http://attacker:1", "remote_engine_id": "x"},
+    )
+    headers = {
+        "X-Request-Id": "trace-42",
+        "X-data-parallel-rank": "1",
+        "Authorization": "Bearer client-key",
+        "X-Custom": "kept",
+    }
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(CHAT, json=body, headers=headers)
+        await response.read()
+    assert response.status == 200
+    request_id = response.headers["X-Request-Id"]
+    assert request_id.startswith("trace-42-")
+    (prefill,) = cluster.prefills[0].requests
+    (decode,) = cluster.decodes[0].requests
+    transfer_id = f"xfer-{request_id}"
+    assert prefill.body["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": transfer_id,
+    }
+    assert decode.body["kv_transfer_params"] == {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_bootstrap_addr": cluster.config.prefills[0].bootstrap_addr,
+        "remote_engine_id": cluster.prefills[0].engine_ids[0],
+        "transfer_id": transfer_id,
+    }
+    for key in ("stream_options", "min_tokens", "stop"):
+        assert key not in prefill.body
+    assert (prefill.body["stream"], prefill.body["max_tokens"], prefill.body["max_completion_tokens"]) == (
+        False,
+        1,
+        1,
+    )
+    assert prefill.body["ignore_eos"] is True
+    assert {k: v for k, v in decode.body.items() if k != "kv_transfer_params"} == {
+        k: v for k, v in body.items() if k != "kv_transfer_params"
+    }
+    # The first engine of the rotation is rank 0, whatever rank the client asked for.
+    assert prefill.headers["X-data-parallel-rank"] == "0"
+    assert "X-data-parallel-rank" not in decode.headers
+    for leg in (prefill, decode):
+        assert leg.headers["X-Request-Id"] == request_id
+        assert leg.headers["Authorization"] == "Bearer client-key"
+        assert leg.headers["X-Custom"] == "kept"
+        assert leg.headers["Content-Type"] == "application/json"
+
+
+async def test_requests_rotate_over_prefill_ranks_and_decodes_in_the_seeds_order(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(prefill_dp=(2, 1), decodes=2)
+    request_ids = []
+    async with asyncio.timeout(FAST):
+        for _ in range(6):
+            response = await cluster.client.post(COMPLETIONS, json=completion())
+            assert response.status == 200, await response.text()
+            request_ids.append(response.headers["X-Request-Id"])
+    prefill_of = {
+        r.headers["X-Request-Id"]: (index, int(r.headers["X-data-parallel-rank"]))
+        for index, r in cluster.prefill_requests()
+    }
+    decode_of = {
+        r.headers["X-Request-Id"]: (index, r.body["kv_transfer_params"]["remote_engine_id"])
+        for index, fake in enumerate(cluster.decodes)
+        for r in fake.requests
+    }
+    assert [prefill_of[rid] for rid in request_ids] == [(0, 0), (0, 1), (1, 0)] * 2
+    assert [decode_of[rid][0] for rid in request_ids] == [0, 1] * 3
+    # Each decode named the engine id of exactly the rank that got its prefill.
+    for rid in request_ids:
+        instance, rank = prefill_of[rid]
+        assert decode_of[rid][1] == cluster.prefills[instance].engine_ids[rank]
+
+
+async def test_same_client_request_id_never_shares_a_transfer(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster()
+    headers = {"X-Request-Id": "same"}
+    async with asyncio.timeout(FAST):
+        answers = await asyncio.gather(
+            *(cluster.client.post(COMPLETIONS, json=completion(), headers=headers) for _ in range(8))
+        )
+    assert [a.status for a in answers] == [200] * 8
+    transfer_ids = {r.body["kv_transfer_params"]["transfer_id"] for r in cluster.prefills[0].requests}
+    assert len(transfer_ids) == 8
+    assert cluster.prefills[0].transfer_collisions == 0
+    ids = {json.loads(await a.read())["id"] for a in answers}
+    assert len(ids) == 8 and all(i.startswith("cmpl-same-") for i in ids)
+
+
+async def test_upstream_api_key_replaces_the_clients(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(
+        upstream_api_key="vllm-key",
+        prefill={"api_key": "vllm-key"},
+        decode={"api_key": "vllm-key"},
+    )
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(
+            COMPLETIONS, json=completion(), headers={"Authorization": "Bearer wrong"}
+        )
+        assert response.status == 200, await response.text()
+        assert (await cluster.client.get("/v1/models")).status == 200
+
+
+async def test_headers_are_held_until_the_first_decode_bytes_then_streamed_unbuffered(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(decode={"token_delay": 0.3}, prefill={"delay": 0.3})
+    started = time.monotonic()
+    async with asyncio.timeout(FAST + 5):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=10))
+        headers_at = time.monotonic() - started
+        first = await response.content.readany()
+        first_at = time.monotonic() - started
+        rest = await response.read()
+        done_at = time.monotonic() - started
+    # Headers waited for the prefill (0.3 s) and the first token; tokens came one by one.
+    assert headers_at >= 0.25
+    assert first.startswith(b"data: ") and first_at < done_at - 2.0
+    assert sse_events(first + rest)[-1] == "[DONE]"
+
+
+# --- prefill failures fail fast
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("status", [400, 500])
+async def test_prefill_error_reaches_client_before_kv_timeout(
+    start_cluster: StartCluster, stream: bool, status: int
+) -> None:
+    cluster = await start_cluster(prefill={"fail_status": status})
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=stream))
+        payload = await response.json()
+    assert response.status == status
+    assert payload["error"]["message"] == f"injected failure {status}"  # vLLM's own body
+    assert response.headers["X-Request-Id"]
+    await eventually(lambda: cluster.decodes[0].running == 0)
+    assert len(cluster.decodes[0].aborted) == 1  # the waiting decode was cancelled
+
+
+async def test_vllm_rejecting_the_prefill_body_reaches_client(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster()
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(max_tokens="many"))
+    assert response.status == 400
+    assert (await response.json())["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prefill_that_stops_early_fails_fast(start_cluster: StartCluster, stream: bool) -> None:
+    cluster = await start_cluster(prefill={"force_finish_reason": "stop"})
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=stream))
+        payload = await response.json()
+    assert response.status == 502
+    assert_openai_error(payload, 502)
+    assert "'stop'" in payload["error"]["message"] and "length" in payload["error"]["message"]
+    await eventually(lambda: cluster.decodes[0].running == 0)
+
+
+async def test_eos_and_stop_strings_cannot_stop_the_prefill_early(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster()
+    # The fake's first token for this prompt is EOS unless ignore_eos is set.
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(prompt=f"hi {EOS_MARKER}"))
+        assert response.status == 200, await response.text()
+        # A stop string equal to the first token would end the prefill "stopped".
+        local = await (
+            await cluster.client.post(COMPLETIONS, json=completion(prompt="stop test", max_tokens=1))
+        ).json()
+        first_word = local["choices"][0]["text"].strip()
+        stopped = await cluster.client.post(COMPLETIONS, json=completion(prompt="stop test", stop=[first_word]))
+        assert stopped.status == 200, await stopped.text()
+    answer = await stopped.json()
+    assert answer["choices"][0]["finish_reason"] == "stop" and answer["choices"][0]["text"] == ""
+
+
+async def test_prefill_refused_fails_fast_naming_the_prefill(
+    start_cluster: StartCluster, aiohttp_server: Any
+) -> None:
+    cluster = await start_cluster()
+    # Point the discovered engine at a port where nothing listens.
+    dead = f"http://127.0.0.1:{free_port()}"
+    fleet = cluster.client.app[mp.FLEET_KEY]
+    instance = fleet.prefills[0]
+    instance.routes = mp.route_urls(URL(dead))
+    instance.spec = mp.PrefillSpec(URL(dead), instance.spec.bootstrap)
+    fleet.set_engines(instance, cluster.prefills[0].engine_ids)
+    for stream in (False, True):
+        async with asyncio.timeout(FAST):
+            response = await cluster.client.post(COMPLETIONS, json=completion(stream=stream))
+            payload = await response.json()
+        assert response.status == 502
+        assert_openai_error(payload, 502)
+        assert dead in payload["error"]["message"] and "prefill" in payload["error"]["message"]
+    await eventually(lambda: cluster.decodes[0].running == 0)
+
+
+async def test_prefill_timeout_is_a_504(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(prefill={"hang": True}, prefill_timeout=0.3)
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+        payload = await response.json()
+    assert response.status == 504
+    assert_openai_error(payload, 504)
+    await eventually(lambda: cluster.decodes[0].running == 0 and cluster.prefills[0].running == 0)
+
+
+async def test_prefill_failure_after_stream_started_is_sent_in_band(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(
+        prefill={"fail_status": 500, "delay": 0.2}, decode={"keepalive_first": True}
+    )
+    cluster.prefills[0].fail_status = None
+    cluster.prefills[0].force_finish_reason = "stop"
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+        raw = await response.read()
+    assert response.status == 200
+    assert raw.startswith(b": keep-alive\n\n")
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 502)
+    await eventually(lambda: cluster.decodes[0].running == 0)
+    assert cluster.decodes[0].aborted
+
+
+# --- decode failures
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_decode_error_reaches_client_and_cancels_the_prefill(
+    start_cluster: StartCluster, stream: bool
+) -> None:
+    cluster = await start_cluster(decode={"fail_status": 500}, prefill={"delay": 5})
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=stream))
+        payload = await response.json()
+    assert response.status == 500
+    assert payload["error"]["message"] == "injected failure 500"
+    await eventually(lambda: cluster.prefills[0].running == 0)
+    assert len(cluster.prefills[0].aborted) == 1
+
+
+async def test_decode_refused_is_a_502_naming_the_decode(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(prefill={"delay": 5})
+    dead = f"http://127.0.0.1:{free_port()}"
+    fleet = cluster.client.app[mp.FLEET_KEY]
+    fleet.decodes[0].url = URL(dead)
+    fleet.decodes[0].routes = mp.route_urls(URL(dead))
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+        payload = await response.json()
+    assert response.status == 502
+    assert_openai_error(payload, 502)
+    assert dead in payload["error"]["message"] and "decode" in payload["error"]["message"]
+    await eventually(lambda: cluster.prefills[0].running == 0)
+    assert len(cluster.prefills[0].aborted) == 1
+
+
+async def test_decode_dropping_mid_stream_ends_with_an_in_band_error(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(decode={"break_after_tokens": 3})
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+        raw = await response.read()
+    events = sse_events(raw)
+    assert len([e for e in events if e != "[DONE]" and "choices" in e]) == 3
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 502)
+
+
+async def test_decode_dropping_a_plain_body_is_not_passed_off_as_complete(
+    start_cluster: StartCluster, aiohttp_server: Any
+) -> None:
+    async def half_body(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = 1000
+        await response.prepare(request)
+        await response.write(b'{"partial": ')
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    cluster = await start_cluster()
+    app = web.Application()
+    app.router.add_post(COMPLETIONS, half_body)
+    server = await serve(aiohttp_server, app)
+    fleet = cluster.client.app[mp.FLEET_KEY]
+    fleet.decodes[0].routes = mp.route_urls(URL(f"http://127.0.0.1:{server.port}"))
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion())
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
+    # The proxy keeps serving.
+    fleet.decodes[0].routes = mp.route_urls(URL(cluster.decodes[0].api_url))
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+
+
+# --- the client going away
+
+
+async def test_client_gone_mid_stream_aborts_the_decode(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(decode={"token_delay": 0.1})
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=100))
+        assert (await response.content.readany()).startswith(b"data: ")
+        response.close()  # drops the socket
+        await eventually(lambda: cluster.decodes[0].running == 0)
+    assert len(cluster.decodes[0].aborted) == 1
+    assert cluster.prefills[0].running == 0
+
+
+async def test_client_gone_before_any_byte_aborts_both_legs(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(prefill={"delay": 10})
+    request = asyncio.create_task(cluster.client.post(COMPLETIONS, json=completion(stream=True)))
+    await eventually(lambda: cluster.prefills[0].running == 1 and cluster.decodes[0].running == 1)
+    request.cancel()
+    await eventually(lambda: cluster.prefills[0].running == 0 and cluster.decodes[0].running == 0)
+    assert len(cluster.prefills[0].aborted) == 1 and len(cluster.decodes[0].aborted) == 1
+
+
+# --- bad input
+
+
+@pytest.mark.parametrize(
+    ("raw", "content_type"),
+    [
+        (b"", "application/json"),
+        (b"not json", "application/json"),
+        (b"[1, 2]", "application/json"),
+        (b'"text"', "application/json"),
+        (b"null", "application/json"),
+        (b'{"prompt": NaN}', "application/json"),
+        (b"[" * 100_000 + b"]" * 100_000, "application/json"),
+        (b'{"prompt": "' + "\u00e9".encode("latin-1") + b'"}', "application/json"),
+        (b'{"prompt": "\xff\xfe\xfd"}', "application/json"),
+        (b'{"n": ' + b"9" * 5000 + b"}", "application/json"),
+        (b"x=1&y=2", "application/x-www-form-urlencoded"),
+    ],
+)
+async def test_malformed_bodies_get_a_400_and_the_proxy_keeps_serving(
+    start_cluster: StartCluster, raw: bytes, content_type: str
+) -> None:
+    cluster = await start_cluster()
+    for path in (COMPLETIONS, CHAT):
+        response = await cluster.client.post(path, data=raw, headers={"Content-Type": content_type})
+        assert response.status == 400
+        assert_openai_error(await response.json(), 400)
+    assert not cluster.prefills[0].requests and not cluster.decodes[0].requests
+    good = await cluster.client.post(COMPLETIONS, json=completion())
+    assert good.status == 200
+
+
+async def test_json_with_another_content_type_is_still_served(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster()
+    response = await cluster.client.post(
+        COMPLETIONS, data=json.dumps(completion()), headers={"Content-Type": "text/plain"}
+    )
+    assert response.status == 200
+
+
+async def test_oversized_body_is_a_413(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(max_request_bytes=10_000)
+    big = completion(prompt="x" * 20_000)
+    response = await cluster.client.post(COMPLETIONS, json=big)
+    assert response.status == 413
+    assert_openai_error(await response.json(), 413)
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: caught while reading
+        data = json.dumps(big).encode()
+        for start in range(0, len(data), 4096):
+            yield data[start : start + 4096]
+
+    chunked = await cluster.client.post(COMPLETIONS, data=chunks())
+    assert chunked.status == 413
+    assert_openai_error(await chunked.json(), 413)
+    assert (await cluster.client.post(COMPLETIONS, json=completion(prompt="x" * 9000))).status == 200
+
+
+async def test_a_big_prompt_is_passed_on_whole(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster()
+    prompt = "word " * 200_000  # 1 MB
+    async with asyncio.timeout(FAST * 3):
+        response = await cluster.client.post(COMPLETIONS, json=completion(prompt=prompt))
+    assert response.status == 200
+    assert cluster.prefills[0].requests[0].body["prompt"] == prompt
+    assert cluster.decodes[0].requests[0].body["prompt"] == prompt
+
+
+# --- the connection pool
+
+
+async def test_many_concurrent_streams_are_not_capped_by_the_pool(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(decode={"token_delay": 0.05})
+    count = 150  # above aiohttp's default cap of 100 connections
+
+    url = cluster.client.make_url(COMPLETIONS)
+
+    async def one(session: aiohttp.ClientSession) -> bytes:
+        async with session.post(url, json=completion(stream=True, max_tokens=20)) as response:
+            return await response.read()
+
+    unlimited = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=unlimited) as session, asyncio.timeout(FAST * 4):
+        tasks = [asyncio.create_task(one(session)) for _ in range(count)]
+        await eventually(lambda: cluster.decodes[0].running == count, FAST * 3)
+        answers = await asyncio.gather(*tasks)
+    assert all(sse_events(a)[-1] == "[DONE]" for a in answers)
+
+
+async def test_upstream_connections_are_reused(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster()
+    for _ in range(5):
+        assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    # Sequential requests: each leg finds its previous connection idle in the pool.
+    assert len({r.peer for r in cluster.prefills[0].requests}) == 1
+    assert len({r.peer for r in cluster.decodes[0].requests}) == 1
+
+
+# --- the daemon as users start it
+
+
+async def test_daemon_serves_a_stream_end_to_end(aiohttp_server: Any) -> None:
+    prefill = FakeVllm("prefill", dp_size=2)
+    api = await serve(aiohttp_server, prefill.api_app())
+    bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
+    prefill.api_url = f"http://127.0.0.1:{api.port}"
+    decode = FakeVllm("decode", kv_timeout=KV_TIMEOUT)
+    decode_server = await serve(aiohttp_server, decode.api_app())
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(HERE / "mooncake_proxy.py"),
+        "--port", str(port),
+        "--prefill", prefill.api_url, str(bootstrap.port),
+        "--decode", f"http://127.0.0.1:{decode_server.port}",
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "OPENAI_API_KEY": ""},
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as session, asyncio.timeout(15):
+            base = f"http://127.0.0.1:{port}"
+            while True:
+                try:
+                    async with session.get(f"{base}/health") as health:
+                        if health.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+            for _ in range(2):
+                async with session.post(f"{base}/v1/completions", json=completion(stream=True)) as r:
+                    raw = await r.read()
+                    assert raw == bytes(decode.sent[r.headers["X-Request-Id"]])
+        assert sorted(r.headers["X-data-parallel-rank"] for r in prefill.requests) == ["0", "1"]
+    finally:
+        process.terminate()
+        _, stderr = await process.communicate()
+    assert process.returncode == 0
+    log = stderr.decode()
+    assert "discovered" in log and "Traceback" not in log
