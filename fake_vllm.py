@@ -24,12 +24,12 @@ import hashlib
 import json
 import random
 import socket
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -39,9 +39,9 @@ from multidict import CIMultiDict
 MODEL = "fake-model"
 # The marker that makes the first sampled token EOS, unless the request says ignore_eos.
 EOS_MARKER = "<eos-first>"
-VOCAB = tuple(
-    "the a PD proxy mooncake prefill decode cache token stream engine rank transfer "
-    "vLLM kv block fast model answer".split()
+VOCAB = (
+    *("the", "a", "PD", "proxy", "mooncake", "prefill", "decode", "cache", "token", "stream"),
+    *("engine", "rank", "transfer", "vLLM", "kv", "block", "fast", "model", "answer"),
 )
 
 
@@ -327,7 +327,9 @@ class FakeVllm:
         self.transfers_served += 1
         return web.json_response({"digest": digest, "prompt_tokens": prompt_tokens})
 
-    async def pull_kv(self, params: dict[str, Any], prompt: Any, generation: Generation) -> str | None:
+    async def pull_kv(
+        self, params: dict[str, Any], prompt: Any, generation: Generation
+    ) -> str | None:
         """Pull the KV the way the decode does; a failure message, or None once it arrived."""
         bootstrap = params.get("remote_bootstrap_addr")
         engine_id = params.get("remote_engine_id")
@@ -473,15 +475,16 @@ async def demo(once: bool, port: int) -> int:
         await start_fake(FakeVllm("decode", token_delay=0.08), runners),
         await start_fake(FakeVllm("decode", token_delay=0.08), runners),
     ]
-    argv = [sys.executable, "mooncake_proxy.py", "--port", str(port)]
+    port = port or free_port()
+    argv = [sys.executable, str(Path(__file__).with_name("mooncake_proxy.py")), "--port", str(port)]
     for node in cluster:
         if node.bootstrap_port is not None:
             argv += ["--prefill", node.url, str(node.bootstrap_port)]
         else:
             argv += ["--decode", node.url]
     print("simulated cluster: 2 prefill instances (3 DP engines), 2 decode instances")
-    print("starting:", " ".join(argv[1:]), flush=True)
-    proxy = subprocess.Popen(argv)
+    print("starting: python", " ".join(argv[1:]), flush=True)
+    proxy = await asyncio.create_subprocess_exec(*argv)
     base = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as session:
@@ -490,7 +493,7 @@ async def demo(once: bool, port: int) -> int:
                     async with session.get(f"{base}/health") as health:
                         if health.status == 200:
                             break
-                if proxy.poll() is not None:
+                if proxy.returncode is not None:
                     return proxy.returncode or 1
                 await asyncio.sleep(0.1)
             else:
@@ -518,13 +521,11 @@ async def demo(once: bool, port: int) -> int:
                 """"stream": true}'"""
             )
             print(f"  curl {base}/healthcheck\nCtrl-C stops everything.", flush=True)
-            while proxy.poll() is None:
-                await asyncio.sleep(0.5)
-            return proxy.returncode or 0
+            return await proxy.wait()
     finally:
-        if proxy.poll() is None:
+        if proxy.returncode is None:
             proxy.terminate()
-            proxy.wait(10)
+            await proxy.wait()
         for runner in runners:
             await runner.cleanup()
 
@@ -532,7 +533,7 @@ async def demo(once: bool, port: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the proxy against a simulated cluster.")
     parser.add_argument("--once", action="store_true", help="exit after the first request")
-    parser.add_argument("--port", type=int, default=8000, help="port for the proxy")
+    parser.add_argument("--port", type=int, default=8000, help="port for the proxy; 0 for any")
     args = parser.parse_args(argv)
     try:
         return asyncio.run(demo(args.once, args.port))

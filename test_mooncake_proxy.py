@@ -79,7 +79,8 @@ def start_cluster(aiohttp_server: Any, aiohttp_client: Any) -> StartCluster:
             prefills.append(fake)
             specs.append(
                 mp.PrefillSpec(
-                    URL(fake.api_url), URL.build(scheme="http", host="127.0.0.1", port=bootstrap.port)
+                    URL(fake.api_url),
+                    URL.build(scheme="http", host="127.0.0.1", port=bootstrap.port),
                 )
             )
         decode_fakes, decode_urls = [], []
@@ -268,7 +269,10 @@ def test_round_robin_visits_every_prefill_rank_in_order_then_wraps() -> None:
     fleet = mp.Fleet(config)
     fleet.set_engines(fleet.prefills[1], ["b0"])
     fleet.set_engines(fleet.prefills[0], ["a0", "a1"])
-    picks = [(str(e.url), e.dp_rank, e.engine_id) for e in (fleet.next_prefill_engine() for _ in range(7))]
+    picks = [
+        (str(e.url), e.dp_rank, e.engine_id)
+        for e in (fleet.next_prefill_engine() for _ in range(7))
+    ]
     assert picks == [
         ("http://a:1", 0, "a0"),
         ("http://a:1", 1, "a1"),
@@ -278,7 +282,11 @@ def test_round_robin_visits_every_prefill_rank_in_order_then_wraps() -> None:
         ("http://b:1", 0, "b0"),
         ("http://a:1", 0, "a0"),
     ]
-    assert [str(fleet.next_decode().url) for _ in range(3)] == ["http://d1:1", "http://d2:1", "http://d1:1"]
+    assert [str(fleet.next_decode().url) for _ in range(3)] == [
+        "http://d1:1",
+        "http://d2:1",
+        "http://d1:1",
+    ]
 
 
 def parse_cli(*argv: str) -> mp.ProxyConfig:
@@ -363,7 +371,9 @@ def test_port_in_use_exits_with_one_line() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_cli("--port", str(port), "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2")
+        result = run_cli(
+            "--port", str(port), "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"
+        )
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], result.stderr
@@ -383,7 +393,9 @@ def test_version_and_help() -> None:
 
 
 async def test_not_ready_until_every_prefill_is_discovered(start_cluster: StartCluster) -> None:
-    cluster = await start_cluster(prefill_dp=(1, 2), wait_ready=False, prefill={"bootstrap_not_ready": 30})
+    cluster = await start_cluster(
+        prefill_dp=(1, 2), wait_ready=False, prefill={"bootstrap_not_ready": 30}
+    )
     client = cluster.client
     health = await client.get("/healthcheck")
     assert health.status == 503
@@ -423,7 +435,10 @@ async def test_discovery_is_side_by_side_and_logs_each_failure(
     assert not stuck["usable"] and "503" in stuck["last_error"]
     assert found["usable"] and found["engine_ids"] == cluster.prefills[1].engine_ids
     assert payload["ready"] is False
-    assert any(cluster.prefills[0].api_url in r.getMessage() and "503" in r.getMessage() for r in caplog.records)
+    assert any(
+        cluster.prefills[0].api_url in r.getMessage() and "503" in r.getMessage()
+        for r in caplog.records
+    )
     cluster.prefills[0].health_status = 200
     await wait_ready_(cluster.client)
 
@@ -531,7 +546,11 @@ async def test_legs_carry_the_protocols_bodies_and_headers(start_cluster: StartC
     }
     for key in ("stream_options", "min_tokens", "stop"):
         assert key not in prefill.body
-    assert (prefill.body["stream"], prefill.body["max_tokens"], prefill.body["max_completion_tokens"]) == (
+    assert (
+        prefill.body["stream"],
+        prefill.body["max_tokens"],
+        prefill.body["max_completion_tokens"],
+    ) == (
         False,
         1,
         1,
@@ -582,10 +601,15 @@ async def test_same_client_request_id_never_shares_a_transfer(start_cluster: Sta
     headers = {"X-Request-Id": "same"}
     async with asyncio.timeout(FAST):
         answers = await asyncio.gather(
-            *(cluster.client.post(COMPLETIONS, json=completion(), headers=headers) for _ in range(8))
+            *(
+                cluster.client.post(COMPLETIONS, json=completion(), headers=headers)
+                for _ in range(8)
+            )
         )
     assert [a.status for a in answers] == [200] * 8
-    transfer_ids = {r.body["kv_transfer_params"]["transfer_id"] for r in cluster.prefills[0].requests}
+    transfer_ids = {
+        r.body["kv_transfer_params"]["transfer_id"] for r in cluster.prefills[0].requests
+    }
     assert len(transfer_ids) == 8
     assert cluster.prefills[0].transfer_collisions == 0
     ids = {json.loads(await a.read())["id"] for a in answers}
@@ -612,7 +636,9 @@ async def test_headers_are_held_until_the_first_decode_bytes_then_streamed_unbuf
     cluster = await start_cluster(decode={"token_delay": 0.3}, prefill={"delay": 0.3})
     started = time.monotonic()
     async with asyncio.timeout(FAST + 5):
-        response = await cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=10))
+        response = await cluster.client.post(
+            COMPLETIONS, json=completion(stream=True, max_tokens=10)
+        )
         headers_at = time.monotonic() - started
         first = await response.content.readany()
         first_at = time.monotonic() - started
@@ -652,7 +678,9 @@ async def test_vllm_rejecting_the_prefill_body_reaches_client(start_cluster: Sta
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_prefill_that_stops_early_fails_fast(start_cluster: StartCluster, stream: bool) -> None:
+async def test_prefill_that_stops_early_fails_fast(
+    start_cluster: StartCluster, stream: bool
+) -> None:
     cluster = await start_cluster(prefill={"force_finish_reason": "stop"})
     async with asyncio.timeout(FAST):
         response = await cluster.client.post(COMPLETIONS, json=completion(stream=stream))
@@ -663,18 +691,26 @@ async def test_prefill_that_stops_early_fails_fast(start_cluster: StartCluster, 
     await eventually(lambda: cluster.decodes[0].running == 0)
 
 
-async def test_eos_and_stop_strings_cannot_stop_the_prefill_early(start_cluster: StartCluster) -> None:
+async def test_eos_and_stop_strings_cannot_stop_the_prefill_early(
+    start_cluster: StartCluster,
+) -> None:
     cluster = await start_cluster()
     # The fake's first token for this prompt is EOS unless ignore_eos is set.
     async with asyncio.timeout(FAST):
-        response = await cluster.client.post(COMPLETIONS, json=completion(prompt=f"hi {EOS_MARKER}"))
+        response = await cluster.client.post(
+            COMPLETIONS, json=completion(prompt=f"hi {EOS_MARKER}")
+        )
         assert response.status == 200, await response.text()
         # A stop string equal to the first token would end the prefill "stopped".
         local = await (
-            await cluster.client.post(COMPLETIONS, json=completion(prompt="stop test", max_tokens=1))
+            await cluster.client.post(
+                COMPLETIONS, json=completion(prompt="stop test", max_tokens=1)
+            )
         ).json()
         first_word = local["choices"][0]["text"].strip()
-        stopped = await cluster.client.post(COMPLETIONS, json=completion(prompt="stop test", stop=[first_word]))
+        stopped = await cluster.client.post(
+            COMPLETIONS, json=completion(prompt="stop test", stop=[first_word])
+        )
         assert stopped.status == 200, await stopped.text()
     answer = await stopped.json()
     assert answer["choices"][0]["finish_reason"] == "stop" and answer["choices"][0]["text"] == ""
@@ -711,7 +747,9 @@ async def test_prefill_timeout_is_a_504(start_cluster: StartCluster) -> None:
     await eventually(lambda: cluster.decodes[0].running == 0 and cluster.prefills[0].running == 0)
 
 
-async def test_prefill_failure_after_stream_started_is_sent_in_band(start_cluster: StartCluster) -> None:
+async def test_prefill_failure_after_stream_started_is_sent_in_band(
+    start_cluster: StartCluster,
+) -> None:
     cluster = await start_cluster(
         prefill={"fail_status": 500, "delay": 0.2}, decode={"keepalive_first": True}
     )
@@ -762,7 +800,9 @@ async def test_decode_refused_is_a_502_naming_the_decode(start_cluster: StartClu
     assert len(cluster.prefills[0].aborted) == 1
 
 
-async def test_decode_dropping_mid_stream_ends_with_an_in_band_error(start_cluster: StartCluster) -> None:
+async def test_decode_dropping_mid_stream_ends_with_an_in_band_error(
+    start_cluster: StartCluster,
+) -> None:
     cluster = await start_cluster(decode={"break_after_tokens": 3})
     async with asyncio.timeout(FAST):
         response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
@@ -806,7 +846,9 @@ async def test_decode_dropping_a_plain_body_is_not_passed_off_as_complete(
 async def test_client_gone_mid_stream_aborts_the_decode(start_cluster: StartCluster) -> None:
     cluster = await start_cluster(decode={"token_delay": 0.1})
     async with asyncio.timeout(FAST):
-        response = await cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=100))
+        response = await cluster.client.post(
+            COMPLETIONS, json=completion(stream=True, max_tokens=100)
+        )
         assert (await response.content.readany()).startswith(b"data: ")
         response.close()  # drops the socket
         await eventually(lambda: cluster.decodes[0].running == 0)
@@ -878,7 +920,9 @@ async def test_oversized_body_is_a_413(start_cluster: StartCluster) -> None:
     chunked = await cluster.client.post(COMPLETIONS, data=chunks())
     assert chunked.status == 413
     assert_openai_error(await chunked.json(), 413)
-    assert (await cluster.client.post(COMPLETIONS, json=completion(prompt="x" * 9000))).status == 200
+    assert (
+        await cluster.client.post(COMPLETIONS, json=completion(prompt="x" * 9000))
+    ).status == 200
 
 
 async def test_a_big_prompt_is_passed_on_whole(start_cluster: StartCluster) -> None:
@@ -894,7 +938,9 @@ async def test_a_big_prompt_is_passed_on_whole(start_cluster: StartCluster) -> N
 # --- the connection pool
 
 
-async def test_many_concurrent_streams_are_not_capped_by_the_pool(start_cluster: StartCluster) -> None:
+async def test_many_concurrent_streams_are_not_capped_by_the_pool(
+    start_cluster: StartCluster,
+) -> None:
     cluster = await start_cluster(decode={"token_delay": 0.05})
     count = 150  # above aiohttp's default cap of 100 connections
 
@@ -953,7 +999,9 @@ async def test_daemon_serves_a_stream_end_to_end(aiohttp_server: Any) -> None:
                     pass
                 await asyncio.sleep(0.05)
             for _ in range(2):
-                async with session.post(f"{base}/v1/completions", json=completion(stream=True)) as r:
+                async with session.post(
+                    f"{base}/v1/completions", json=completion(stream=True)
+                ) as r:
                     raw = await r.read()
                     assert raw == bytes(decode.sent[r.headers["X-Request-Id"]])
         assert sorted(r.headers["X-data-parallel-rank"] for r in prefill.requests) == ["0", "1"]

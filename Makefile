@@ -1,0 +1,29 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   the proxy in front of a simulated vLLM cluster, and a streamed request through it
+#   make test   the test suite (make check adds ruff and mypy --strict)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: demo test lint check clean
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) fake_vllm.py $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy --strict mooncake_proxy.py
+
+check: lint test
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
