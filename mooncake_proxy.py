@@ -136,6 +136,10 @@ class ProxyConfig:
     discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL
     discovery_timeout: float = DEFAULT_DISCOVERY_TIMEOUT
 
+    def upstream_timeout(self, total: float | None) -> aiohttp.ClientTimeout:
+        """A per-call timeout that keeps the connect limit (a ClientTimeout replaces, not adds)."""
+        return aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout)
+
     def __post_init__(self) -> None:
         if not self.prefills:
             raise ConfigError("at least one --prefill URL is required")
@@ -452,7 +456,7 @@ def _reject_constant(name: str) -> NoReturn:
 
 def parse_request_json(raw: bytes) -> dict[str, Any]:
     """The client's body as a JSON object, or a 400 saying what is wrong with it."""
-    if not raw.strip():
+    if not raw or raw.isspace():
         raise ProxyError(400, "request body is empty: expected a JSON object")
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
@@ -527,7 +531,7 @@ async def send_prefill(
     path: str,
     payload: bytes,
     headers: Mapping[str, str],
-    limit_seconds: float | None,
+    limits: aiohttp.ClientTimeout,
 ) -> None:
     """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
     url = engine.routes[path]
@@ -537,7 +541,7 @@ async def send_prefill(
             url,
             data=payload,
             headers={**headers, DP_RANK_HEADER: str(engine.dp_rank)},
-            timeout=aiohttp.ClientTimeout(total=limit_seconds),
+            timeout=limits,
         ) as upstream:
             # Read to the end so the connection goes back to the pool.
             body = await upstream.read()
@@ -623,9 +627,10 @@ async def run_pd_request(
         decode.url,
     )
 
+    prefill_timeout = config.upstream_timeout(config.prefill_timeout)
     response = web.StreamResponse(headers={REQUEST_ID_HEADER: request_id})
     prefill = asyncio.create_task(
-        send_prefill(session, engine, path, prefill_payload, headers, config.prefill_timeout)
+        send_prefill(session, engine, path, prefill_payload, headers, prefill_timeout)
     )
     relay = asyncio.create_task(
         relay_decode(session, decode, path, decode_payload, headers, request, response)
@@ -638,7 +643,8 @@ async def run_pd_request(
         await asyncio.wait((relay,))
         prefill_error, decode_error = task_error(prefill), task_error(relay)
         if relay.cancelled() or decode_error is not None:
-            error = prefill_error if relay.cancelled() else decode_error
+            # A failed prefill is the root cause of whatever the decode then did.
+            error = prefill_error or decode_error
             assert error is not None
             return await fail_request(request, response, error)
         if not prefill.done():
@@ -695,20 +701,19 @@ def watch_lingering_prefill(
 
 
 async def query_engine_ids(
-    session: aiohttp.ClientSession, instance: PrefillInstance, limit_seconds: float
+    session: aiohttp.ClientSession, instance: PrefillInstance, limits: aiohttp.ClientTimeout
 ) -> tuple[str, ...]:
     """Wait for the prefill API to be healthy, then read its engines from the bootstrap."""
-    client_timeout = aiohttp.ClientTimeout(total=limit_seconds)
     health_url = instance.routes["/health"]
     try:
-        async with session.get(health_url, timeout=client_timeout) as health:
+        async with session.get(health_url, timeout=limits) as health:
             await health.read()
             if not 200 <= health.status < 300:
                 raise ValueError(f"{health_url} answered {health.status}")
     except (aiohttp.ClientError, TimeoutError) as error:
         raise ValueError(transport_error("health check", health_url, error).message) from None
     try:
-        async with session.get(instance.query_url, timeout=client_timeout) as query:
+        async with session.get(instance.query_url, timeout=limits) as query:
             raw = await query.read()
             status = query.status
     except (aiohttp.ClientError, TimeoutError) as error:
@@ -730,7 +735,9 @@ async def discover_prefill(app: web.Application, instance: PrefillInstance) -> N
     config, fleet, session = app[CONFIG_KEY], app[FLEET_KEY], app[SESSION_KEY]
     while True:
         try:
-            engine_ids = await query_engine_ids(session, instance, config.discovery_timeout)
+            engine_ids = await query_engine_ids(
+                session, instance, config.upstream_timeout(config.discovery_timeout)
+            )
         except ValueError as error:
             instance.last_error = str(error)
             log.warning("prefill %s not discovered yet: %s", instance.spec.url, error)
@@ -867,9 +874,7 @@ async def client_session_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     session = aiohttp.ClientSession(
         connector=connector,
-        timeout=aiohttp.ClientTimeout(
-            total=config.request_timeout, sock_connect=config.connect_timeout
-        ),
+        timeout=config.upstream_timeout(config.request_timeout),
         auto_decompress=False,
         skip_auto_headers=(hdrs.ACCEPT_ENCODING,),
         headers={hdrs.USER_AGENT: f"{ID}/{VERSION}"},
