@@ -1,11 +1,12 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   the proxy in front of a simulated vLLM cluster, and a streamed request through it
 #   make test   the test suite (make check adds ruff and mypy --strict)
+# and, heavier: make integration   the proxy against real vLLM on the CPU with real Mooncake
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: demo test lint check clean
+.PHONY: demo test integration lint check clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -17,6 +18,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+integration: $(VENV)/.installed
+	bash integration/run.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

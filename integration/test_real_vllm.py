@@ -1,0 +1,403 @@
+"""The proxy in front of real vLLM (CPU) with real Mooncake KV transfer over TCP.
+
+Run by ``integration/run.sh``, which builds the environment and passes its root in
+``VLLM_ENV_ROOT``. A session fixture starts one prefill (kv_producer) and one decode
+(kv_consumer) server and the proxy in front of them as users start it, and stops all three
+afterwards, also when a test fails or the run is interrupted.
+
+Each PD answer is compared with the decode's own local answer to the same request, and the
+decode's ``external_kv_transfer`` prompt-token counter must rise by the prompt's length: the
+tokens came from KV that really travelled through Mooncake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+HERE = Path(__file__).resolve().parent
+PROXY = HERE.parent / "mooncake_proxy.py"
+MODEL = "tiny"
+# The prefill accepts shorter prompts than the decode: a prompt between the two is rejected by
+# the prefill alone, the one case where only fail-fast saves the client from the KV timeout.
+PREFILL_MAX_MODEL_LEN = 384
+DECODE_MAX_MODEL_LEN = 512
+KV_ABORT_TIMEOUT = 30  # seconds; a broken proxy's stranded requests clear this fast
+FAIL_FAST = 10.0  # seconds within which a doomed request must be answered
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, ""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    url: str
+    bootstrap_port: int | None = None
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: vLLM forks engine workers
+            )
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)
+            self.process.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def wait_healthy(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: see {self.log}\n{self.tail()}")
+            try:
+                if http_get(f"{self.url}/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not healthy after {seconds} s: {self.log}\n{self.tail()}")
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+
+def vllm_server(root: Path, logs: Path, role: str, max_len: int) -> Server:
+    port, bootstrap = free_port(), free_port()
+    libs = f"{root}/sysroot/usr/lib/x86_64-linux-gnu:{root}/sysroot/lib/x86_64-linux-gnu"
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": libs,
+        "PYTHONPATH": f"{root}/shim",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        # Without these vLLM pins every worker to core 0 and Mooncake transfers crawl.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap),
+        "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(KV_ABORT_TIMEOUT),
+    }
+    kv_config = {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": role,
+        "kv_connector_module_path": "cpu_mooncake_shim",
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+    }
+    argv = [
+        f"{root}/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", f"{root}/tiny", "--served-model-name", MODEL,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", str(max_len), "--dtype", "float32", "--enforce-eager",
+        "--kv-transfer-config", json.dumps(kv_config),
+    ]  # fmt: skip
+    return Server(role, argv, env, logs / f"{role}.log", f"http://127.0.0.1:{port}", bootstrap)
+
+
+@dataclass
+class RealCluster:
+    prefill: Server
+    decode: Server
+    proxy: Server
+
+    def client(self, base: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{base or self.proxy.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+    root = Path(os.environ["VLLM_ENV_ROOT"])
+    logs = Path(os.environ.get("REAL_VLLM_LOGS") or tmp_path_factory.mktemp("logs"))
+    logs.mkdir(parents=True, exist_ok=True)
+    prefill = vllm_server(root, logs, "kv_producer", PREFILL_MAX_MODEL_LEN)
+    decode = vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN)
+    proxy_port = free_port()
+    # The proxy as users start it.
+    argv = [sys.executable, str(PROXY), "--port", str(proxy_port), "--decode", decode.url]
+    argv += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+    proxy = Server(
+        "proxy",
+        argv,
+        dict(os.environ),
+        logs / "proxy.log",
+        f"http://127.0.0.1:{proxy_port}",
+    )
+    servers = (prefill, decode, proxy)
+    try:
+        for server in servers:
+            server.start()
+        prefill.wait_healthy(300)
+        decode.wait_healthy(300)
+        proxy.wait_healthy(60)
+        yield RealCluster(prefill, decode, proxy)
+    finally:
+        for server in reversed(servers):
+            server.stop()
+        print(f"\nserver logs: {logs}")
+
+
+# --- helpers
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    """The sum of a Prometheus series on a vLLM server, over the lines matching labels."""
+    text = http_get(f"{server.url}/metrics")[1]
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
+        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+def kv_tokens(cluster: RealCluster) -> float:
+    return metric(
+        cluster.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
+
+
+def running(server: Server) -> float:
+    return metric(server, "vllm:num_requests_running")
+
+
+def unique_prompt(words: int = 12) -> str:
+    # A fresh start for every prompt: no prefix-cache hit can stand in for a transfer.
+    nonce = " ".join(uuid.uuid4().hex[:8])
+    return f"{nonce} " + " ".join(["the proxy sends the prompt to the prefill"] * (words // 8 + 1))
+
+
+def completion_text(client: openai.OpenAI, stream: bool, **params: Any) -> tuple[str, int]:
+    """The text and prompt token count of a completion, streamed or not."""
+    if not stream:
+        answer = client.completions.create(model=MODEL, temperature=0, **params)
+        assert answer.usage is not None
+        return answer.choices[0].text, answer.usage.prompt_tokens
+    chunks = client.completions.create(
+        model=MODEL, temperature=0, stream=True, stream_options={"include_usage": True}, **params
+    )
+    text, prompt_tokens = [], -1
+    for chunk in chunks:
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            prompt_tokens = chunk.usage.prompt_tokens
+    return "".join(text), prompt_tokens
+
+
+def chat_text(client: openai.OpenAI, stream: bool, **params: Any) -> tuple[str, int]:
+    if not stream:
+        answer = client.chat.completions.create(model=MODEL, temperature=0, **params)
+        assert answer.usage is not None
+        return answer.choices[0].message.content or "", answer.usage.prompt_tokens
+    chunks = client.chat.completions.create(
+        model=MODEL, temperature=0, stream=True, stream_options={"include_usage": True}, **params
+    )
+    text, prompt_tokens = [], -1
+    for chunk in chunks:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            prompt_tokens = chunk.usage.prompt_tokens
+    return "".join(text), prompt_tokens
+
+
+def complete(client: openai.OpenAI, stream: bool, **params: Any) -> None:
+    """A completion read to its end; raises the SDK's error for an error status."""
+    answer = client.completions.create(model=MODEL, stream=stream, **params)
+    if stream:
+        list(answer)  # type: ignore[call-overload]
+
+
+def wait_for(check: Any, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return bool(check())
+
+
+# --- answers equal the decode's local generation, and the KV really travelled
+
+CASES: dict[str, dict[str, Any]] = {
+    "plain": {"max_tokens": 16},
+    "min_tokens": {"max_tokens": 16, "extra_body": {"min_tokens": 8}},
+    "stop": {"max_tokens": 24, "stop": [" the", "."]},
+    "ignore_eos": {"max_tokens": 20, "extra_body": {"ignore_eos": True}},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_completion_equals_local_generation(cluster: RealCluster, case: str, stream: bool) -> None:
+    params: dict[str, Any] = {"prompt": unique_prompt(), **CASES[case]}
+    before = kv_tokens(cluster)
+    text, prompt_tokens = completion_text(cluster.client(), stream, **params)
+    transferred = kv_tokens(cluster) - before
+    local, local_prompt_tokens = completion_text(
+        cluster.client(cluster.decode.url), stream, **params
+    )
+    assert text == local
+    assert transferred == local_prompt_tokens == prompt_tokens > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
+def test_chat_equals_local_generation(cluster: RealCluster, stream: bool, limit: str) -> None:
+    params: dict[str, Any] = {
+        "messages": [{"role": "user", "content": unique_prompt()}],
+        limit: 12,
+        "extra_body": {"min_tokens": 4},
+        "stop": ["."],
+    }
+    before = kv_tokens(cluster)
+    text, prompt_tokens = chat_text(cluster.client(), stream, **params)
+    transferred = kv_tokens(cluster) - before
+    local, local_prompt_tokens = chat_text(cluster.client(cluster.decode.url), stream, **params)
+    assert text == local
+    assert transferred == local_prompt_tokens == prompt_tokens
+
+
+def test_a_prompt_longer_than_one_kv_block(cluster: RealCluster) -> None:
+    prompt = unique_prompt(words=250)
+    before = kv_tokens(cluster)
+    answer = cluster.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0
+    )
+    transferred = kv_tokens(cluster) - before
+    assert answer.usage is not None and answer.usage.prompt_tokens > 128
+    assert transferred == answer.usage.prompt_tokens
+    local = cluster.client(cluster.decode.url).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0
+    )
+    assert answer.choices[0].text == local.choices[0].text
+
+
+def test_32_concurrent_streams_are_all_correct(cluster: RealCluster) -> None:
+    prompts = [unique_prompt() for _ in range(32)]
+
+    async def stream_all(base: str) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+        async def one(prompt: str) -> str:
+            chunks = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True
+            )
+            return "".join([chunk.choices[0].text async for chunk in chunks if chunk.choices])
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await client.close()
+
+    before = kv_tokens(cluster)
+    proxied = asyncio.run(stream_all(cluster.proxy.url))
+    assert kv_tokens(cluster) > before
+    local = asyncio.run(stream_all(cluster.decode.url))
+    assert proxied == local
+
+
+# --- failures
+
+
+def test_a_request_only_the_prefill_rejects_fails_fast_with_vllms_400(
+    cluster: RealCluster,
+) -> None:
+    # Longer than the prefill's --max-model-len, within the decode's: only the prefill says no,
+    # and the decode would wait KV_ABORT_TIMEOUT for a transfer that never comes.
+    prompt = unique_prompt(words=420)
+    local = cluster.client(cluster.decode.url).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4
+    )
+    assert PREFILL_MAX_MODEL_LEN < local.usage.prompt_tokens < DECODE_MAX_MODEL_LEN - 4  # type: ignore[union-attr]
+    for stream in (False, True):
+        started = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as rejected:
+            complete(cluster.client(), stream, prompt=prompt, max_tokens=4)
+        assert time.monotonic() - started < FAIL_FAST
+        assert rejected.value.status_code == 400
+        assert "maximum context length" in str(rejected.value)
+    assert wait_for(lambda: running(cluster.decode) == 0, 10)
+
+
+def test_client_gone_mid_stream_leaves_nothing_running(cluster: RealCluster) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": unique_prompt(),
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    async def leave_after_first_token() -> None:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{cluster.proxy.url}/v1/completions", json=body) as response,
+        ):
+            assert response.status == 200
+            async for line in response.content:
+                if line.startswith(b"data: {"):
+                    return  # one token arrived: the session closes the socket mid-stream
+
+    asyncio.run(leave_after_first_token())
+    assert wait_for(lambda: running(cluster.decode) == 0 and running(cluster.prefill) == 0, 10)
+
+
+def test_killed_prefill_makes_requests_fail_fast(cluster: RealCluster) -> None:
+    cluster.prefill.stop(signal.SIGKILL)
+    for stream in (False, True):
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as failed:
+            complete(cluster.client(), stream, prompt=unique_prompt(), max_tokens=4)
+        assert time.monotonic() - started < FAIL_FAST
+        assert failed.value.status_code == 502
+        assert cluster.prefill.url in str(failed.value) and "prefill" in str(failed.value)
+    assert wait_for(lambda: running(cluster.decode) == 0, 10)
