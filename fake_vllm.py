@@ -135,6 +135,8 @@ class FakeVllm:
     kv_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
     bootstrap_not_ready: int = 0  # answer /query 503 this many times, then {} once
     health_status: int = 200
+    health_delay: float = 0.0  # a busy server: /health answers, slowly
+    drop_after: float | None = None  # accept a completion, then reset the connection
     # Observations.
     requests: list[Recorded] = field(default_factory=list)
     sent: dict[str, bytearray] = field(default_factory=dict)  # request id -> bytes written
@@ -144,6 +146,7 @@ class FakeVllm:
     transfers_served: int = 0
     transfer_collisions: int = 0
     query_count: int = 0
+    health_count: int = 0
     api_url: str = ""
     # transfer_id -> (engine id, prompt digest, prompt tokens) of finished prefills.
     _held_kv: dict[str, tuple[str, str, int]] = field(default_factory=dict)
@@ -191,6 +194,8 @@ class FakeVllm:
     # --- handlers
 
     async def handle_health(self, request: web.Request) -> web.Response:
+        self.health_count += 1
+        await asyncio.sleep(self.health_delay)
         return web.Response(status=self.health_status)
 
     async def handle_models(self, request: web.Request) -> web.Response:
@@ -263,6 +268,11 @@ class FakeVllm:
             return error(self.fail_status, f"injected failure {self.fail_status}")
         if self.hang:
             await asyncio.Event().wait()
+        if self.drop_after is not None:
+            await asyncio.sleep(self.drop_after)
+            assert request.transport is not None
+            request.transport.abort()
+            raise asyncio.CancelledError
         if self.force_finish_reason is not None:
             generation.finish_reason = self.force_finish_reason
         params = body.get("kv_transfer_params") or {}
@@ -271,6 +281,12 @@ class FakeVllm:
             if params.get("do_remote_decode") and generation.finish_reason == "length":
                 await self.hold_kv(self.engine_ids[rank], params, prompt, generation)
             return await self.answer(request, body, request_id, generation)
+        worker: str | None = None
+        if params.get("do_remote_prefill"):
+            # vLLM looks the engine up before answering: an unknown one is an immediate 500.
+            worker, failure = await self.resolve_worker(params)
+            if failure is not None:
+                return error(500, failure)
         response: web.StreamResponse | None = None
         if stream:
             # vLLM sends 200 and its headers at once, before the KV has arrived.
@@ -281,8 +297,8 @@ class FakeVllm:
             self.sent[request_id] = bytearray()
             if self.keepalive_first:
                 await self.write(response, request_id, b": keep-alive\n\n")
-        if params.get("do_remote_prefill"):
-            failure = await self.pull_kv(params, prompt, generation)
+        if worker is not None:
+            failure = await self.pull_kv(worker, params, prompt)
             if failure is not None:
                 if response is None:
                     return error(500, failure)
@@ -327,27 +343,30 @@ class FakeVllm:
         self.transfers_served += 1
         return web.json_response({"digest": digest, "prompt_tokens": prompt_tokens})
 
-    async def pull_kv(
-        self, params: dict[str, Any], prompt: Any, generation: Generation
-    ) -> str | None:
-        """Pull the KV the way the decode does; a failure message, or None once it arrived."""
+    async def resolve_worker(self, params: dict[str, Any]) -> tuple[str | None, str | None]:
+        """The prefill worker holding ``remote_engine_id``, found through the bootstrap."""
         bootstrap = params.get("remote_bootstrap_addr")
         engine_id = params.get("remote_engine_id")
-        transfer_id = params.get("transfer_id")
-        if not all(isinstance(v, str) for v in (bootstrap, engine_id, transfer_id)):
-            return "kv_transfer_params lacks remote_bootstrap_addr, remote_engine_id or transfer_id"
+        if not all(isinstance(v, str) for v in (bootstrap, engine_id, params.get("transfer_id"))):
+            return None, "kv_transfer_params lacks remote_bootstrap_addr, engine id or transfer_id"
         try:
             async with self._session.get(f"{bootstrap}/query") as query:
                 if query.status != 200:
-                    return f"bootstrap {bootstrap}/query answered {query.status}"
+                    return None, f"bootstrap {bootstrap}/query answered {query.status}"
                 ranks = await query.json()
-            workers = {
-                entry["engine_id"]: entry["worker_addr"]["0"]["0"] for entry in ranks.values()
-            }
-            if engine_id not in workers:
-                return f"Internal server error: unknown engine id {engine_id}"
+        except aiohttp.ClientError as failure:
+            return None, f"bootstrap {bootstrap}/query failed: {failure}"
+        workers = {entry["engine_id"]: entry["worker_addr"]["0"]["0"] for entry in ranks.values()}
+        if engine_id not in workers:
+            return None, f"Internal server error: unknown engine id {engine_id}"
+        return workers[engine_id], None
+
+    async def pull_kv(self, worker: str, params: dict[str, Any], prompt: Any) -> str | None:
+        """Pull the KV the way the decode does; a failure message, or None once it arrived."""
+        engine_id, transfer_id = params["remote_engine_id"], params["transfer_id"]
+        try:
             async with self._session.get(
-                f"{workers[engine_id]}/_fake/kv",
+                f"{worker}/_fake/kv",
                 params={
                     "transfer_id": transfer_id,
                     "engine_id": engine_id,

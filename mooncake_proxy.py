@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
+import enum
 import itertools
 import json
 import logging
@@ -27,17 +29,20 @@ import os
 import re
 import socket
 import sys
+import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from http import HTTPStatus
-from typing import Any, Final, NoReturn, TypedDict
+from typing import Any, ClassVar, Final, NoReturn, TypedDict, TypeVar
 
 import aiohttp
 from aiohttp import hdrs, web
 from yarl import URL
 
 log = logging.getLogger("mooncake_proxy")
+T = TypeVar("T")
 
 # --- identity and defaults
 
@@ -57,8 +62,15 @@ DEFAULT_CONNECT_TIMEOUT: Final = 5.0
 DEFAULT_KEEPALIVE_TIMEOUT: Final = 4.0
 # Past vLLM's default VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT the decode gives up on the KV anyway.
 DEFAULT_PREFILL_TIMEOUT: Final = 480.0
+# A usable instance is checked every health interval; one out of the rotation (not yet
+# discovered, or down) every discovery interval, so that it is back soon after it is.
+DEFAULT_HEALTH_INTERVAL: Final = 5.0
 DEFAULT_DISCOVERY_INTERVAL: Final = 1.0
-DEFAULT_DISCOVERY_TIMEOUT: Final = 5.0
+# Long enough that a busy vLLM still answers /health in time: busy is not unhealthy.
+DEFAULT_HEALTH_TIMEOUT: Final = 3.0
+DEFAULT_UNHEALTHY_AFTER: Final = 2
+DEFAULT_HEALTHY_AFTER: Final = 1
+DEFAULT_MAX_RETRIES: Final = 2
 
 COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
 REQUEST_ID_HEADER: Final = "X-Request-Id"
@@ -103,6 +115,13 @@ class ConfigError(ValueError):
     """A flag's value is unusable; the message names the flag and the value."""
 
 
+class Policy(enum.StrEnum):
+    """How a stage picks among its usable targets."""
+
+    ROUND_ROBIN = "round_robin"  # the seed's exact rotation
+    LEAST_LOADED = "least_loaded"  # fewest requests this proxy has in flight there
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillSpec:
     """One prefill instance as configured: its OpenAI server and its bootstrap server."""
@@ -133,8 +152,15 @@ class ProxyConfig:
     prefill_timeout: float | None = DEFAULT_PREFILL_TIMEOUT
     # 0: no cap; each open stream holds one upstream connection.
     max_connections: int = 0
+    health_interval: float = DEFAULT_HEALTH_INTERVAL
     discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL
-    discovery_timeout: float = DEFAULT_DISCOVERY_TIMEOUT
+    health_timeout: float = DEFAULT_HEALTH_TIMEOUT
+    unhealthy_after: int = DEFAULT_UNHEALTHY_AFTER
+    healthy_after: int = DEFAULT_HEALTHY_AFTER
+    # Retries of a leg that could not connect, per client request, before it fails.
+    max_retries: int = DEFAULT_MAX_RETRIES
+    prefill_policy: Policy = Policy.LEAST_LOADED
+    decode_policy: Policy = Policy.LEAST_LOADED
 
     def upstream_timeout(self, total: float | None) -> aiohttp.ClientTimeout:
         """A per-call timeout that keeps the connect limit (a ClientTimeout replaces, not adds)."""
@@ -151,11 +177,16 @@ class ProxyConfig:
             raise ConfigError("--max-request-bytes must be at least 1")
         if self.max_connections < 0:
             raise ConfigError("--max-connections must be 0 (no cap) or more")
+        if self.max_retries < 0:
+            raise ConfigError("--max-retries must be 0 or more")
+        if self.unhealthy_after < 1 or self.healthy_after < 1:
+            raise ConfigError("--unhealthy-after and --healthy-after must be at least 1")
         for flag, value in (
             ("--connect-timeout", self.connect_timeout),
             ("--keepalive-timeout", self.keepalive_timeout),
+            ("--health-interval", self.health_interval),
             ("--discovery-interval", self.discovery_interval),
-            ("--discovery-timeout", self.discovery_timeout),
+            ("--health-timeout", self.health_timeout),
         ):
             if not value > 0:
                 raise ConfigError(f"{flag} must be a positive number of seconds")
@@ -276,91 +307,216 @@ def route_urls(base: URL) -> dict[str, URL]:
     return {path: base.with_path(path) for path in (*COMPLETION_PATHS, "/v1/models", "/health")}
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillEngine:
-    """One data-parallel rank of a prefill instance: what a decode names as its KV source."""
+class Backend:
+    """An upstream instance's place in the rotation, moved by health checks and refusals.
 
-    url: URL
-    routes: Mapping[str, URL]
-    bootstrap_addr: str
-    dp_rank: int
-    engine_id: str
+    It leaves at once when a live request finds its port refused, or after ``unhealthy_after``
+    failed checks in a row; it comes back after ``healthy_after`` good checks.
+    """
 
-
-class PrefillInstance:
-    """A prefill server, its bootstrap server and the engines discovered behind it."""
-
-    def __init__(self, spec: PrefillSpec) -> None:
-        self.spec = spec
-        self.routes = route_urls(spec.url)
-        self.query_url = spec.bootstrap.with_path("/query")
-        # Replaced as a whole tuple, never mutated: a request sees the old set or the new one.
-        self.engines: tuple[PrefillEngine, ...] = ()
-        self.last_error: str | None = None
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "url": str(self.spec.url),
-            "bootstrap": self.spec.bootstrap_addr,
-            "usable": bool(self.engines),
-            "engine_ids": [engine.engine_id for engine in self.engines],
-            "last_error": self.last_error,
-        }
-
-
-class DecodeInstance:
-    """A decode server (vLLM ``kv_consumer``); it runs no bootstrap server."""
+    role: ClassVar[str]
 
     def __init__(self, url: URL) -> None:
         self.url = url
         self.routes = route_urls(url)
+        self.usable = False
+        self.since = time.time()
+        self.last_error: str | None = None
+        self.failures = 0
+        self.passes = 0
+        self.in_flight = 0
+        # Set to check this instance now instead of at the next interval.
+        self.recheck = asyncio.Event()
+
+    def check_passed(self, healthy_after: int) -> bool:
+        """Count a good check; True if that brought the instance back into the rotation."""
+        self.failures = 0
+        self.passes += 1
+        if self.usable or self.passes < healthy_after:
+            return False
+        self.usable, self.since = True, time.time()
+        return True
+
+    def check_failed(self, error: str, unhealthy_after: int) -> bool:
+        """Count a failed check; True if that took the instance out of the rotation."""
+        self.passes = 0
+        self.failures += 1
+        self.last_error = error
+        if not self.usable or self.failures < unhealthy_after:
+            return False
+        self.usable, self.since = False, time.time()
+        return True
+
+    def refused(self, error: str) -> bool:
+        """A live request could not connect: out at once, and checked again right away."""
+        self.passes = 0
+        self.last_error = error
+        self.recheck.set()
+        if not self.usable:
+            return False
+        self.usable, self.since = False, time.time()
+        return True
 
     def status(self) -> dict[str, Any]:
-        return {"url": str(self.url), "usable": True}
+        return {
+            "url": str(self.url),
+            "usable": self.usable,
+            "since": datetime.fromtimestamp(self.since, UTC).isoformat(timespec="seconds"),
+            "last_error": self.last_error,
+            "in_flight": self.in_flight,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEngine:
+    """One data-parallel rank of a prefill instance: what a decode names as its KV source."""
+
+    instance: PrefillInstance = field(compare=False, repr=False)
+    dp_rank: int
+    engine_id: str
+
+    @property
+    def url(self) -> URL:
+        return self.instance.url
+
+    @property
+    def bootstrap_addr(self) -> str:
+        return self.instance.spec.bootstrap_addr
+
+
+class PrefillInstance(Backend):
+    """A prefill server (vLLM ``kv_producer``), its bootstrap server and its engines."""
+
+    role = "prefill"
+
+    def __init__(self, spec: PrefillSpec) -> None:
+        super().__init__(spec.url)
+        self.spec = spec
+        self.query_url = spec.bootstrap.with_path("/query")
+        # Replaced as a whole tuple, never mutated: a request sees the old set or the new one.
+        self.engines: tuple[PrefillEngine, ...] = ()
+
+    @property
+    def engine_ids(self) -> tuple[str, ...]:
+        return tuple(engine.engine_id for engine in self.engines)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            **super().status(),
+            "bootstrap": self.spec.bootstrap_addr,
+            "engine_ids": list(self.engine_ids),
+        }
+
+
+class DecodeInstance(Backend):
+    """A decode server (vLLM ``kv_consumer``); it runs no bootstrap server."""
+
+    role = "decode"
+
+
+def choose(
+    candidates: Sequence[T], turn: Iterator[int], policy: Policy, load: Callable[[T], int]
+) -> T:
+    """Round robin, or the least loaded with ties broken round robin.
+
+    The rotation advances on every pick either way, so requests arriving together spread
+    over equally loaded targets instead of piling onto the first.
+    """
+    count = len(candidates)
+    start = next(turn) % count
+    best = candidates[start]
+    if policy is Policy.ROUND_ROBIN:
+        return best
+    best_load = load(best)
+    for offset in range(1, count):
+        if best_load == 0:
+            break
+        candidate = candidates[(start + offset) % count]
+        if (candidate_load := load(candidate)) < best_load:
+            best, best_load = candidate, candidate_load
+    return best
 
 
 class Fleet:
-    """The configured instances and the round-robin cursors that pick among them."""
+    """The configured instances, which of them are usable, and what is in flight on each."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.prefills = tuple(PrefillInstance(spec) for spec in config.prefills)
         self.decodes = tuple(DecodeInstance(url) for url in config.decodes)
-        # Every (prefill instance, DP rank) pair in configuration order: the seed's rotation.
+        self.prefill_policy = config.prefill_policy
+        self.decode_policy = config.decode_policy
+        # Usable targets in configuration order; prefill engines are every (instance, DP rank)
+        # pair, the seed's rotation. Rebuilt on every change, read without locks.
         self._engines: tuple[PrefillEngine, ...] = ()
+        self._decodes: tuple[DecodeInstance, ...] = ()
+        self.engine_load: collections.Counter[str] = collections.Counter()
         self._prefill_turn = itertools.count()
         self._decode_turn = itertools.count()
 
     @property
     def ready(self) -> bool:
-        # The seed's rule: serve once every prefill has been discovered.
-        return all(instance.engines for instance in self.prefills)
-
-    def set_engines(self, instance: PrefillInstance, engine_ids: Sequence[str]) -> None:
-        instance.engines = tuple(
-            PrefillEngine(
-                url=instance.spec.url,
-                routes=instance.routes,
-                bootstrap_addr=instance.spec.bootstrap_addr,
-                dp_rank=rank,
-                engine_id=engine_id,
-            )
-            for rank, engine_id in enumerate(engine_ids)
-        )
-        instance.last_error = None
-        self._engines = tuple(itertools.chain.from_iterable(p.engines for p in self.prefills))
+        return bool(self._engines) and bool(self._decodes)
 
     @property
     def engine_count(self) -> int:
         return len(self._engines)
 
-    def next_prefill_engine(self) -> PrefillEngine:
-        engines = self._engines
-        if not engines:
-            raise ProxyError(503, "no prefill engine has been discovered yet")
-        return engines[next(self._prefill_turn) % len(engines)]
+    def refresh(self) -> None:
+        self._engines = tuple(
+            itertools.chain.from_iterable(p.engines for p in self.prefills if p.usable)
+        )
+        self._decodes = tuple(d for d in self.decodes if d.usable)
 
-    def next_decode(self) -> DecodeInstance:
-        return self.decodes[next(self._decode_turn) % len(self.decodes)]
+    def set_engines(self, instance: PrefillInstance, engine_ids: Sequence[str]) -> None:
+        instance.engines = tuple(
+            PrefillEngine(instance, rank, engine_id) for rank, engine_id in enumerate(engine_ids)
+        )
+        self.refresh()
+
+    def refused(self, backend: Backend, error: str) -> None:
+        if backend.refused(error):
+            log.warning("%s %s left the rotation: %s", backend.role, backend.url, error)
+            self.refresh()
+
+    # Picks claim their target at once, before any await, so that concurrent arrivals see
+    # each other's load; every claim is released when its leg ends.
+
+    def claim_prefill(self, avoid: Collection[PrefillInstance] = ()) -> PrefillEngine:
+        engines = self._engines
+        if avoid:
+            engines = tuple(e for e in engines if e.instance not in avoid)
+        if not engines:
+            raise ProxyError(503, "no usable prefill engine")
+        engine = choose(engines, self._prefill_turn, self.prefill_policy, self._engine_load)
+        self.engine_load[engine.engine_id] += 1
+        engine.instance.in_flight += 1
+        return engine
+
+    def release_prefill(self, engine: PrefillEngine) -> None:
+        self.engine_load[engine.engine_id] -= 1
+        if self.engine_load[engine.engine_id] <= 0:
+            del self.engine_load[engine.engine_id]
+        engine.instance.in_flight -= 1
+
+    def claim_decode(self, avoid: Collection[DecodeInstance] = ()) -> DecodeInstance:
+        decodes = self._decodes
+        if avoid:
+            decodes = tuple(d for d in decodes if d not in avoid)
+        if not decodes:
+            raise ProxyError(503, "no usable decode instance")
+        decode = choose(decodes, self._decode_turn, self.decode_policy, _in_flight)
+        decode.in_flight += 1
+        return decode
+
+    def release_decode(self, decode: DecodeInstance) -> None:
+        decode.in_flight -= 1
+
+    def _engine_load(self, engine: PrefillEngine) -> int:
+        return self.engine_load[engine.engine_id]
+
+
+def _in_flight(backend: Backend) -> int:
+    return backend.in_flight
 
 
 def parse_engine_ids(payload: object) -> tuple[str, ...]:
@@ -498,12 +654,27 @@ def upstream_headers(
 # --- upstream legs
 
 
+class Unreachable(ProxyError):
+    """A leg never reached its upstream: safe to try elsewhere, and a sign the host is down."""
+
+
+# Refused or reset connections and connect timeouts; not a slow answer, not an HTTP status.
+UNREACHABLE_ERRORS: Final = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ConnectionTimeoutError,
+)
+
+
 def transport_error(stage: str, url: URL, error: BaseException) -> ProxyError:
     """The one place that turns a failure to reach an upstream into the client's error."""
-    if isinstance(error, TimeoutError):
-        return ProxyError(504, f"{stage} {url} timed out")
+    status = 504 if isinstance(error, TimeoutError) else 502
     reason = str(error) or type(error).__name__
-    return ProxyError(502, f"{stage} {url} failed: {reason}")
+    if isinstance(error, UNREACHABLE_ERRORS):
+        return Unreachable(status, f"{stage} {url} unreachable: {reason}")
+    if isinstance(error, TimeoutError):
+        return ProxyError(status, f"{stage} {url} timed out")
+    return ProxyError(status, f"{stage} {url} failed: {reason}")
 
 
 def prefill_finish_problem(body: bytes) -> str | None:
@@ -525,23 +696,48 @@ def prefill_finish_problem(body: bytes) -> str | None:
     return None
 
 
+@dataclass(eq=False)
+class Exchange:
+    """One client request on its way through the PD flow, shared by its legs and retries."""
+
+    request: web.Request
+    config: ProxyConfig
+    fleet: Fleet
+    session: aiohttp.ClientSession
+    path: str
+    headers: dict[str, str]  # for both legs; X-Request-Id is set per attempt
+    response: web.StreamResponse
+    retries_left: int
+    failures: list[str] = field(default_factory=list)
+
+    def retry_after(self, failure: ProxyError) -> bool:
+        """Record a failed leg; True if the request may try again elsewhere."""
+        self.failures.append(failure.message)
+        if self.retries_left <= 0:
+            return False
+        self.retries_left -= 1
+        return True
+
+    def exhausted(self, failure: ProxyError) -> ProxyError:
+        if len(self.failures) <= 1:
+            return failure
+        tried = "; ".join(self.failures)
+        return ProxyError(failure.status, f"{len(self.failures)} attempts failed: {tried}")
+
+
 async def send_prefill(
-    session: aiohttp.ClientSession,
-    engine: PrefillEngine,
-    path: str,
-    payload: bytes,
-    headers: Mapping[str, str],
-    limits: aiohttp.ClientTimeout,
+    ex: Exchange, engine: PrefillEngine, payload: bytes, request_id: str
 ) -> None:
     """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
-    url = engine.routes[path]
-    where = f"prefill {engine.url} rank {engine.dp_rank}"
+    url = engine.instance.routes[ex.path]
+    where = f"prefill rank {engine.dp_rank}"
+    headers = {**ex.headers, REQUEST_ID_HEADER: request_id, DP_RANK_HEADER: str(engine.dp_rank)}
     try:
-        async with session.post(
+        async with ex.session.post(
             url,
             data=payload,
-            headers={**headers, DP_RANK_HEADER: str(engine.dp_rank)},
-            timeout=limits,
+            headers=headers,
+            timeout=ex.config.upstream_timeout(ex.config.prefill_timeout),
         ) as upstream:
             # Read to the end so the connection goes back to the pool.
             body = await upstream.read()
@@ -550,6 +746,8 @@ async def send_prefill(
     except (aiohttp.ClientError, TimeoutError) as error:
         raise transport_error(where, url, error) from None
     if not 200 <= status < 300:
+        if status >= 500:
+            engine.instance.recheck.set()
         raise ProxyError.from_upstream(where, url, status, body, ctype)
     if problem := prefill_finish_problem(body):
         raise ProxyError(502, f"{where} {problem}")
@@ -559,14 +757,46 @@ class DecodeStreamBroken(ProxyError):
     """The decode failed after its answer began; only an in-band error can still be sent."""
 
 
+@dataclass(eq=False)
+class DecodeClaim:
+    """The decode instance one attempt holds a claim on; it changes when the leg moves."""
+
+    decode: DecodeInstance
+
+
+async def open_decode(
+    ex: Exchange, claim: DecodeClaim, payload: bytes, headers: Mapping[str, str]
+) -> aiohttp.ClientResponse:
+    """Send the decode leg, moving to another decode while they cannot be reached.
+
+    The prefill's KV waits for whoever pulls its ``transfer_id``, so the same body can go to
+    any decode.
+    """
+    tried: set[DecodeInstance] = set()
+    while True:
+        decode = claim.decode
+        url = decode.routes[ex.path]
+        try:
+            return await ex.session.post(url, data=payload, headers=headers)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            failure = transport_error("decode", url, error)
+            if not isinstance(failure, Unreachable):
+                raise failure from None
+        ex.fleet.refused(decode, failure.message)
+        tried.add(decode)
+        if not ex.retry_after(failure):
+            raise ex.exhausted(failure)
+        try:
+            next_decode = ex.fleet.claim_decode(avoid=tried)
+        except ProxyError:
+            raise ex.exhausted(failure) from None
+        ex.fleet.release_decode(decode)
+        claim.decode = next_decode
+        log.info("decode %s unreachable, trying %s", url, next_decode.url)
+
+
 async def relay_decode(
-    session: aiohttp.ClientSession,
-    decode: DecodeInstance,
-    path: str,
-    payload: bytes,
-    headers: Mapping[str, str],
-    request: web.Request,
-    response: web.StreamResponse,
+    ex: Exchange, engine: PrefillEngine, claim: DecodeClaim, payload: bytes, request_id: str
 ) -> None:
     """The decode leg: pass its status, content type and bytes to the client as they come.
 
@@ -574,10 +804,16 @@ async def relay_decode(
     sends 200 before its KV arrives, and until real bytes flow a prefill failure can still be
     answered with the prefill's own status.
     """
-    url = decode.routes[path]
+    response = ex.response
+    headers = {**ex.headers, REQUEST_ID_HEADER: request_id}
+    upstream = await open_decode(ex, claim, payload, headers)
+    url = upstream.url
     try:
-        async with session.post(url, data=payload, headers=headers) as upstream:
+        async with upstream:
             if upstream.status >= 400:
+                if upstream.status >= 500:
+                    # A stale engine id answers 500 at once: check the prefill again now.
+                    engine.instance.recheck.set()
                 body = await upstream.read()
                 ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "")
                 raise ProxyError.from_upstream("decode", url, upstream.status, body, ctype)
@@ -585,19 +821,16 @@ async def relay_decode(
             response.headers[hdrs.CONTENT_TYPE] = upstream.headers.get(
                 hdrs.CONTENT_TYPE, "application/octet-stream"
             )
-            try:
-                # iter_any yields whatever bytes arrived, as they arrived: no re-chunking.
-                async for chunk in upstream.content.iter_any():
-                    if not response.prepared:
-                        await response.prepare(request)
-                    await response.write(chunk)
-            except (aiohttp.ClientError, TimeoutError) as error:
-                broken = transport_error("decode", url, error)
-                raise DecodeStreamBroken(broken.status, broken.message) from None
+            # iter_any yields whatever bytes arrived, as they arrived: no re-chunking.
+            async for chunk in upstream.content.iter_any():
+                if not response.prepared:
+                    await response.prepare(ex.request)
+                await response.write(chunk)
     except (aiohttp.ClientError, TimeoutError) as error:
-        raise transport_error("decode", url, error) from None
+        broken = transport_error("decode", url, error)
+        raise DecodeStreamBroken(broken.status, broken.message) from None
     if not response.prepared:
-        await response.prepare(request)
+        await response.prepare(ex.request)
     await response.write_eof()
 
 
@@ -607,34 +840,76 @@ def task_error(task: asyncio.Task[None]) -> BaseException | None:
     return task.exception()
 
 
-async def run_pd_request(
-    request: web.Request, body: dict[str, Any], request_id: str, path: str
-) -> web.StreamResponse:
-    """One PD request: choose, rewrite, send both legs at once, answer from whichever decides."""
-    app = request.app
-    config, fleet, session = app[CONFIG_KEY], app[FLEET_KEY], app[SESSION_KEY]
-    engine = fleet.next_prefill_engine()
-    decode = fleet.next_decode()
-    transfer_id = transfer_id_for(request_id)
-    headers = upstream_headers(request.headers, request_id, config.upstream_api_key)
-    prefill_payload = encode_json(prefill_body(body, transfer_id))
-    decode_payload = encode_json(decode_body(body, engine, transfer_id))
-    log.debug(
-        "request %s: prefill %s rank %d, decode %s",
-        request_id,
-        engine.url,
-        engine.dp_rank,
-        decode.url,
-    )
+class RetryPrefill(Exception):
+    """The prefill was unreachable before anything reached the client: start the pair anew."""
 
-    prefill_timeout = config.upstream_timeout(config.prefill_timeout)
-    response = web.StreamResponse(headers={REQUEST_ID_HEADER: request_id})
-    prefill = asyncio.create_task(
-        send_prefill(session, engine, path, prefill_payload, headers, prefill_timeout)
+
+async def run_pd_request(
+    request: web.Request, body: dict[str, Any], request_id: str, client_request_id: str | None
+) -> web.StreamResponse:
+    """One PD request: choose, rewrite, send both legs at once, answer from whichever decides.
+
+    A prefill that cannot be reached is retried on another prefill instance with a new
+    ``transfer_id`` (the decode that waited for the old one is cancelled); a decode that cannot
+    be reached is retried on another decode inside the decode leg.
+    """
+    app = request.app
+    config, fleet = app[CONFIG_KEY], app[FLEET_KEY]
+    ex = Exchange(
+        request=request,
+        config=config,
+        fleet=fleet,
+        session=app[SESSION_KEY],
+        path=request.path,
+        headers=upstream_headers(request.headers, request_id, config.upstream_api_key),
+        response=web.StreamResponse(),
+        retries_left=config.max_retries,
     )
-    relay = asyncio.create_task(
-        relay_decode(session, decode, path, decode_payload, headers, request, response)
-    )
+    tried: set[PrefillInstance] = set()
+    failure: ProxyError | None = None
+    while True:
+        try:
+            engine = fleet.claim_prefill(avoid=tried)
+        except ProxyError:
+            if failure is None:
+                raise
+            raise ex.exhausted(failure) from None  # no other prefill left to try
+        try:
+            return await run_pd_attempt(ex, body, engine, request_id)
+        except RetryPrefill as retry:
+            (failure,) = retry.args
+            fleet.refused(engine.instance, failure.message)
+            tried.add(engine.instance)
+            if not ex.retry_after(failure):
+                raise ex.exhausted(failure) from None
+            request_id = mint_request_id(client_request_id)
+            log.info("%s; retrying as request %s", failure.message, request_id)
+
+
+async def run_pd_attempt(
+    ex: Exchange, body: dict[str, Any], engine: PrefillEngine, request_id: str
+) -> web.StreamResponse:
+    """One try of the pair of legs, on a prefill engine already claimed."""
+    fleet, response = ex.fleet, ex.response
+    transfer_id = transfer_id_for(request_id)
+    try:
+        prefill_payload = encode_json(prefill_body(body, transfer_id))
+        decode_payload = encode_json(decode_body(body, engine, transfer_id))
+        claim = DecodeClaim(fleet.claim_decode())
+    except BaseException:
+        fleet.release_prefill(engine)
+        raise
+    response.headers[REQUEST_ID_HEADER] = request_id
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "request %s: prefill %s rank %d, decode %s",
+            *(request_id, engine.url, engine.dp_rank, claim.decode.url),
+        )
+    # Claims are released by done callbacks: they run even for a task cancelled unstarted.
+    prefill = asyncio.create_task(send_prefill(ex, engine, prefill_payload, request_id))
+    prefill.add_done_callback(lambda _: fleet.release_prefill(engine))
+    relay = asyncio.create_task(relay_decode(ex, engine, claim, decode_payload, request_id))
+    relay.add_done_callback(lambda _: fleet.release_decode(claim.decode))
     try:
         done, _ = await asyncio.wait((prefill, relay), return_when=asyncio.FIRST_COMPLETED)
         if relay not in done and task_error(prefill) is not None:
@@ -646,9 +921,11 @@ async def run_pd_request(
             # A failed prefill is the root cause of whatever the decode then did.
             error = prefill_error or decode_error
             assert error is not None
-            return await fail_request(request, response, error)
+            if isinstance(error, Unreachable) and error is prefill_error and not response.prepared:
+                raise RetryPrefill(error)
+            return await fail_request(ex.request, response, error)
         if not prefill.done():
-            watch_lingering_prefill(app, prefill, request_id)
+            watch_lingering_prefill(ex.request.app, prefill, request_id)
         elif prefill_error is not None:
             log.warning(
                 "request %s: prefill failed after decode finished: %s", request_id, prefill_error
@@ -731,33 +1008,78 @@ async def query_engine_ids(
     return engine_ids
 
 
-async def discover_prefill(app: web.Application, instance: PrefillInstance) -> None:
+async def check_decode(
+    session: aiohttp.ClientSession, decode: DecodeInstance, limits: aiohttp.ClientTimeout
+) -> None:
+    url = decode.routes["/health"]
+    try:
+        async with session.get(url, timeout=limits) as health:
+            await health.read()
+            status = health.status
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise ValueError(transport_error("health check", url, error).message) from None
+    if not 200 <= status < 300:
+        raise ValueError(f"{url} answered {status}")
+
+
+async def check_backend(app: web.Application, backend: Backend) -> None:
+    """One health check; moves the backend in or out of the rotation and says so once."""
     config, fleet, session = app[CONFIG_KEY], app[FLEET_KEY], app[SESSION_KEY]
-    while True:
-        try:
-            engine_ids = await query_engine_ids(
-                session, instance, config.upstream_timeout(config.discovery_timeout)
-            )
-        except ValueError as error:
-            instance.last_error = str(error)
-            log.warning("prefill %s not discovered yet: %s", instance.spec.url, error)
-            await asyncio.sleep(config.discovery_interval)
-            continue
-        fleet.set_engines(instance, engine_ids)
-        log.info(
-            "prefill %s discovered: %d DP rank(s), engine ids %s",
-            instance.spec.url,
-            len(engine_ids),
-            ", ".join(engine_ids),
-        )
+    limits = config.upstream_timeout(config.health_timeout)
+    try:
+        if isinstance(backend, PrefillInstance):
+            engine_ids = await query_engine_ids(session, backend, limits)
+        else:
+            assert isinstance(backend, DecodeInstance)
+            await check_decode(session, backend, limits)
+    except ValueError as failure:
+        error = str(failure)
+        repeated = error == backend.last_error
+        if backend.check_failed(error, config.unhealthy_after):
+            log.warning("%s %s left the rotation: %s", backend.role, backend.url, error)
+            fleet.refresh()
+        elif not repeated:
+            log.warning("%s %s check failed: %s", backend.role, backend.url, error)
         return
+    if isinstance(backend, PrefillInstance) and engine_ids != backend.engine_ids:
+        if backend.engines:
+            log.warning(
+                "prefill %s engine ids changed (restarted?): %s -> %s",
+                *(backend.url, ", ".join(backend.engine_ids), ", ".join(engine_ids)),
+            )
+        # Swapped in one assignment: no request after this names an old engine id.
+        fleet.set_engines(backend, engine_ids)
+    if backend.check_passed(config.healthy_after):
+        fleet.refresh()
+        extra = ""
+        if isinstance(backend, PrefillInstance):
+            extra = (
+                f": {len(backend.engines)} DP rank(s), engine ids {', '.join(backend.engine_ids)}"
+            )
+        log.info("%s %s is usable%s", backend.role, backend.url, extra)
 
 
-async def discover_fleet(app: web.Application) -> None:
+async def watch_backend(app: web.Application, backend: Backend) -> None:
+    """Check one instance forever: often while it is out of the rotation, calmly while in."""
+    config = app[CONFIG_KEY]
+    while True:
+        backend.recheck.clear()
+        try:
+            await check_backend(app, backend)
+        except Exception:  # a bug must not end the checks of this instance
+            log.exception("checking %s %s failed", backend.role, backend.url)
+        interval = config.health_interval if backend.usable else config.discovery_interval
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval):
+                await backend.recheck.wait()
+
+
+async def watch_fleet(app: web.Application) -> None:
     fleet = app[FLEET_KEY]
-    # Side by side: one slow or dead prefill must not delay finding the others.
-    await asyncio.gather(*(discover_prefill(app, instance) for instance in fleet.prefills))
-    log.info("ready: %d prefill engine(s) discovered", fleet.engine_count)
+    # Side by side, each with its own timeout: one slow or dead host never delays the others.
+    await asyncio.gather(
+        *(watch_backend(app, backend) for backend in (*fleet.prefills, *fleet.decodes))
+    )
 
 
 # --- HTTP handlers
@@ -781,17 +1103,20 @@ async def read_body(request: web.Request) -> bytes:
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
-    request_id = mint_request_id(request.headers.get(REQUEST_ID_HEADER))
+    client_request_id = request.headers.get(REQUEST_ID_HEADER)
+    request_id = mint_request_id(client_request_id)
     request[REQUEST_ID_KEY] = request_id
     require_ready(request)
     body = parse_request_json(await read_body(request))
-    return await run_pd_request(request, body, request_id, request.path)
+    return await run_pd_request(request, body, request_id, client_request_id)
 
 
 async def handle_models(request: web.Request) -> web.Response:
     fleet = require_ready(request)
     config, session = request.app[CONFIG_KEY], request.app[SESSION_KEY]
-    url = fleet.next_decode().routes["/v1/models"]
+    decode = fleet.claim_decode()
+    fleet.release_decode(decode)  # a quick read: not worth counting as load
+    url = decode.routes["/v1/models"]
     headers = {}
     if config.upstream_api_key:
         headers[hdrs.AUTHORIZATION] = f"Bearer {config.upstream_api_key}"
@@ -885,7 +1210,7 @@ async def client_session_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def discovery_ctx(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(discover_fleet(app))
+    task = asyncio.create_task(watch_fleet(app))
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -1000,16 +1325,58 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap on open upstream connections; 0 for none (each stream holds one)",
     )
     parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=DEFAULT_HEALTH_INTERVAL,
+        help="seconds between checks of a usable instance (prefill: /health and its bootstrap "
+        "/query, picking up new engine ids; decode: /health)",
+    )
+    parser.add_argument(
         "--discovery-interval",
         type=float,
         default=DEFAULT_DISCOVERY_INTERVAL,
-        help="seconds between discovery attempts of a prefill not yet discovered",
+        help="seconds between checks of an instance out of the rotation (not yet discovered, "
+        "or down)",
     )
     parser.add_argument(
-        "--discovery-timeout",
+        "--health-timeout",
         type=float,
-        default=DEFAULT_DISCOVERY_TIMEOUT,
-        help="seconds each health check or bootstrap query may take",
+        default=DEFAULT_HEALTH_TIMEOUT,
+        help="seconds one health check or bootstrap query may take",
+    )
+    parser.add_argument(
+        "--unhealthy-after",
+        type=int,
+        default=DEFAULT_UNHEALTHY_AFTER,
+        help="failed checks in a row that take an instance out of the rotation (a refused "
+        "connection on a live request takes it out at once)",
+    )
+    parser.add_argument(
+        "--healthy-after",
+        type=int,
+        default=DEFAULT_HEALTHY_AFTER,
+        help="good checks in a row that bring an instance back",
+    )
+    parser.add_argument(
+        "--max-retries",
+        type=int,
+        default=DEFAULT_MAX_RETRIES,
+        help="per request, how many times a leg that could not connect is tried elsewhere "
+        "(never after bytes reached the client, never for an upstream's own answer)",
+    )
+    policies = [policy.value for policy in Policy]
+    parser.add_argument(
+        "--policy",
+        choices=policies,
+        default=Policy.LEAST_LOADED.value,
+        help="how both stages pick a target: least_loaded (fewest requests in flight from "
+        "this proxy, ties round robin) or round_robin",
+    )
+    parser.add_argument(
+        "--prefill-policy", choices=policies, help="--policy for the prefill stage only"
+    )
+    parser.add_argument(
+        "--decode-policy", choices=policies, help="--policy for the decode stage only"
     )
     parser.add_argument(
         "--log-level",
@@ -1043,8 +1410,14 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         request_timeout=args.request_timeout or None,
         prefill_timeout=args.prefill_timeout or None,
         max_connections=args.max_connections,
+        health_interval=args.health_interval,
         discovery_interval=args.discovery_interval,
-        discovery_timeout=args.discovery_timeout,
+        health_timeout=args.health_timeout,
+        unhealthy_after=args.unhealthy_after,
+        healthy_after=args.healthy_after,
+        max_retries=args.max_retries,
+        prefill_policy=Policy(args.prefill_policy or args.policy),
+        decode_policy=Policy(args.decode_policy or args.policy),
     )
 
 

@@ -47,16 +47,28 @@ class Cluster:
     decodes: list[FakeVllm]
     config: mp.ProxyConfig
     client: TestClient[web.Request, web.Application]
+    aiohttp_server: Any
+    api_servers: dict[int, TestServer]  # by id() of the fake
 
     def prefill_requests(self) -> list[tuple[int, Any]]:
         return [(i, r) for i, fake in enumerate(self.prefills) for r in fake.requests]
+
+    async def kill(self, fake: FakeVllm) -> None:
+        """The API server goes away: its port refuses connections (the bootstrap stays)."""
+        await self.api_servers.pop(id(fake)).close()
+
+    async def start_again(self, fake: FakeVllm, new_engine_ids: bool = True) -> None:
+        if new_engine_ids:
+            fake.restart()
+        port = int(fake.api_url.rsplit(":", 1)[1])
+        self.api_servers[id(fake)] = await serve(self.aiohttp_server, fake.api_app(), port=port)
 
 
 StartCluster = Callable[..., Awaitable[Cluster]]
 
 
-async def serve(aiohttp_server: Any, app: web.Application) -> TestServer:
-    server: TestServer = await aiohttp_server(app)
+async def serve(aiohttp_server: Any, app: web.Application, port: int | None = None) -> TestServer:
+    server: TestServer = await aiohttp_server(app, port=port)
     return server
 
 
@@ -68,14 +80,17 @@ def start_cluster(aiohttp_server: Any, aiohttp_client: Any) -> StartCluster:
         wait_ready: bool = True,
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
+        each_prefill: tuple[dict[str, Any], ...] = (),
         **config: Any,
     ) -> Cluster:
-        prefills, specs = [], []
-        for dp_size in prefill_dp:
-            fake = FakeVllm("prefill", dp_size=dp_size, **(prefill or {}))
+        prefills, specs, api_servers = [], [], {}
+        for index, dp_size in enumerate(prefill_dp):
+            own = each_prefill[index] if index < len(each_prefill) else {}
+            fake = FakeVllm("prefill", dp_size=dp_size, **{**(prefill or {}), **own})
             api = await serve(aiohttp_server, fake.api_app())
             bootstrap = await serve(aiohttp_server, fake.bootstrap_app())
             fake.api_url = f"http://127.0.0.1:{api.port}"
+            api_servers[id(fake)] = api
             prefills.append(fake)
             specs.append(
                 mp.PrefillSpec(
@@ -88,6 +103,7 @@ def start_cluster(aiohttp_server: Any, aiohttp_client: Any) -> StartCluster:
             fake = FakeVllm("decode", kv_timeout=KV_TIMEOUT, **(decode or {}))
             api = await serve(aiohttp_server, fake.api_app())
             fake.api_url = f"http://127.0.0.1:{api.port}"
+            api_servers[id(fake)] = api
             decode_fakes.append(fake)
             decode_urls.append(URL(fake.api_url))
         config.setdefault("discovery_interval", 0.02)
@@ -95,14 +111,18 @@ def start_cluster(aiohttp_server: Any, aiohttp_client: Any) -> StartCluster:
         client = await aiohttp_client(mp.create_app(proxy_config))
         if wait_ready:
             await wait_ready_(client)
-        return Cluster(prefills, decode_fakes, proxy_config, client)
+        return Cluster(prefills, decode_fakes, proxy_config, client, aiohttp_server, api_servers)
 
     return start
 
 
 async def wait_ready_(client: TestClient[web.Request, web.Application]) -> None:
+    """Until every configured instance is in the rotation (readiness needs only one each)."""
+    fleet = client.app[mp.FLEET_KEY]
     async with asyncio.timeout(FAST):
-        while (await client.get("/health")).status != 200:
+        while (await client.get("/health")).status != 200 or not all(
+            backend.usable for backend in (*fleet.prefills, *fleet.decodes)
+        ):
             await asyncio.sleep(0.01)
 
 
@@ -179,13 +199,8 @@ def test_prefill_body_adds_max_completion_tokens_only_where_present() -> None:
 
 
 def test_decode_body_names_the_chosen_engine_and_keeps_stream_flags() -> None:
-    engine = mp.PrefillEngine(
-        url=URL("http://p:1"),
-        routes={},
-        bootstrap_addr="http://[::1]:8998",
-        dp_rank=1,
-        engine_id="e_dp1",
-    )
+    instance = mp.PrefillInstance(mp.PrefillSpec(URL("http://p:1"), URL("http://[::1]:8998")))
+    engine = mp.PrefillEngine(instance, dp_rank=1, engine_id="e_dp1")
     body = chat(stream=True, stream_options={"include_usage": True}, kv_transfer_params={"x": 1})
     decode = mp.decode_body(body, engine, "xfer-1")
     assert decode["stream"] is True and decode["stream_options"] == {"include_usage": True}
@@ -265,13 +280,17 @@ def test_round_robin_visits_every_prefill_rank_in_order_then_wraps() -> None:
             mp.PrefillSpec(URL("http://b:1"), URL("http://b:8998")),
         ),
         decodes=(URL("http://d1:1"), URL("http://d2:1")),
+        prefill_policy=mp.Policy.ROUND_ROBIN,
+        decode_policy=mp.Policy.ROUND_ROBIN,
     )
     fleet = mp.Fleet(config)
+    for backend in (*fleet.prefills, *fleet.decodes):
+        backend.check_passed(healthy_after=1)
     fleet.set_engines(fleet.prefills[1], ["b0"])
     fleet.set_engines(fleet.prefills[0], ["a0", "a1"])
+    # Load does not matter to round robin: claims are never released here.
     picks = [
-        (str(e.url), e.dp_rank, e.engine_id)
-        for e in (fleet.next_prefill_engine() for _ in range(7))
+        (str(e.url), e.dp_rank, e.engine_id) for e in (fleet.claim_prefill() for _ in range(7))
     ]
     assert picks == [
         ("http://a:1", 0, "a0"),
@@ -282,7 +301,7 @@ def test_round_robin_visits_every_prefill_rank_in_order_then_wraps() -> None:
         ("http://b:1", 0, "b0"),
         ("http://a:1", 0, "a0"),
     ]
-    assert [str(fleet.next_decode().url) for _ in range(3)] == [
+    assert [str(fleet.claim_decode().url) for _ in range(3)] == [
         "http://d1:1",
         "http://d2:1",
         "http://d1:1",
@@ -392,7 +411,9 @@ def test_version_and_help() -> None:
 # --- readiness, discovery, health endpoints
 
 
-async def test_not_ready_until_every_prefill_is_discovered(start_cluster: StartCluster) -> None:
+async def test_not_ready_until_a_prefill_and_a_decode_are_usable(
+    start_cluster: StartCluster,
+) -> None:
     cluster = await start_cluster(
         prefill_dp=(1, 2), wait_ready=False, prefill={"bootstrap_not_ready": 30}
     )
@@ -417,28 +438,37 @@ async def test_not_ready_until_every_prefill_is_discovered(start_cluster: StartC
     assert payload["ready"] is True
     assert [p["engine_ids"] for p in payload["prefill"]] == [f.engine_ids for f in cluster.prefills]
     assert all(p["usable"] for p in payload["prefill"])
-    assert payload["decode"] == [{"url": cluster.decodes[0].api_url, "usable": True}]
+    (decode,) = payload["decode"]
+    assert decode["url"] == cluster.decodes[0].api_url and decode["usable"] is True
+    assert decode["in_flight"] == 0 and "since" in decode
     assert (await client.get("/health")).status == 200
     # "{}" and 503 were both answered "not yet", and retried.
     assert all(f.query_count >= 30 for f in cluster.prefills)
 
 
-async def test_discovery_is_side_by_side_and_logs_each_failure(
+async def test_a_prefill_down_at_start_does_not_block_the_others(
     start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("WARNING", logger="mooncake_proxy")
-    cluster = await start_cluster(prefill_dp=(1, 1), wait_ready=False)
-    cluster.prefills[0].health_status = 503  # stuck: never healthy
-    await eventually(lambda: bool(cluster.client.app[mp.FLEET_KEY].prefills[1].engines))
+    cluster = await start_cluster(
+        prefill_dp=(1, 1), wait_ready=False, each_prefill=({"health_status": 503},)
+    )
+    await eventually(lambda: cluster.client.app[mp.FLEET_KEY].ready)
     payload = await (await cluster.client.get("/healthcheck")).json()
     stuck, found = payload["prefill"]
     assert not stuck["usable"] and "503" in stuck["last_error"]
     assert found["usable"] and found["engine_ids"] == cluster.prefills[1].engine_ids
-    assert payload["ready"] is False
-    assert any(
-        cluster.prefills[0].api_url in r.getMessage() and "503" in r.getMessage()
+    assert payload["ready"] is True
+    for _ in range(3):
+        assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    assert not cluster.prefills[0].requests
+    # Logged with the URL and the reason, once: not once per check.
+    failures = [
+        r
         for r in caplog.records
-    )
+        if cluster.prefills[0].api_url in r.getMessage() and "503" in r.getMessage()
+    ]
+    assert len(failures) == 1
     cluster.prefills[0].health_status = 200
     await wait_ready_(cluster.client)
 
@@ -716,25 +746,26 @@ async def test_eos_and_stop_strings_cannot_stop_the_prefill_early(
     assert answer["choices"][0]["finish_reason"] == "stop" and answer["choices"][0]["text"] == ""
 
 
-async def test_prefill_refused_fails_fast_naming_the_prefill(
-    start_cluster: StartCluster, aiohttp_server: Any
-) -> None:
+async def test_prefill_refused_fails_fast_naming_the_prefill(start_cluster: StartCluster) -> None:
     cluster = await start_cluster()
-    # Point the discovered engine at a port where nothing listens.
-    dead = f"http://127.0.0.1:{free_port()}"
-    fleet = cluster.client.app[mp.FLEET_KEY]
-    instance = fleet.prefills[0]
-    instance.routes = mp.route_urls(URL(dead))
-    instance.spec = mp.PrefillSpec(URL(dead), instance.spec.bootstrap)
-    fleet.set_engines(instance, cluster.prefills[0].engine_ids)
-    for stream in (False, True):
-        async with asyncio.timeout(FAST):
-            response = await cluster.client.post(COMPLETIONS, json=completion(stream=stream))
-            payload = await response.json()
-        assert response.status == 502
-        assert_openai_error(payload, 502)
-        assert dead in payload["error"]["message"] and "prefill" in payload["error"]["message"]
+    (prefill,) = cluster.prefills
+    await cluster.kill(prefill)
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+        payload = await response.json()
+    assert response.status == 502
+    assert_openai_error(payload, 502)
+    assert prefill.api_url in payload["error"]["message"]
+    assert "prefill" in payload["error"]["message"]
     await eventually(lambda: cluster.decodes[0].running == 0)
+    # It left the rotation at once: the next request is told so without trying it.
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion())
+    assert response.status == 503
+    assert_openai_error(await response.json(), 503)
+    await cluster.start_again(prefill, new_engine_ids=False)
+    await wait_ready_(cluster.client)
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
 
 
 async def test_prefill_timeout_is_a_504(start_cluster: StartCluster) -> None:
@@ -786,10 +817,8 @@ async def test_decode_error_reaches_client_and_cancels_the_prefill(
 
 async def test_decode_refused_is_a_502_naming_the_decode(start_cluster: StartCluster) -> None:
     cluster = await start_cluster(prefill={"delay": 5})
-    dead = f"http://127.0.0.1:{free_port()}"
-    fleet = cluster.client.app[mp.FLEET_KEY]
-    fleet.decodes[0].url = URL(dead)
-    fleet.decodes[0].routes = mp.route_urls(URL(dead))
+    dead = cluster.decodes[0].api_url
+    await cluster.kill(cluster.decodes[0])
     async with asyncio.timeout(FAST):
         response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
         payload = await response.json()
@@ -1010,4 +1039,269 @@ async def test_daemon_serves_a_stream_end_to_end(aiohttp_server: Any) -> None:
         _, stderr = await process.communicate()
     assert process.returncode == 0
     log = stderr.decode()
-    assert "discovered" in log and "Traceback" not in log
+    assert "is usable: 2 DP rank(s)" in log and "Traceback" not in log
+
+
+# --- a live fleet: health, re-discovery, failover, load-aware routing
+
+
+def fleet_of(cluster: Cluster) -> mp.Fleet:
+    return cluster.client.app[mp.FLEET_KEY]
+
+
+async def test_restarted_prefill_is_served_with_its_new_engine_ids(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="mooncake_proxy")
+    cluster = await start_cluster(health_interval=0.2)
+    (prefill,) = cluster.prefills
+    old_ids = prefill.engine_ids
+    prefill.restart()  # new engine ids, no downtime: only the bootstrap tells
+    started = time.monotonic()
+    await eventually(lambda: fleet_of(cluster).prefills[0].engine_ids == tuple(prefill.engine_ids))
+    assert time.monotonic() - started < 0.2 + 1.0
+    for _ in range(5):
+        assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    named = {r.body["kv_transfer_params"]["remote_engine_id"] for r in cluster.decodes[0].requests}
+    assert named == {prefill.engine_ids[0]}
+    assert any(
+        "engine ids changed" in r.getMessage() and old_ids[0] in r.getMessage()
+        for r in caplog.records
+    )
+
+
+async def test_a_stale_engine_id_triggers_an_immediate_recheck(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(health_interval=60)  # the timer alone would take a minute
+    (prefill,) = cluster.prefills
+    prefill.restart()
+    stale = await cluster.client.post(COMPLETIONS, json=completion())
+    assert stale.status == 500  # the decode does not know the old engine: vLLM's own answer
+    await eventually(lambda: fleet_of(cluster).prefills[0].engine_ids == tuple(prefill.engine_ids))
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_a_dead_instance_costs_no_request_once_known_dead(
+    start_cluster: StartCluster, role: str
+) -> None:
+    cluster = await start_cluster(prefill_dp=(1, 1), decodes=2, health_interval=0.05)
+    fakes = cluster.prefills if role == "prefill" else cluster.decodes
+    backends = fleet_of(cluster).prefills if role == "prefill" else fleet_of(cluster).decodes
+    await cluster.kill(fakes[0])
+    await eventually(lambda: not backends[0].usable)
+    payload = await (await cluster.client.get("/healthcheck")).json()
+    state = payload[role][0]
+    assert state["usable"] is False and "unreachable" in state["last_error"]
+    answers = [await cluster.client.post(COMPLETIONS, json=completion()) for _ in range(10)]
+    assert [a.status for a in answers] == [200] * 10
+    assert len(fakes[1].requests) == 10
+
+
+async def test_a_refused_decode_fails_over_to_another_decode(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(
+        decodes=2, health_interval=60, decode_policy=mp.Policy.ROUND_ROBIN
+    )
+    dead, alive = cluster.decodes
+    await cluster.kill(dead)
+    for stream in (False, True):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=stream))
+        assert response.status == 200, await response.text()
+        raw = await response.read()
+        assert raw == bytes(alive.sent[response.headers["X-Request-Id"]])
+    decode = fleet_of(cluster).decodes[0]
+    assert not decode.usable and decode.last_error and dead.api_url in decode.last_error
+    # The prefill ran once per request: the same transfer was pulled by the other decode.
+    assert len(cluster.prefills[0].requests) == 2
+    assert cluster.prefills[0].transfers_served == 2
+
+
+async def test_a_refused_prefill_is_retried_elsewhere_with_a_new_transfer_id(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(
+        prefill_dp=(1, 1), health_interval=60, prefill_policy=mp.Policy.ROUND_ROBIN
+    )
+    dead, alive = cluster.prefills
+    await cluster.kill(dead)
+    response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+    assert response.status == 200, await response.text()
+    await response.read()
+    (served,) = alive.requests
+    assert served.headers["X-Request-Id"] == response.headers["X-Request-Id"]
+    transfers = [r.body["kv_transfer_params"]["transfer_id"] for r in cluster.decodes[0].requests]
+    assert len(transfers) == 2 and len(set(transfers)) == 2  # the first decode was abandoned
+    assert transfers[1] == served.body["kv_transfer_params"]["transfer_id"]
+    await eventually(lambda: cluster.decodes[0].running == 0)
+    assert len(cluster.decodes[0].aborted) == 1
+    assert not fleet_of(cluster).prefills[0].usable
+
+
+async def test_retries_are_bounded_and_the_error_names_what_was_tried(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(decodes=4, health_interval=60, max_retries=2)
+    for fake in cluster.decodes[:3]:
+        await cluster.kill(fake)
+    fleet = fleet_of(cluster)
+    # Make the three dead ones come first.
+    fleet.decode_policy = mp.Policy.ROUND_ROBIN
+    response = await cluster.client.post(COMPLETIONS, json=completion())
+    assert response.status == 502
+    message = (await response.json())["error"]["message"]
+    assert message.startswith("3 attempts failed")
+    for fake in cluster.decodes[:3]:
+        assert fake.api_url in message
+    assert not cluster.decodes[3].requests  # a third retry was not made
+
+
+async def test_an_upstream_4xx_is_never_retried(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(prefill_dp=(1, 1), prefill={"fail_status": 400})
+    response = await cluster.client.post(COMPLETIONS, json=completion())
+    assert response.status == 400
+    assert len(cluster.prefills[0].requests) + len(cluster.prefills[1].requests) == 1
+    assert all(b.usable for b in fleet_of(cluster).prefills)
+
+
+async def test_no_retry_once_bytes_reached_the_client(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(
+        prefill_dp=(1, 1),
+        prefill_policy=mp.Policy.ROUND_ROBIN,
+        each_prefill=({"drop_after": 0.3},),
+        decode={"keepalive_first": True},
+    )
+    response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+    raw = await response.read()
+    assert raw.startswith(b": keep-alive\n\n")
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 502)
+    assert not cluster.prefills[1].requests
+
+
+async def test_least_loaded_sends_new_requests_to_the_idle_decode(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(decodes=2)
+    slow, fast = cluster.decodes
+    slow.token_delay = 0.5
+    # Four long streams: ties go round robin, so two land on each decode.
+    streams = [
+        asyncio.create_task(
+            cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=20))
+        )
+        for _ in range(4)
+    ]
+    await eventually(lambda: len(slow.requests) == 2 and len(fast.requests) == 2)
+    await eventually(lambda: fast.running == 0)  # the fast ones are done
+    assert slow.running == 2
+    for _ in range(10):
+        assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    assert len(fast.requests) == 2 + 10  # round robin would have sent five to the busy one
+    for task in streams:
+        task.cancel()
+
+
+async def test_simultaneous_arrivals_spread_over_equal_targets(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(prefill_dp=(2,), decodes=2, decode={"token_delay": 0.05})
+    async with asyncio.timeout(FAST * 2):
+        answers = await asyncio.gather(
+            *(cluster.client.post(COMPLETIONS, json=completion(stream=True)) for _ in range(20))
+        )
+        for answer in answers:
+            await answer.read()
+    assert [len(d.requests) for d in cluster.decodes] == [10, 10]
+    ranks = [r.headers["X-data-parallel-rank"] for r in cluster.prefills[0].requests]
+    assert sorted(ranks) == ["0"] * 10 + ["1"] * 10
+
+
+async def test_a_busy_instance_is_not_flapped_out(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="mooncake_proxy")
+    cluster = await start_cluster(
+        decodes=1,
+        health_interval=0.02,
+        health_timeout=1.0,
+        unhealthy_after=1,
+        decode={"health_delay": 0.3, "token_delay": 0.01},
+        prefill={"health_delay": 0.3},
+    )
+    fleet = fleet_of(cluster)
+    seen_unusable = False
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        batch = [cluster.client.post(COMPLETIONS, json=completion(stream=True)) for _ in range(8)]
+        answers = await asyncio.gather(*batch)
+        assert [a.status for a in answers] == [200] * 8
+        seen_unusable |= not all(b.usable for b in (*fleet.prefills, *fleet.decodes))
+    assert not seen_unusable
+    assert cluster.decodes[0].health_count >= 3
+    assert not [r for r in caplog.records if "left the rotation" in r.getMessage()]
+
+
+async def test_an_instance_comes_back_after_enough_good_checks(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(
+        decodes=2, health_interval=0.05, discovery_interval=0.05, healthy_after=3
+    )
+    fleet = fleet_of(cluster)
+    await cluster.kill(cluster.decodes[0])
+    await eventually(lambda: not fleet.decodes[0].usable)
+    before = cluster.decodes[0].health_count
+    await cluster.start_again(cluster.decodes[0])
+    await eventually(lambda: fleet.decodes[0].usable)
+    assert cluster.decodes[0].health_count - before >= 3
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+async def test_killing_and_restarting_one_instance_under_load_loses_nothing_after_detection(
+    start_cluster: StartCluster, victim: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="mooncake_proxy")
+    cluster = await start_cluster(
+        prefill_dp=(1, 1),
+        decodes=2,
+        health_interval=0.1,
+        discovery_interval=0.05,
+        decode={"token_delay": 0.005},
+    )
+    fleet = fleet_of(cluster)
+    fake = (cluster.prefills if victim == "prefill" else cluster.decodes)[0]
+    backend = (fleet.prefills if victim == "prefill" else fleet.decodes)[0]
+    results: list[tuple[float, bool]] = []
+    stop = asyncio.Event()
+
+    async def client_loop() -> None:
+        for _ in range(400):  # bounded
+            if stop.is_set():
+                return
+            started = time.monotonic()
+            try:
+                response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+                events = sse_events(await response.read())
+                ok = response.status == 200 and events[-1] == "[DONE]" and "error" not in events[-2]
+            except aiohttp.ClientError:
+                ok = False
+            results.append((started, ok))
+
+    load = [asyncio.create_task(client_loop()) for _ in range(4)]
+    await asyncio.sleep(0.3)
+    old_ids = fleet.prefills[0].engine_ids
+    await cluster.kill(fake)
+    await eventually(lambda: not backend.usable)
+    detected = time.monotonic()
+    await asyncio.sleep(0.3)
+    served_before_restart = len(fake.requests)
+    await cluster.start_again(fake)
+    await eventually(lambda: backend.usable)
+    await asyncio.sleep(0.3)
+    stop.set()
+    await asyncio.gather(*load)
+    after = [ok for started, ok in results if started > detected]
+    assert len(after) > 20 and all(after)
+    if victim == "prefill":
+        assert fleet.prefills[0].engine_ids != old_ids
+        assert fleet.prefills[0].engine_ids == tuple(fake.engine_ids)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("left the rotation" in m and fake.api_url in m for m in messages)
+    assert any("is usable" in m and fake.api_url in m for m in messages)
+    assert len(fake.requests) > served_before_restart  # it served again after the restart
