@@ -1305,3 +1305,20 @@ async def test_killing_and_restarting_one_instance_under_load_loses_nothing_afte
     assert any("left the rotation" in m and fake.api_url in m for m in messages)
     assert any("is usable" in m and fake.api_url in m for m in messages)
     assert len(fake.requests) > served_before_restart  # it served again after the restart
+
+
+async def test_a_burst_does_not_pile_onto_the_one_idle_decode(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(decodes=2, decode={"token_delay": 0.05})
+    busy, idle = cluster.decodes
+    fleet = fleet_of(cluster)
+    fleet.decode_policy = mp.Policy.ROUND_ROBIN  # place one long stream on the first decode
+    long_stream = asyncio.create_task(
+        cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=200))
+    )
+    await eventually(lambda: busy.running == 1)
+    fleet.decode_policy = mp.Policy.LEAST_LOADED
+    # Ten at once: each pick must see the picks before it, or all ten go to the idle one.
+    burst = [cluster.client.post(COMPLETIONS, json=completion()) for _ in range(10)]
+    assert [a.status for a in await asyncio.gather(*burst)] == [200] * 10
+    assert len(busy.requests) - 1 >= 3 and len(idle.requests) >= 5
+    long_stream.cancel()
