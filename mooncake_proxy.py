@@ -874,6 +874,8 @@ async def run_pd_request(
             if failure is None:
                 raise
             raise ex.exhausted(failure) from None  # no other prefill left to try
+        if failure is not None:
+            log.info("%s; retrying on %s as request %s", failure.message, engine.url, request_id)
         try:
             return await run_pd_attempt(ex, body, engine, request_id)
         except RetryPrefill as retry:
@@ -883,7 +885,6 @@ async def run_pd_request(
             if not ex.retry_after(failure):
                 raise ex.exhausted(failure) from None
             request_id = mint_request_id(client_request_id)
-            log.info("%s; retrying as request %s", failure.message, request_id)
 
 
 async def run_pd_attempt(
@@ -1088,7 +1089,8 @@ async def watch_fleet(app: web.Application) -> None:
 def require_ready(request: web.Request) -> Fleet:
     fleet = request.app[FLEET_KEY]
     if not fleet.ready:
-        raise ProxyError(503, "proxy is not ready: prefill discovery has not finished")
+        missing = "prefill engine" if not fleet.engine_count else "decode instance"
+        raise ProxyError(503, f"proxy is not ready: no usable {missing}")
     return fleet
 
 

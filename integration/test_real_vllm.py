@@ -49,7 +49,7 @@ def http_get(url: str) -> tuple[int, str]:
         with urllib.request.urlopen(url, timeout=5) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
-        return error.code, ""
+        return error.code, error.read().decode()
 
 
 def free_port() -> int:
@@ -393,11 +393,37 @@ def test_client_gone_mid_stream_leaves_nothing_running(cluster: RealCluster) -> 
 
 def test_killed_prefill_makes_requests_fail_fast(cluster: RealCluster) -> None:
     cluster.prefill.stop(signal.SIGKILL)
-    for stream in (False, True):
+    # The first request finds it refused (and takes it out of the rotation), the next ones
+    # are told at once that no prefill is usable; none waits for the KV timeout.
+    for stream, status, words in (
+        (True, 502, cluster.prefill.url),
+        (False, 503, "no usable prefill"),
+    ):
         started = time.monotonic()
         with pytest.raises(openai.APIStatusError) as failed:
             complete(cluster.client(), stream, prompt=unique_prompt(), max_tokens=4)
         assert time.monotonic() - started < FAIL_FAST
-        assert failed.value.status_code == 502
-        assert cluster.prefill.url in str(failed.value) and "prefill" in str(failed.value)
+        assert failed.value.status_code == status
+        assert words in str(failed.value) and "prefill" in str(failed.value)
     assert wait_for(lambda: running(cluster.decode) == 0, 10)
+
+
+def test_restarted_prefill_is_served_again_with_its_new_engine_id(cluster: RealCluster) -> None:
+    def healthcheck() -> dict[str, Any]:
+        payload: dict[str, Any] = json.loads(http_get(f"{cluster.proxy.url}/healthcheck")[1])
+        return payload
+
+    (old,) = healthcheck()["prefill"]
+    cluster.prefill.stop(signal.SIGKILL)  # idempotent: the previous test may have killed it
+    cluster.prefill.start()
+    cluster.prefill.wait_healthy(300)
+    # Back in the rotation with the engine id the restarted vLLM minted.
+    assert wait_for(lambda: healthcheck()["prefill"][0]["usable"], 15)
+    (new,) = healthcheck()["prefill"]
+    assert new["engine_ids"] and new["engine_ids"] != old["engine_ids"]
+    params: dict[str, Any] = {"prompt": unique_prompt(), "max_tokens": 16}
+    before = kv_tokens(cluster)
+    text, prompt_tokens = completion_text(cluster.client(), False, **params)
+    assert kv_tokens(cluster) - before == prompt_tokens
+    local, _ = completion_text(cluster.client(cluster.decode.url), False, **params)
+    assert text == local
