@@ -22,11 +22,13 @@ import asyncio
 import collections
 import contextlib
 import enum
+import hmac
 import itertools
 import json
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -39,6 +41,9 @@ from typing import Any, ClassVar, Final, NoReturn, TypedDict, TypeVar
 
 import aiohttp
 from aiohttp import hdrs, web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from yarl import URL
 
 log = logging.getLogger("mooncake_proxy")
@@ -71,6 +76,10 @@ DEFAULT_HEALTH_TIMEOUT: Final = 3.0
 DEFAULT_UNHEALTHY_AFTER: Final = 2
 DEFAULT_HEALTHY_AFTER: Final = 1
 DEFAULT_MAX_RETRIES: Final = 2
+# How long in-flight streams may run on after SIGTERM; the unit's TimeoutStopSec is longer.
+DEFAULT_SHUTDOWN_TIMEOUT: Final = 30.0
+# Every flag can also be set as MOONCAKE_PROXY_<FLAG> (systemd EnvironmentFile); flags win.
+ENV_PREFIX: Final = "MOONCAKE_PROXY_"
 
 COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
 REQUEST_ID_HEADER: Final = "X-Request-Id"
@@ -143,7 +152,7 @@ class ProxyConfig:
     decodes: tuple[URL, ...]
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
-    upstream_api_key: str | None = None
+    upstream_api_key: str | None = field(default=None, repr=False)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
@@ -161,6 +170,23 @@ class ProxyConfig:
     max_retries: int = DEFAULT_MAX_RETRIES
     prefill_policy: Policy = Policy.LEAST_LOADED
     decode_policy: Policy = Policy.LEAST_LOADED
+    # Inbound: clients must send "Authorization: Bearer <api_key>" to /v1/* when it is set.
+    api_key: str | None = field(default=None, repr=False)
+    protect_metrics: bool = False
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+
+    def describe(self) -> str:
+        """The configuration for the startup log line: everything but the secrets."""
+        prefills = ", ".join(f"{p.url} (bootstrap {p.bootstrap_addr})" for p in self.prefills)
+        decodes = ", ".join(str(url) for url in self.decodes)
+        return (
+            f"prefill {prefills}; decode {decodes}; policy prefill={self.prefill_policy} "
+            f"decode={self.decode_policy}; health every {self.health_interval:g} s "
+            f"(timeout {self.health_timeout:g} s, out after {self.unhealthy_after}, back after "
+            f"{self.healthy_after}); max retries {self.max_retries}; inbound key "
+            f"{'set' if self.api_key else 'not set'}; upstream key "
+            f"{'set' if self.upstream_api_key else 'not set'}"
+        )
 
     def upstream_timeout(self, total: float | None) -> aiohttp.ClientTimeout:
         """A per-call timeout that keeps the connect limit (a ClientTimeout replaces, not adds)."""
@@ -187,6 +213,7 @@ class ProxyConfig:
             ("--health-interval", self.health_interval),
             ("--discovery-interval", self.discovery_interval),
             ("--health-timeout", self.health_timeout),
+            ("--shutdown-timeout", self.shutdown_timeout),
         ):
             if not value > 0:
                 raise ConfigError(f"{flag} must be a positive number of seconds")
@@ -226,6 +253,8 @@ def parse_bootstrap(url: URL, value: str | None) -> URL:
 
 def error_type(status: int) -> str:
     """The OpenAI/vLLM error type for a status: 400 BadRequestError, 503 ..., and so on."""
+    if status == 401:
+        return "AuthenticationError"  # the OpenAI SDK's name for it
     try:
         phrase = HTTPStatus(status).phrase
     except ValueError:
@@ -255,6 +284,7 @@ class ProxyError(Exception):
         param: str | None = None,
         body: bytes | None = None,
         content_type: str | None = None,
+        reason: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -262,6 +292,8 @@ class ProxyError(Exception):
         self.param = param
         self.body = body
         self.content_type = content_type
+        # For the errors metric: refused, timeout, http_<status>, stopped_early, ...
+        self.reason = reason or f"http_{status}"
 
     @classmethod
     def from_upstream(
@@ -273,6 +305,7 @@ class ProxyError(Exception):
             f"{stage} {url} answered {status}: {summary}",
             body=body,
             content_type=ctype or "application/json",
+            reason=f"http_{status}",
         )
 
     @property
@@ -297,6 +330,171 @@ class ProxyError(Exception):
                 if isinstance(upstream, dict) and isinstance(upstream.get("error"), dict):
                     return b"data: " + json.dumps(upstream).encode() + b"\n\ndata: [DONE]\n\n"
         return b"data: " + json.dumps(self.payload()).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+# --- metrics and access log
+
+LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# Probed every few seconds by load balancers: counted, but their access lines are DEBUG.
+PROBE_ROUTES: Final = frozenset({"/health", "/healthcheck", "/metrics"})
+access_log = logging.getLogger("mooncake_proxy.access")
+
+
+@dataclass(eq=False)
+class RequestStats:
+    """What the access line and the metrics say about one client request."""
+
+    method: str
+    route: str
+    started: float = field(default_factory=time.monotonic)
+    request_id: str = "-"
+    model: str = "-"
+    prefill: str = "-"
+    decode: str = "-"
+    first_byte: float | None = None
+    bytes_out: int = 0
+    outcome: str = "ok"
+
+    def access_fields(self, status: int, now: float) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "method": self.method,
+            "route": self.route,
+            "model": self.model,
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "status": status,
+            "ttfb_s": round((self.first_byte or now) - self.started, 6),
+            "total_s": round(now - self.started, 6),
+            "bytes_out": self.bytes_out,
+            "outcome": self.outcome,
+        }
+
+
+class Metrics:
+    """Prometheus metrics. Gauges are read from the fleet when scraped, so the request path
+    pays only for a few counter and histogram updates; labels are routes, statuses, stages
+    and instances from the configuration, never request data."""
+
+    def __init__(self, fleet: Fleet, lifecycle: Lifecycle) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter(
+            "mooncake_proxy_requests",
+            "Client requests by route and final HTTP status.",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "mooncake_proxy_errors",
+            "Failed legs (stage prefill/decode) and clients gone (stage client), by reason.",
+            ["stage", "reason"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "mooncake_proxy_request_duration_seconds",
+            "End-to-end time of a client request.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.first_byte = Histogram(
+            "mooncake_proxy_time_to_first_byte_seconds",
+            "Time until the first response byte reached the client (time to first token).",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prefill_duration = Histogram(
+            "mooncake_proxy_prefill_duration_seconds",
+            "Time of the prefill leg, sent to answered.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.retries = Counter(
+            "mooncake_proxy_retries",
+            "Legs tried again elsewhere because their upstream could not be reached.",
+            ["stage"],
+            registry=registry,
+        )
+        self.engine_id_changes = Counter(
+            "mooncake_proxy_engine_id_changes",
+            "Times a prefill instance came back with other engine ids (a restart).",
+            ["instance"],
+            registry=registry,
+        )
+        self.check_failures = Counter(
+            "mooncake_proxy_check_failures",
+            "Failed health checks and discoveries.",
+            ["role", "instance"],
+            registry=registry,
+        )
+        registry.register(FleetCollector(fleet, lifecycle))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class FleetCollector(Collector):
+    """Gauges of the fleet's state, computed at scrape time."""
+
+    def __init__(self, fleet: Fleet, lifecycle: Lifecycle) -> None:
+        self.fleet = fleet
+        self.lifecycle = lifecycle
+
+    def collect(self) -> Iterator[Metric]:
+        fleet = self.fleet
+        ready = GaugeMetricFamily("mooncake_proxy_ready", "1 while PD requests are served.")
+        ready.add_metric([], float(fleet.ready and not self.lifecycle.draining))
+        usable = GaugeMetricFamily(
+            "mooncake_proxy_instance_usable",
+            "1 while an instance is in the rotation.",
+            labels=["role", "instance"],
+        )
+        prefill = GaugeMetricFamily(
+            "mooncake_proxy_prefill_in_flight",
+            "Prefill legs in flight per prefill engine (instance and DP rank).",
+            labels=["instance", "dp_rank", "engine_id"],
+        )
+        decode = GaugeMetricFamily(
+            "mooncake_proxy_decode_in_flight",
+            "Decode legs in flight per decode instance.",
+            labels=["instance"],
+        )
+        for instance in fleet.prefills:
+            usable.add_metric(["prefill", str(instance.url)], float(instance.usable))
+            for engine in instance.engines:
+                labels = [str(instance.url), str(engine.dp_rank), engine.engine_id]
+                prefill.add_metric(labels, fleet.engine_load[engine.engine_id])
+        for backend in fleet.decodes:
+            usable.add_metric(["decode", str(backend.url)], float(backend.usable))
+            decode.add_metric([str(backend.url)], backend.in_flight)
+        yield from (ready, usable, prefill, decode)
+
+
+def route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def record_request(request: web.Request, stats: RequestStats, status: int) -> None:
+    now = time.monotonic()
+    metrics = request.app[METRICS_KEY]
+    metrics.requests.labels(stats.route, str(status)).inc()
+    probe = stats.route in PROBE_ROUTES
+    if not probe:
+        metrics.duration.labels(stats.route).observe(now - stats.started)
+        metrics.first_byte.labels(stats.route).observe((stats.first_byte or now) - stats.started)
+    level = logging.DEBUG if probe else logging.INFO
+    if access_log.isEnabledFor(level):
+        fields = stats.access_fields(status, now)
+        access_log.log(
+            level,
+            "%(request_id)s %(method)s %(route)s %(status)d model=%(model)s "
+            "prefill=%(prefill)s decode=%(decode)s ttfb=%(ttfb_s).4fs total=%(total_s).4fs "
+            "bytes=%(bytes_out)d outcome=%(outcome)s",
+            fields,
+            extra={"access": fields},
+        )
 
 
 # --- backends and selection
@@ -633,9 +831,13 @@ def encode_json(body: Mapping[str, Any]) -> bytes:
 
 
 def upstream_headers(
-    client_headers: Mapping[str, str], request_id: str, api_key: str | None
+    client_headers: Mapping[str, str], request_id: str, config: ProxyConfig
 ) -> dict[str, str]:
-    """Headers for both legs: the client's end-to-end headers plus the proxy's own."""
+    """Headers for both legs: the client's end-to-end headers plus the proxy's own.
+
+    The client's Authorization is forwarded only while the proxy checks no key of its own:
+    a key meant for the proxy is not vLLM's to see.
+    """
     listed = {name.strip().lower() for name in client_headers.get(hdrs.CONNECTION, "").split(",")}
     headers = {
         name: value
@@ -644,11 +846,17 @@ def upstream_headers(
     }
     headers[hdrs.CONTENT_TYPE] = "application/json"
     headers[REQUEST_ID_HEADER] = request_id
-    if api_key:
-        headers[hdrs.AUTHORIZATION] = f"Bearer {api_key}"
-    elif authorization := client_headers.get(hdrs.AUTHORIZATION):
+    if authorization := upstream_authorization(client_headers, config):
         headers[hdrs.AUTHORIZATION] = authorization
     return headers
+
+
+def upstream_authorization(client_headers: Mapping[str, str], config: ProxyConfig) -> str | None:
+    if config.upstream_api_key:
+        return f"Bearer {config.upstream_api_key}"
+    if config.api_key:
+        return None
+    return client_headers.get(hdrs.AUTHORIZATION)
 
 
 # --- upstream legs
@@ -669,12 +877,13 @@ UNREACHABLE_ERRORS: Final = (
 def transport_error(stage: str, url: URL, error: BaseException) -> ProxyError:
     """The one place that turns a failure to reach an upstream into the client's error."""
     status = 504 if isinstance(error, TimeoutError) else 502
-    reason = str(error) or type(error).__name__
+    detail = str(error) or type(error).__name__
     if isinstance(error, UNREACHABLE_ERRORS):
-        return Unreachable(status, f"{stage} {url} unreachable: {reason}")
+        reason = "timeout" if status == 504 else "refused"
+        return Unreachable(status, f"{stage} {url} unreachable: {detail}", reason=reason)
     if isinstance(error, TimeoutError):
-        return ProxyError(status, f"{stage} {url} timed out")
-    return ProxyError(status, f"{stage} {url} failed: {reason}")
+        return ProxyError(status, f"{stage} {url} timed out", reason="timeout")
+    return ProxyError(status, f"{stage} {url} failed: {detail}", reason="broken")
 
 
 def prefill_finish_problem(body: bytes) -> str | None:
@@ -708,14 +917,18 @@ class Exchange:
     headers: dict[str, str]  # for both legs; X-Request-Id is set per attempt
     response: web.StreamResponse
     retries_left: int
+    stats: RequestStats
+    metrics: Metrics
     failures: list[str] = field(default_factory=list)
 
-    def retry_after(self, failure: ProxyError) -> bool:
-        """Record a failed leg; True if the request may try again elsewhere."""
+    def retry_after(self, stage: str, failure: ProxyError) -> bool:
+        """Record a leg that could not connect; True if it may be tried again elsewhere."""
         self.failures.append(failure.message)
+        self.metrics.errors.labels(stage, failure.reason).inc()
         if self.retries_left <= 0:
             return False
         self.retries_left -= 1
+        self.metrics.retries.labels(stage).inc()
         return True
 
     def exhausted(self, failure: ProxyError) -> ProxyError:
@@ -732,6 +945,7 @@ async def send_prefill(
     url = engine.instance.routes[ex.path]
     where = f"prefill rank {engine.dp_rank}"
     headers = {**ex.headers, REQUEST_ID_HEADER: request_id, DP_RANK_HEADER: str(engine.dp_rank)}
+    started = time.monotonic()
     try:
         async with ex.session.post(
             url,
@@ -745,12 +959,14 @@ async def send_prefill(
             ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "")
     except (aiohttp.ClientError, TimeoutError) as error:
         raise transport_error(where, url, error) from None
+    finally:
+        ex.metrics.prefill_duration.observe(time.monotonic() - started)
     if not 200 <= status < 300:
         if status >= 500:
             engine.instance.recheck.set()
         raise ProxyError.from_upstream(where, url, status, body, ctype)
     if problem := prefill_finish_problem(body):
-        raise ProxyError(502, f"{where} {problem}")
+        raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
 
 
 class DecodeStreamBroken(ProxyError):
@@ -784,7 +1000,7 @@ async def open_decode(
                 raise failure from None
         ex.fleet.refused(decode, failure.message)
         tried.add(decode)
-        if not ex.retry_after(failure):
+        if not ex.retry_after("decode", failure):
             raise ex.exhausted(failure)
         try:
             next_decode = ex.fleet.claim_decode(avoid=tried)
@@ -808,6 +1024,8 @@ async def relay_decode(
     headers = {**ex.headers, REQUEST_ID_HEADER: request_id}
     upstream = await open_decode(ex, claim, payload, headers)
     url = upstream.url
+    stats = ex.stats
+    stats.decode = str(claim.decode.url)
     try:
         async with upstream:
             if upstream.status >= 400:
@@ -825,10 +1043,12 @@ async def relay_decode(
             async for chunk in upstream.content.iter_any():
                 if not response.prepared:
                     await response.prepare(ex.request)
+                    stats.first_byte = time.monotonic()
+                stats.bytes_out += len(chunk)
                 await response.write(chunk)
     except (aiohttp.ClientError, TimeoutError) as error:
         broken = transport_error("decode", url, error)
-        raise DecodeStreamBroken(broken.status, broken.message) from None
+        raise DecodeStreamBroken(broken.status, broken.message, reason="broken") from None
     if not response.prepared:
         await response.prepare(ex.request)
     await response.write_eof()
@@ -861,9 +1081,11 @@ async def run_pd_request(
         fleet=fleet,
         session=app[SESSION_KEY],
         path=request.path,
-        headers=upstream_headers(request.headers, request_id, config.upstream_api_key),
+        headers=upstream_headers(request.headers, request_id, config),
         response=web.StreamResponse(),
         retries_left=config.max_retries,
+        stats=request[STATS_KEY],
+        metrics=app[METRICS_KEY],
     )
     tried: set[PrefillInstance] = set()
     failure: ProxyError | None = None
@@ -882,7 +1104,7 @@ async def run_pd_request(
             (failure,) = retry.args
             fleet.refused(engine.instance, failure.message)
             tried.add(engine.instance)
-            if not ex.retry_after(failure):
+            if not ex.retry_after("prefill", failure):
                 raise ex.exhausted(failure) from None
             request_id = mint_request_id(client_request_id)
 
@@ -901,6 +1123,8 @@ async def run_pd_attempt(
         fleet.release_prefill(engine)
         raise
     response.headers[REQUEST_ID_HEADER] = request_id
+    ex.stats.request_id = request_id
+    ex.stats.prefill = f"{engine.url}#{engine.dp_rank}"
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "request %s: prefill %s rank %d, decode %s",
@@ -918,13 +1142,16 @@ async def run_pd_attempt(
             relay.cancel()
         await asyncio.wait((relay,))
         prefill_error, decode_error = task_error(prefill), task_error(relay)
+        for stage, leg_error in (("prefill", prefill_error), ("decode", decode_error)):
+            if isinstance(leg_error, ProxyError) and not isinstance(leg_error, Unreachable):
+                ex.metrics.errors.labels(stage, leg_error.reason).inc()  # retries count their own
         if relay.cancelled() or decode_error is not None:
             # A failed prefill is the root cause of whatever the decode then did.
             error = prefill_error or decode_error
             assert error is not None
             if isinstance(error, Unreachable) and error is prefill_error and not response.prepared:
                 raise RetryPrefill(error)
-            return await fail_request(ex.request, response, error)
+            return await fail_request(ex, error)
         if not prefill.done():
             watch_lingering_prefill(ex.request.app, prefill, request_id)
         elif prefill_error is not None:
@@ -942,17 +1169,19 @@ async def run_pd_attempt(
             await asyncio.gather(*pending, return_exceptions=True)
 
 
-async def fail_request(
-    request: web.Request, response: web.StreamResponse, error: BaseException
-) -> web.StreamResponse:
+async def fail_request(ex: Exchange, error: BaseException) -> web.StreamResponse:
+    request, response = ex.request, ex.response
     if not isinstance(error, ProxyError):
         raise error  # a bug, not an upstream failure: the middleware logs it
     if not response.prepared:
         raise error
+    ex.stats.outcome = f"stream_error:{error.reason}"
     log.warning("stream already started, ending it with an error: %s", error.message)
     if response.headers.get(hdrs.CONTENT_TYPE, "").startswith(SSE_CONTENT_TYPE):
+        frame = error.sse_frame()
+        ex.stats.bytes_out += len(frame)
         with contextlib.suppress(ConnectionError):
-            await response.write(error.sse_frame())
+            await response.write(frame)
             await response.write_eof()
     elif request.transport is not None:
         # A plain body cut short must not look complete: drop the connection instead.
@@ -1036,6 +1265,7 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
     except ValueError as failure:
         error = str(failure)
         repeated = error == backend.last_error
+        app[METRICS_KEY].check_failures.labels(backend.role, str(backend.url)).inc()
         if backend.check_failed(error, config.unhealthy_after):
             log.warning("%s %s left the rotation: %s", backend.role, backend.url, error)
             fleet.refresh()
@@ -1044,6 +1274,7 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
         return
     if isinstance(backend, PrefillInstance) and engine_ids != backend.engine_ids:
         if backend.engines:
+            app[METRICS_KEY].engine_id_changes.labels(str(backend.url)).inc()
             log.warning(
                 "prefill %s engine ids changed (restarted?): %s -> %s",
                 *(backend.url, ", ".join(backend.engine_ids), ", ".join(engine_ids)),
@@ -1088,6 +1319,8 @@ async def watch_fleet(app: web.Application) -> None:
 
 def require_ready(request: web.Request) -> Fleet:
     fleet = request.app[FLEET_KEY]
+    if request.app[LIFECYCLE_KEY].draining:
+        raise ProxyError(503, "proxy is draining: it is shutting down")
     if not fleet.ready:
         missing = "prefill engine" if not fleet.engine_count else "decode instance"
         raise ProxyError(503, f"proxy is not ready: no usable {missing}")
@@ -1107,9 +1340,12 @@ async def read_body(request: web.Request) -> bytes:
 async def handle_completion(request: web.Request) -> web.StreamResponse:
     client_request_id = request.headers.get(REQUEST_ID_HEADER)
     request_id = mint_request_id(client_request_id)
-    request[REQUEST_ID_KEY] = request_id
+    stats = request[STATS_KEY]
+    stats.request_id = request_id
     require_ready(request)
     body = parse_request_json(await read_body(request))
+    if isinstance(model := body.get("model"), str):
+        stats.model = model[:100]
     return await run_pd_request(request, body, request_id, client_request_id)
 
 
@@ -1120,9 +1356,7 @@ async def handle_models(request: web.Request) -> web.Response:
     fleet.release_decode(decode)  # a quick read: not worth counting as load
     url = decode.routes["/v1/models"]
     headers = {}
-    if config.upstream_api_key:
-        headers[hdrs.AUTHORIZATION] = f"Bearer {config.upstream_api_key}"
-    elif authorization := request.headers.get(hdrs.AUTHORIZATION):
+    if authorization := upstream_authorization(request.headers, config):
         headers[hdrs.AUTHORIZATION] = authorization
     try:
         async with session.get(url, headers=headers) as upstream:
@@ -1136,11 +1370,12 @@ async def handle_models(request: web.Request) -> web.Response:
         raise transport_error("decode", url, error) from None
 
 
-def healthcheck_payload(fleet: Fleet) -> dict[str, Any]:
+def healthcheck_payload(fleet: Fleet, draining: bool) -> dict[str, Any]:
     return {
         "id": ID,
         "version": VERSION,
-        "ready": fleet.ready,
+        "ready": fleet.ready and not draining,
+        "draining": draining,
         "prefill_instances": len(fleet.prefills),
         "decode_instances": len(fleet.decodes),
         "prefill": [instance.status() for instance in fleet.prefills],
@@ -1149,12 +1384,53 @@ def healthcheck_payload(fleet: Fleet) -> dict[str, Any]:
 
 
 async def handle_healthcheck(request: web.Request) -> web.Response:
-    fleet = request.app[FLEET_KEY]
-    return web.json_response(healthcheck_payload(fleet), status=200 if fleet.ready else 503)
+    payload = healthcheck_payload(request.app[FLEET_KEY], request.app[LIFECYCLE_KEY].draining)
+    return web.json_response(payload, status=200 if payload["ready"] else 503)
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    return web.Response(status=200 if request.app[FLEET_KEY].ready else 503)
+    ready = request.app[FLEET_KEY].ready and not request.app[LIFECYCLE_KEY].draining
+    return web.Response(status=200 if ready else 503)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    response = web.Response(body=request.app[METRICS_KEY].exposition())
+    response.headers[hdrs.CONTENT_TYPE] = "text/plain; version=0.0.4; charset=utf-8"
+    return response
+
+
+@web.middleware
+async def access_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Outermost: one access line and the request metrics per request, however it ended."""
+    stats = request[STATS_KEY] = RequestStats(request.method, route_label(request))
+    status = 499  # nginx's "client closed request", for a client that left before the answer
+    try:
+        response: web.StreamResponse = await handler(request)
+        status = response.status
+        if not response.prepared and isinstance(response, web.Response):
+            stats.bytes_out = response.content_length or 0
+        return response
+    except asyncio.CancelledError:
+        stats.outcome = "client_gone"
+        request.app[METRICS_KEY].errors.labels("client", "client_gone").inc()
+        raise
+    finally:
+        record_request(request, stats, status)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """With --api-key, /v1/* (and /metrics with --protect-metrics) need the bearer key."""
+    config = request.app[CONFIG_KEY]
+    if config.api_key and (
+        request.path.startswith("/v1/") or (config.protect_metrics and request.path == "/metrics")
+    ):
+        supplied = request.headers.get(hdrs.AUTHORIZATION, "").encode()
+        # Constant time: how much of a guess matched must not show in the answer's timing.
+        if not hmac.compare_digest(supplied, f"Bearer {config.api_key}".encode()):
+            raise ProxyError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+    response: web.StreamResponse = await handler(request)
+    return response
 
 
 @web.middleware
@@ -1164,21 +1440,25 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         response: web.StreamResponse = await handler(request)
         return response
     except ProxyError as error:
+        stats = request[STATS_KEY]
+        stats.outcome = f"error:{error.reason}"
         headers = {}
-        if request_id := request.get(REQUEST_ID_KEY):
-            headers[REQUEST_ID_HEADER] = request_id
+        if stats.request_id != "-":
+            headers[REQUEST_ID_HEADER] = stats.request_id
         log.info("%s %s -> %d: %s", request.method, request.path, error.status, error.message)
         return error.response(headers)
     except web.HTTPException as http_error:
         if http_error.status < 400:
             raise
         message = f"{request.method} {request.path}: {http_error.reason}"
+        request[STATS_KEY].outcome = "error:http"
         response = ProxyError(http_error.status, message).response()
         if allow := http_error.headers.get(hdrs.ALLOW):
             response.headers[hdrs.ALLOW] = allow
         return response
     except Exception:
         log.exception("unexpected error while handling %s %s", request.method, request.path)
+        request[STATS_KEY].outcome = "error:internal"
         return ProxyError(500, "internal error in mooncake-proxy; see its log").response()
 
 
@@ -1188,7 +1468,67 @@ CONFIG_KEY: Final = web.AppKey("config", ProxyConfig)
 FLEET_KEY: Final = web.AppKey("fleet", Fleet)
 SESSION_KEY: Final = web.AppKey("session", aiohttp.ClientSession)
 LINGERING_KEY: Final = web.AppKey[set[asyncio.Task[None]]]("lingering_prefills")
-REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)
+STATS_KEY: Final = web.RequestKey("stats", RequestStats)
+METRICS_KEY: Final = web.AppKey("metrics", Metrics)
+
+
+class Lifecycle:
+    """The daemon's phase: serving, or draining after the first SIGTERM/SIGINT."""
+
+    def __init__(self) -> None:
+        self.draining = False
+
+
+LIFECYCLE_KEY: Final = web.AppKey("lifecycle", Lifecycle)
+
+
+def sd_notify(*lines: str) -> bool:
+    """Tell systemd (Type=notify) how the daemon is doing; a no-op outside systemd.
+
+    The protocol is one datagram of ``KEY=value`` lines on the unix socket in $NOTIFY_SOCKET
+    (``@`` at its start means the abstract namespace).
+    """
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+            notify.connect(address)
+            notify.sendall("\n".join(lines).encode())
+    except OSError as error:
+        log.warning("cannot notify systemd at %s: %s", os.environ["NOTIFY_SOCKET"], error)
+        return False
+    return True
+
+
+def readiness_status(app: web.Application) -> str:
+    fleet = app[FLEET_KEY]
+    usable_decodes = sum(d.usable for d in fleet.decodes)
+    state = "draining" if app[LIFECYCLE_KEY].draining else "ready" if fleet.ready else "not ready"
+    return (
+        f"{state}: {fleet.engine_count} prefill engine(s), "
+        f"{usable_decodes}/{len(fleet.decodes)} decode(s) usable"
+    )
+
+
+async def report_to_systemd(app: web.Application) -> None:
+    """STATUS= on every change of readiness, and WATCHDOG=1 when the unit sets a watchdog."""
+    watchdog_usec = int(os.environ.get("WATCHDOG_USEC") or 0)
+    watchdog_pid = os.environ.get("WATCHDOG_PID")
+    if watchdog_pid and int(watchdog_pid) != os.getpid():
+        watchdog_usec = 0  # meant for another process
+    period = min(1.0, watchdog_usec / 2e6) if watchdog_usec else 1.0
+    reported = ""
+    while True:
+        lines = ["WATCHDOG=1"] if watchdog_usec else []
+        if (status := readiness_status(app)) != reported:
+            lines.append(f"STATUS={status}")
+            reported = status
+        if lines:
+            sd_notify(*lines)
+        await asyncio.sleep(period)
 
 
 async def client_session_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -1219,6 +1559,15 @@ async def discovery_ctx(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
+async def systemd_ctx(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(report_to_systemd(app)) if os.environ.get("NOTIFY_SOCKET") else None
+    yield
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def lingering_prefills_ctx(app: web.Application) -> AsyncIterator[None]:
     lingering: set[asyncio.Task[None]] = set()
     app[LINGERING_KEY] = lingering
@@ -1231,16 +1580,19 @@ async def lingering_prefills_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(config: ProxyConfig) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware],
+        middlewares=[access_middleware, error_middleware, auth_middleware],
         # Bodies are checked against --max-request-bytes in read_body, with a clear 413.
         client_max_size=config.max_request_bytes,
     )
     app[CONFIG_KEY] = config
-    app[FLEET_KEY] = Fleet(config)
+    app[FLEET_KEY] = fleet = Fleet(config)
+    app[LIFECYCLE_KEY] = lifecycle = Lifecycle()
+    app[METRICS_KEY] = Metrics(fleet, lifecycle)
     # Order matters: cleanup runs in reverse, so discovery stops before the pool closes.
-    app.cleanup_ctx.extend((client_session_ctx, lingering_prefills_ctx, discovery_ctx))
+    app.cleanup_ctx.extend((client_session_ctx, lingering_prefills_ctx, discovery_ctx, systemd_ctx))
     app.router.add_get("/health", handle_health)
     app.router.add_get("/healthcheck", handle_healthcheck)
+    app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/v1/models", handle_models)
     for path in COMPLETION_PATHS:
         app.router.add_post(path, handle_completion)
@@ -1286,9 +1638,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--upstream-api-key",
-        default=os.environ.get("OPENAI_API_KEY") or None,
-        help="send 'Authorization: Bearer KEY' to vLLM instead of the client's own "
-        "(default: $OPENAI_API_KEY, else the client's header is forwarded)",
+        help="send 'Authorization: Bearer KEY' to vLLM instead of the client's own; "
+        "$OPENAI_API_KEY when not given (without either, the client's header is forwarded)",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -1381,13 +1732,66 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-policy", choices=policies, help="--policy for the decode stage only"
     )
     parser.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1/* (the client's header is then not "
+        "forwarded to vLLM; --upstream-api-key is, if set)",
+    )
+    parser.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="require the --api-key on /metrics too (/health and /healthcheck stay open)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before both "
+        "their legs are cancelled; a second signal exits at once",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         type=str.upper,
         help="logging threshold",
     )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=("text", "json"),
+        help="json: one object per line, for log shippers",
+    )
+    parser.epilog = (
+        f"Every flag can also be given as an environment variable {ENV_PREFIX}<FLAG> "
+        f"(e.g. {ENV_PREFIX}MAX_RETRIES=3, {ENV_PREFIX}PROTECT_METRICS=1); a flag on the "
+        f"command line wins. Repeated flags take several values: {ENV_PREFIX}PREFILL="
+        "'http://10.0.0.1:8100 8998, http://10.0.0.2:8100' (entries separated by commas), "
+        f"{ENV_PREFIX}DECODE='http://10.0.0.3:8200 http://10.0.0.4:8200'."
+    )
     return parser
+
+
+def env_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """The flags set through MOONCAKE_PROXY_* variables and not given on the command line."""
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    extra: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "version"):
+            continue
+        flag = action.option_strings[-1]
+        value = os.environ.get(ENV_PREFIX + action.dest.upper())
+        if value is None or flag in given:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            if value.strip().lower() in ("1", "true", "yes", "on"):
+                extra.append(flag)
+        elif action.nargs == "+":
+            entries = value.split(",") if action.dest == "prefill" else [value]
+            for entry in entries:
+                extra += [flag, *entry.split()]
+        else:
+            extra.append(f"{flag}={value}")
+    return extra
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -1405,7 +1809,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decodes=tuple(decodes),
         host=args.host,
         port=args.port,
-        upstream_api_key=args.upstream_api_key,
+        # Read here, not as the flag's default, so that --help never prints a key.
+        upstream_api_key=args.upstream_api_key or os.environ.get("OPENAI_API_KEY") or None,
         max_request_bytes=args.max_request_bytes,
         connect_timeout=args.connect_timeout,
         keepalive_timeout=args.keepalive_timeout,
@@ -1420,6 +1825,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_retries=args.max_retries,
         prefill_policy=Policy(args.prefill_policy or args.policy),
         decode_policy=Policy(args.decode_policy or args.policy),
+        api_key=args.api_key or None,
+        protect_metrics=args.protect_metrics,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 
@@ -1432,44 +1840,90 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=1024)
 
 
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; access lines carry their fields as keys of their own."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update(getattr(record, "access", {}))
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: str, log_format: str) -> None:
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+async def serve(config: ProxyConfig, sock: socket.socket) -> int:
+    """Serve until SIGTERM/SIGINT, then drain: stop accepting, let streams finish, exit 0."""
+    app = create_app(config)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        handler_cancellation=True,  # a client gone cancels its handler, and so both legs
+        access_log=None,  # the proxy writes its own access line, with PD fields
+        shutdown_timeout=config.shutdown_timeout,
+    )
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    sd_notify("READY=1", f"STATUS={readiness_status(app)}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting at once", signal.Signals(signum).name)
+            os._exit(128 + signum)
+        log.info(
+            "%s: draining; in-flight requests have %g s to finish",
+            signal.Signals(signum).name,
+            config.shutdown_timeout,
+        )
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await stop.wait()
+    app[LIFECYCLE_KEY].draining = True
+    sd_notify("STOPPING=1", f"STATUS={readiness_status(app)}")
+    # Stops listening, waits for in-flight handlers up to the shutdown timeout, cancels the
+    # rest (their legs' connections close, so vLLM aborts them), then runs the cleanups.
+    await runner.cleanup()
+    log.info("stopped")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(env_argv(parser, argv) + argv)
     try:
         config = config_from_args(args)
     except ConfigError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level, args.log_format)
     try:
         sock = bind_listener(config.host, config.port)
     except OSError as error:
         reason = error.strerror or str(error)
-        print(
-            f"{parser.prog}: error: cannot listen on {config.host}:{config.port}: {reason}",
-            file=sys.stderr,
-        )
+        where = f"{config.host}:{config.port}"
+        print(f"{parser.prog}: error: cannot listen on {where}: {reason}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
-    log.info(
-        "%s %d listening on %s:%d; prefill %s; decode %s",
-        ID,
-        VERSION,
-        host,
-        port,
-        ", ".join(f"{p.url} (bootstrap {p.bootstrap_addr})" for p in config.prefills),
-        ", ".join(str(url) for url in config.decodes),
-    )
-    web.run_app(
-        create_app(config),
-        sock=sock,
-        print=None,
-        handler_cancellation=True,
-        access_log=None,
-    )
-    return 0
+    log.info("%s %d listening on %s:%d; %s", ID, VERSION, host, port, config.describe())
+    return asyncio.run(serve(config, sock))
 
 
 if __name__ == "__main__":

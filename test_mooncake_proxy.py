@@ -8,8 +8,13 @@ that gets tokens back also proves the prefill leg was sent, and sent right.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
+import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +28,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
 import mooncake_proxy as mp
@@ -36,6 +42,7 @@ KV_TIMEOUT = 20.0
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+SPEC = mp.PrefillSpec(URL("http://p:1"), URL("http://p:8998"))
 
 
 # --- the cluster under test
@@ -240,15 +247,22 @@ def test_upstream_headers_drop_hop_by_hop_and_client_dp_rank() -> None:
         "Authorization": "Bearer client-key",
         "traceparent": "00-abc-def-01",
     }
-    headers = mp.upstream_headers(client, "rid", None)
+    plain = mp.ProxyConfig(prefills=(SPEC,), decodes=(URL("http://d:1"),))
+    headers = mp.upstream_headers(client, "rid", plain)
     assert headers == {
         "traceparent": "00-abc-def-01",
         "Content-Type": "application/json",
         "X-Request-Id": "rid",
         "Authorization": "Bearer client-key",
     }
-    assert mp.upstream_headers(client, "rid", "up-key")["Authorization"] == "Bearer up-key"
-    assert "Authorization" not in mp.upstream_headers({}, "rid", None)
+    upstream_key = dataclasses.replace(plain, upstream_api_key="up-key")
+    assert mp.upstream_headers(client, "rid", upstream_key)["Authorization"] == "Bearer up-key"
+    assert "Authorization" not in mp.upstream_headers({}, "rid", plain)
+    # A key meant for the proxy is not forwarded to vLLM; the upstream key is, if set.
+    inbound_key = dataclasses.replace(plain, api_key="proxy-key")
+    assert "Authorization" not in mp.upstream_headers(client, "rid", inbound_key)
+    both = dataclasses.replace(inbound_key, upstream_api_key="up-key")
+    assert mp.upstream_headers(client, "rid", both)["Authorization"] == "Bearer up-key"
 
 
 # --- pure functions: discovery answers, selection, configuration
@@ -1322,3 +1336,359 @@ async def test_a_burst_does_not_pile_onto_the_one_idle_decode(start_cluster: Sta
     assert [a.status for a in await asyncio.gather(*burst)] == [200] * 10
     assert len(busy.requests) - 1 >= 3 and len(idle.requests) >= 5
     long_stream.cancel()
+
+
+# --- running it for real: metrics, access log, drain, systemd, auth
+
+
+async def scrape(
+    cluster: Cluster, **headers: str
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = await cluster.client.get("/metrics", headers=headers)
+    assert response.status == 200
+    samples = {}
+    for family in text_string_to_metric_families(await response.text()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def sample(samples: dict[Any, float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_metrics_parse_and_move_as_requests_flow(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(decode={"token_delay": 0.2})
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    before = await scrape(cluster)
+    assert sample(before, "mooncake_proxy_ready") == 1
+    assert (
+        sample(before, "mooncake_proxy_instance_usable", role="decode", instance=decode.api_url)
+        == 1
+    )
+    stream = asyncio.create_task(
+        cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=5))
+    )
+    await eventually(lambda: decode.running == 1)
+    during = await scrape(cluster)
+    assert sample(during, "mooncake_proxy_decode_in_flight", instance=decode.api_url) == 1
+    await (await stream).read()
+    for _ in range(2):
+        assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    prefill.fail_status = 500
+    assert (await cluster.client.post(CHAT, json=chat())).status == 500
+    after = await scrape(cluster)
+    route = {"route": COMPLETIONS}
+    assert sample(after, "mooncake_proxy_requests_total", status="200", **route) == 3
+    assert sample(after, "mooncake_proxy_requests_total", route=CHAT, status="500") == 1
+    assert sample(after, "mooncake_proxy_errors_total", stage="prefill", reason="http_500") == 1
+    assert sample(after, "mooncake_proxy_request_duration_seconds_count", **route) == 3
+    assert sample(after, "mooncake_proxy_time_to_first_byte_seconds_count", **route) == 3
+    # Time to first token of the stream was well under its total time.
+    assert (
+        sample(after, "mooncake_proxy_time_to_first_byte_seconds_bucket", le="0.25", **route) >= 3
+    )
+    assert sample(after, "mooncake_proxy_request_duration_seconds_bucket", le="0.25", **route) == 2
+    assert sample(after, "mooncake_proxy_prefill_duration_seconds_count") == 4
+    assert sample(after, "mooncake_proxy_decode_in_flight", instance=decode.api_url) == 0
+    engine = prefill.engine_ids[0]
+    labels = {"instance": prefill.api_url, "dp_rank": "0", "engine_id": engine}
+    assert sample(after, "mooncake_proxy_prefill_in_flight", **labels) == 0
+
+
+async def test_metrics_count_retries_engine_id_changes_and_check_failures(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(
+        decodes=2, health_interval=0.05, decode_policy=mp.Policy.ROUND_ROBIN
+    )
+    dead = cluster.decodes[0]
+    await cluster.kill(dead)
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    cluster.prefills[0].restart()
+    fleet = fleet_of(cluster)
+    await eventually(lambda: fleet.prefills[0].engine_ids == tuple(cluster.prefills[0].engine_ids))
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_retries_total", stage="decode") == 1
+    assert sample(samples, "mooncake_proxy_errors_total", stage="decode", reason="refused") == 1
+    assert (
+        sample(
+            samples, "mooncake_proxy_engine_id_changes_total", instance=cluster.prefills[0].api_url
+        )
+        == 1
+    )
+    assert (
+        sample(samples, "mooncake_proxy_check_failures_total", role="decode", instance=dead.api_url)
+        >= 1
+    )
+    assert (
+        sample(samples, "mooncake_proxy_instance_usable", role="decode", instance=dead.api_url) == 0
+    )
+
+
+async def test_one_access_line_per_request(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="mooncake_proxy.access")
+    cluster = await start_cluster()
+    ok = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+    await ok.read()
+    assert (await cluster.client.post(CHAT, data=b"nope")).status == 400
+    await cluster.client.get("/health")  # probes are DEBUG
+    lines = [r for r in caplog.records if r.name == "mooncake_proxy.access"]
+    assert len(lines) == 2
+    first, second = (r.__dict__["access"] for r in lines)
+    assert first["request_id"] == ok.headers["X-Request-Id"]
+    assert first["route"] == COMPLETIONS and first["status"] == 200 and first["outcome"] == "ok"
+    assert first["model"] == "fake-model"
+    assert first["prefill"] == f"{cluster.prefills[0].api_url}#0"
+    assert first["decode"] == cluster.decodes[0].api_url
+    assert first["bytes_out"] == len(cluster.decodes[0].sent[first["request_id"]]) > 0
+    assert 0 < first["ttfb_s"] <= first["total_s"]
+    assert second["status"] == 400 and second["outcome"] == "error:http_400"
+    assert "ttfb=" in lines[0].getMessage() and "outcome=ok" in lines[0].getMessage()
+
+
+async def test_client_gone_is_counted_and_logged(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="mooncake_proxy.access")
+    cluster = await start_cluster(prefill={"delay": 10})
+    request = asyncio.create_task(cluster.client.post(COMPLETIONS, json=completion(stream=True)))
+    await eventually(lambda: cluster.decodes[0].running == 1)
+    request.cancel()
+    await eventually(
+        lambda: any(r.__dict__.get("access", {}).get("status") == 499 for r in caplog.records)
+    )
+    (line,) = [r.__dict__["access"] for r in caplog.records if r.name == "mooncake_proxy.access"]
+    assert line["outcome"] == "client_gone"
+    assert (
+        sample(
+            await scrape(cluster),
+            "mooncake_proxy_errors_total",
+            stage="client",
+            reason="client_gone",
+        )
+        == 1
+    )
+
+
+async def test_draining_answers_probes_503(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster()
+    cluster.client.app[mp.LIFECYCLE_KEY].draining = True
+    assert (await cluster.client.get("/health")).status == 503
+    health = await cluster.client.get("/healthcheck")
+    assert health.status == 503
+    payload = await health.json()
+    assert payload["draining"] is True and payload["ready"] is False
+    refused = await cluster.client.post(COMPLETIONS, json=completion())
+    assert refused.status == 503
+    assert "draining" in (await refused.json())["error"]["message"]
+
+
+async def test_inbound_api_key(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(api_key="s3cret-proxy-key", protect_metrics=False)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-proxy-key"}):
+        denied = await cluster.client.post(COMPLETIONS, json=completion(), headers=headers)
+        assert denied.status == 401
+        payload = await denied.json()
+        assert_openai_error(payload, 401)
+        assert payload["error"]["type"] == "AuthenticationError"
+        assert "s3cret" not in json.dumps(payload)
+    assert (await cluster.client.get("/v1/models")).status == 401
+    good = {"Authorization": "Bearer s3cret-proxy-key"}
+    assert (await cluster.client.post(COMPLETIONS, json=completion(), headers=good)).status == 200
+    assert (await cluster.client.get("/v1/models", headers=good)).status == 200
+    # Probes stay open; the proxy's key never reaches vLLM.
+    for path in ("/health", "/healthcheck", "/metrics"):
+        assert (await cluster.client.get(path)).status == 200
+    assert "s3cret" not in await (await cluster.client.get("/healthcheck")).text()
+    for leg in (*cluster.prefills[0].requests, *cluster.decodes[0].requests):
+        assert "Authorization" not in leg.headers
+
+
+async def test_protect_metrics(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(api_key="k", protect_metrics=True)
+    assert (await cluster.client.get("/metrics")).status == 401
+    assert (
+        await cluster.client.get("/metrics", headers={"Authorization": "Bearer k"})
+    ).status == 200
+    assert (await cluster.client.get("/health")).status == 200
+
+
+def test_every_flag_can_come_from_the_environment_and_flags_win(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MOONCAKE_PROXY_PREFILL", "http://a:8100 8999, http://b:8100")
+    monkeypatch.setenv("MOONCAKE_PROXY_DECODE", "http://d1:1 http://d2:1")
+    monkeypatch.setenv("MOONCAKE_PROXY_MAX_RETRIES", "5")
+    monkeypatch.setenv("MOONCAKE_PROXY_PROTECT_METRICS", "yes")
+    monkeypatch.setenv("MOONCAKE_PROXY_API_KEY", "from-env")
+    monkeypatch.setenv("MOONCAKE_PROXY_PORT", "9000")
+    parser = mp.build_parser()
+    argv = ["--port", "9100", "--decode", "http://d3:1"]
+    config = mp.config_from_args(parser.parse_args(mp.env_argv(parser, argv) + argv))
+    assert [(str(p.url), p.bootstrap_addr) for p in config.prefills] == [
+        ("http://a:8100", "http://a:8999"),
+        ("http://b:8100", "http://b:8998"),
+    ]
+    assert [str(d) for d in config.decodes] == ["http://d3:1"]  # the flag won
+    assert config.port == 9100 and config.max_retries == 5
+    assert config.protect_metrics is True and config.api_key == "from-env"
+    assert "from-env" not in repr(config) and "from-env" not in config.describe()
+
+
+class ProxyProcess:
+    """The daemon as systemd runs it, in front of in-test fakes."""
+
+    def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
+        self.process = process
+        self.base = f"http://127.0.0.1:{port}"
+
+    @classmethod
+    async def start(
+        cls,
+        aiohttp_server: Any,
+        *flags: str,
+        env: dict[str, str] | None = None,
+        decode: dict[str, Any] | None = None,
+    ) -> tuple[ProxyProcess, FakeVllm]:
+        prefill = FakeVllm("prefill")
+        api = await serve(aiohttp_server, prefill.api_app())
+        bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
+        prefill.api_url = f"http://127.0.0.1:{api.port}"
+        fake_decode = FakeVllm("decode", kv_timeout=KV_TIMEOUT, **(decode or {}))
+        decode_server = await serve(aiohttp_server, fake_decode.api_app())
+        port = free_port()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port),
+            "--prefill", prefill.api_url, str(bootstrap.port),
+            "--decode", f"http://127.0.0.1:{decode_server.port}", *flags,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "OPENAI_API_KEY": "", **(env or {})},
+        )  # fmt: skip
+        proxy = cls(process, port)
+        async with aiohttp.ClientSession() as session, asyncio.timeout(15):
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"{proxy.base}/health") as health:
+                        if health.status == 200:
+                            break
+                await asyncio.sleep(0.05)
+        return proxy, fake_decode
+
+    async def stop(self) -> str:
+        if self.process.returncode is None:
+            self.process.terminate()
+        _, stderr = await self.process.communicate()
+        return stderr.decode()
+
+
+async def test_sigterm_lets_a_stream_finish_then_exits_0(aiohttp_server: Any) -> None:
+    proxy, decode = await ProxyProcess.start(aiohttp_server, decode={"token_delay": 0.1})
+    async with aiohttp.ClientSession() as session, asyncio.timeout(20):
+        async with session.post(
+            f"{proxy.base}/v1/completions", json=completion(stream=True, max_tokens=15)
+        ) as response:
+            first = await response.content.readany()
+            proxy.process.send_signal(signal.SIGTERM)
+            rest = await response.read()
+        raw = first + rest
+        assert raw == bytes(decode.sent[response.headers["X-Request-Id"]])
+        assert sse_events(raw)[-1] == "[DONE]"
+        assert await proxy.process.wait() == 0
+        # It stopped accepting.
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await session.get(f"{proxy.base}/health")
+    log = await proxy.stop()
+    assert "SIGTERM: draining" in log and "Traceback" not in log
+
+
+async def test_a_second_sigterm_exits_at_once(aiohttp_server: Any) -> None:
+    proxy, decode = await ProxyProcess.start(aiohttp_server, decode={"token_delay": 0.5})
+    body = completion(stream=True, max_tokens=40)
+    async with (
+        aiohttp.ClientSession() as session,
+        asyncio.timeout(20),
+        session.post(f"{proxy.base}/v1/completions", json=body) as response,
+    ):
+        await response.content.readany()
+        proxy.process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        assert proxy.process.returncode is None  # draining: the stream still runs
+        started = time.monotonic()
+        proxy.process.send_signal(signal.SIGTERM)
+        assert await proxy.process.wait() != 0
+        assert time.monotonic() - started < 2
+    await eventually(lambda: decode.running == 0)  # its leg was cut
+    await proxy.stop()
+
+
+async def test_systemd_notify_ready_watchdog_status_and_stopping(
+    aiohttp_server: Any, tmp_path: Path
+) -> None:
+    address = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(address)
+        notify.setblocking(False)
+        proxy, _ = await ProxyProcess.start(
+            aiohttp_server, env={"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "400000"}
+        )
+        await asyncio.sleep(0.5)
+        proxy.process.send_signal(signal.SIGTERM)
+        assert await proxy.process.wait() == 0
+        messages = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                messages.append(notify.recv(4096).decode())
+    await proxy.stop()
+    lines = [line for message in messages for line in message.splitlines()]
+    assert lines.index("READY=1") < lines.index("STOPPING=1")
+    assert "WATCHDOG=1" in lines
+    assert any(line.startswith("STATUS=ready") for line in lines)
+    assert any(line.startswith("STATUS=draining") for line in lines)
+
+
+async def test_json_logs_and_no_key_in_any_log_line(aiohttp_server: Any) -> None:
+    proxy, _ = await ProxyProcess.start(
+        aiohttp_server,
+        *("--log-format", "json"),
+        *("--api-key", "inbound-s3cret", "--upstream-api-key", "upstream-s3cret"),
+    )
+    async with aiohttp.ClientSession() as session:
+        for auth in ("Bearer inbound-s3cret", "Bearer wrong-guess"):
+            async with session.post(
+                f"{proxy.base}/v1/completions", json=completion(), headers={"Authorization": auth}
+            ) as response:
+                await response.read()
+    log = await proxy.stop()
+    entries = [json.loads(line) for line in log.splitlines()]
+    access = [e for e in entries if e["logger"] == "mooncake_proxy.access"]
+    assert [e["status"] for e in access] == [200, 401]
+    assert all(
+        {"request_id", "route", "ttfb_s", "total_s", "bytes_out", "outcome"} <= set(e)
+        for e in access
+    )
+    assert "s3cret" not in log
+    assert any("inbound key set" in e["message"] for e in entries)
+
+
+def test_the_example_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    verify = shutil.which("systemd-analyze")
+    if verify is None:
+        pytest.skip("systemd-analyze is not installed here")
+    unit = (HERE / "deploy" / "mooncake-proxy.service").read_text()
+    assert "Type=notify" in unit and "TimeoutStopSec=45" in unit  # above the 30 s drain
+    # Point ExecStart at this checkout: the unit's /opt path does not exist on a test machine.
+    local = re.sub(
+        r"(?m)^ExecStart=.*$", f"ExecStart={sys.executable} {HERE / 'mooncake_proxy.py'}", unit
+    )
+    (tmp_path / "mooncake-proxy.service").write_text(local)
+    result = subprocess.run(
+        [verify, "verify", str(tmp_path / "mooncake-proxy.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "mooncake-proxy.service" not in result.stderr, result.stderr
