@@ -174,6 +174,8 @@ class ProxyConfig:
     api_key: str | None = field(default=None, repr=False)
     protect_metrics: bool = False
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    # Processes sharing the port (SO_REUSEPORT), each with its own pool and discovery.
+    workers: int = 1
 
     def describe(self) -> str:
         """The configuration for the startup log line: everything but the secrets."""
@@ -203,6 +205,8 @@ class ProxyConfig:
             raise ConfigError("--max-request-bytes must be at least 1")
         if self.max_connections < 0:
             raise ConfigError("--max-connections must be 0 (no cap) or more")
+        if self.workers < 1:
+            raise ConfigError("--workers must be at least 1")
         if self.max_retries < 0:
             raise ConfigError("--max-retries must be 0 or more")
         if self.unhealthy_after < 1 or self.healthy_after < 1:
@@ -1376,6 +1380,7 @@ def healthcheck_payload(fleet: Fleet, draining: bool) -> dict[str, Any]:
         "version": VERSION,
         "ready": fleet.ready and not draining,
         "draining": draining,
+        "pid": os.getpid(),  # which --workers process answered
         "prefill_instances": len(fleet.prefills),
         "decode_instances": len(fleet.decodes),
         "prefill": [instance.status() for instance in fleet.prefills],
@@ -1749,6 +1754,13 @@ def build_parser() -> argparse.ArgumentParser:
         "their legs are cancelled; a second signal exits at once",
     )
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes sharing the port through SO_REUSEPORT, each with its own connection "
+        "pool and health checks; more than the cores available buys nothing",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -1828,16 +1840,27 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         api_key=args.api_key or None,
         protect_metrics=args.protect_metrics,
         shutdown_timeout=args.shutdown_timeout,
+        workers=args.workers,
     )
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
-    """Bind before the app starts, so a taken port fails at once and nothing else runs."""
+def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
+    """Bind before the app starts, so a taken port fails at once and nothing else runs.
+
+    With several workers each gets a socket of its own on the same port (SO_REUSEPORT): the
+    kernel spreads new connections over them.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     if family == socket.AF_INET and not host.replace(".", "").isdigit():
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family = infos[0][0]
-    return socket.create_server((host, port), family=family, backlog=1024)
+    reuse_port = count > 1
+    first = socket.create_server((host, port), family=family, backlog=1024, reuse_port=reuse_port)
+    port = first.getsockname()[1]  # port 0: the others join the port the first one got
+    return [first] + [
+        socket.create_server((host, port), family=family, backlog=1024, reuse_port=True)
+        for _ in range(count - 1)
+    ]
 
 
 class JsonFormatter(logging.Formatter):
@@ -1863,6 +1886,55 @@ def setup_logging(level: str, log_format: str) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def run_workers(config: ProxyConfig, sockets: list[socket.socket]) -> int:
+    """Fork one serving process per socket and supervise them; only this one talks to systemd.
+
+    SIGTERM/SIGINT are passed on, so each worker drains its own requests; a second signal is
+    passed on too and makes them exit at once.
+    """
+    children: dict[int, int] = {}
+    for index, sock in enumerate(sockets):
+        pid = os.fork()
+        if pid == 0:  # a worker: serve on its own socket, never notify systemd itself
+            for other in sockets[:index] + sockets[index + 1 :]:
+                other.close()
+            os.environ.pop("NOTIFY_SOCKET", None)
+            code = 1
+            try:
+                code = asyncio.run(serve(config, sock))
+            finally:
+                os._exit(code)
+        children[pid] = index
+    for sock in sockets:
+        sock.close()
+
+    def pass_on(signum: int, _: object) -> None:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    signal.signal(signal.SIGTERM, pass_on)
+    signal.signal(signal.SIGINT, pass_on)
+    sd_notify("READY=1", f"STATUS=serving with {len(children)} workers")
+    watchdog_usec = int(os.environ.get("WATCHDOG_USEC") or 0)
+    worst = 0
+    while children:
+        with contextlib.suppress(ChildProcessError, InterruptedError):
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid:
+                children.pop(pid, None)
+                code = os.waitstatus_to_exitcode(status)
+                worst = max(worst, abs(code))
+                if code:
+                    log.warning("worker %d exited with %d", pid, code)
+                continue
+        if watchdog_usec:
+            sd_notify("WATCHDOG=1")
+        time.sleep(0.1)
+    sd_notify("STOPPING=1")
+    return worst
 
 
 async def serve(config: ProxyConfig, sock: socket.socket) -> int:
@@ -1915,15 +1987,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging(args.log_level, args.log_format)
     try:
-        sock = bind_listener(config.host, config.port)
+        sockets = bind_listeners(config.host, config.port, config.workers)
     except OSError as error:
         reason = error.strerror or str(error)
         where = f"{config.host}:{config.port}"
         print(f"{parser.prog}: error: cannot listen on {where}: {reason}", file=sys.stderr)
         return 1
-    host, port = sock.getsockname()[:2]
-    log.info("%s %d listening on %s:%d; %s", ID, VERSION, host, port, config.describe())
-    return asyncio.run(serve(config, sock))
+    host, port = sockets[0].getsockname()[:2]
+    workers = f" with {config.workers} workers" if config.workers > 1 else ""
+    log.info("%s %d listening on %s:%d%s; %s", ID, VERSION, host, port, workers, config.describe())
+    if config.workers > 1:
+        return run_workers(config, sockets)
+    return asyncio.run(serve(config, sockets[0]))
 
 
 if __name__ == "__main__":

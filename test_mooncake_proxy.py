@@ -1692,3 +1692,25 @@ def test_the_example_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "mooncake-proxy.service" not in result.stderr, result.stderr
+
+
+async def test_workers_share_the_port_and_drain_together(aiohttp_server: Any) -> None:
+    proxy, _ = await ProxyProcess.start(aiohttp_server, "--workers", "2")
+    pids = set()
+    connector = aiohttp.TCPConnector(force_close=True)  # a new connection each time
+    async with aiohttp.ClientSession(connector=connector) as session, asyncio.timeout(20):
+        for _ in range(60):
+            async with session.get(f"{proxy.base}/healthcheck") as health:
+                if health.status == 200:
+                    pids.add((await health.json())["pid"])
+            if len(pids) == 2:
+                break
+        assert len(pids) == 2 and proxy.process.pid not in pids
+        for _ in range(4):
+            async with session.post(
+                f"{proxy.base}/v1/completions", json=completion(stream=True)
+            ) as r:
+                assert sse_events(await r.read())[-1] == "[DONE]"
+    proxy.process.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(proxy.process.wait(), 20) == 0
+    await proxy.stop()

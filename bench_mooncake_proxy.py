@@ -1,0 +1,723 @@
+"""Benchmark: the proxy against a direct-to-decode run, in the same invocation.
+
+    python bench_mooncake_proxy.py --quick     # under a minute: a smoke check with real figures
+    python bench_mooncake_proxy.py             # the full sweep (a few minutes)
+
+It starts a fake cluster that is cheap enough not to be the bottleneck (a prefill with its
+bootstrap server in one process, a decode in another: each answers from precomputed bytes), the
+proxy as users start it (``python mooncake_proxy.py ...``), and a load generator in a process of
+its own. Every scenario runs direct-to-decode and through-the-proxy back to back, so that the
+ratios compare runs on the same noisy machine minutes apart at most; ``vllm-router`` is run as
+well when its binary is installed. Figures are medians of the per-request samples.
+
+Reports per scenario requests/s, streamed chunks/s, TTFT and end-to-end p50/p99, proxy CPU ms per
+request (from /proc/<pid>/stat) and peak RSS, as a table, as JSON (``--json``) and as a PNG plot
+(``--plot``, when matplotlib is installed).
+
+The fake cluster's wire format follows ../shared/PROTOCOL.md but checks nothing: correctness is
+the test suite's job, this measures what the proxy costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+HERE = Path(__file__).resolve().parent
+TOKENS = 16
+PROMPT = "x" * 200  # the 200-byte prompt of the issue's table
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# --- the fake cluster: precomputed answers, as cheap as aiohttp allows
+
+
+def sse_chunks(chat: bool) -> list[bytes]:
+    chunks = []
+    for index in range(TOKENS):
+        finish = "length" if index == TOKENS - 1 else None
+        if chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": " tok"},
+                "finish_reason": finish,
+            }
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": " tok", "logprobs": None, "finish_reason": finish}
+            kind = "text_completion"
+        frame = {
+            "id": "cmpl-bench",
+            "object": kind,
+            "created": 0,
+            "model": "bench",
+            "choices": [choice],
+        }
+        chunks.append(b"data: " + json.dumps(frame).encode() + b"\n\n")
+    chunks.append(b"data: [DONE]\n\n")
+    return chunks
+
+
+COMPLETE = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 0,
+        "model": "bench",
+        "choices": [{"index": 0, "text": " tok" * TOKENS, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 50, "completion_tokens": TOKENS, "total_tokens": 50 + TOKENS},
+    }
+).encode()
+PREFILLED = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 0,
+        "model": "bench",
+        "choices": [{"index": 0, "text": " tok", "finish_reason": "length"}],
+        "kv_transfer_params": None,
+    }
+).encode()
+
+
+def fake_app(role: str) -> web.Application:
+    chunks = {False: sse_chunks(False), True: sse_chunks(True)}
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def query(request: web.Request) -> web.Response:
+        return web.json_response({"0": {"engine_id": "bench-engine_dp0", "worker_addr": {}}})
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if role == "prefill":
+            return web.Response(body=PREFILLED, content_type="application/json")
+        if not body.get("stream"):
+            return web.Response(body=COMPLETE, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        frames = chunks[request.path.endswith("/chat/completions")]
+        if body.get("bench_idle"):
+            # An open stream that sends one token and then waits: the idle-memory scenario.
+            await response.write(frames[0])
+            await asyncio.Event().wait()
+        for frame in frames:
+            await response.write(frame)  # one write per token, as vLLM streams them
+        await response.write_eof()
+        return response
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_get("/health", health)
+    app.router.add_get("/query", query)
+    app.router.add_post("/v1/completions", completion)
+    app.router.add_post("/v1/chat/completions", completion)
+    return app
+
+
+def run_fake(role: str, port: int) -> None:
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    web.run_app(fake_app(role), host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# --- the load generator (runs in a process of its own)
+
+
+@dataclass
+class Sample:
+    ttft: float
+    total: float
+    chunks: int
+    ok: bool
+
+
+async def load(
+    url: str,
+    concurrency: int,
+    seconds: float,
+    max_requests: int,
+    stream: bool,
+    prompt_bytes: int,
+    both_legs: str | None,
+) -> dict[str, Any]:
+    """Keep `concurrency` requests in flight for `seconds` (bounded by `max_requests`)."""
+    prompt = "x" * prompt_bytes
+    body: dict[str, Any] = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": TOKENS,
+        "stream": stream,
+    }
+    payload = json.dumps(body).encode()
+    samples: list[Sample] = []
+    deadline = time.monotonic() + seconds
+    started_count = 0
+    headers = {"Content-Type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one() -> None:
+            started = time.monotonic()
+            prefill_task = None
+            if both_legs:  # a client doing the proxy's job itself: both legs at once
+                prefill_body = dict(body, stream=False, max_tokens=1)
+                prefill_task = asyncio.create_task(
+                    session.post(both_legs, data=json.dumps(prefill_body).encode(), headers=headers)
+                )
+                leg_body = dict(body, kv_transfer_params={"transfer_id": "x"})
+                data = json.dumps(leg_body).encode()
+            else:
+                data = payload
+            async with session.post(url, data=data, headers=headers) as response:
+                first = None
+                chunks = 0
+                async for _ in response.content.iter_any():
+                    if first is None:
+                        first = time.monotonic()
+                    chunks += 1
+                ok = response.status == 200
+            if prefill_task is not None:
+                (await prefill_task).release()
+            end = time.monotonic()
+            samples.append(Sample((first or end) - started, end - started, chunks, ok))
+
+        async def worker() -> None:
+            nonlocal started_count
+            while time.monotonic() < deadline and started_count < max_requests:
+                started_count += 1
+                await one()
+
+        began = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.monotonic() - began
+    return {
+        "elapsed": elapsed,
+        "samples": [asdict(s) for s in samples],
+    }
+
+
+async def idle_streams(url: str, count: int, hold: float) -> dict[str, Any]:
+    """Open `count` streams that stay idle, hold them `hold` seconds, then close them all."""
+    body = json.dumps(
+        {
+            "model": "bench",
+            "prompt": PROMPT,
+            "max_tokens": TOKENS,
+            "stream": True,
+            "bench_idle": True,
+        }
+    ).encode()
+    connector = aiohttp.TCPConnector(limit=0)
+    opened = 0
+    async with aiohttp.ClientSession(connector=connector) as session:
+        responses = []
+
+        async def open_one() -> None:
+            nonlocal opened
+            response = await session.post(
+                url, data=body, headers={"Content-Type": "application/json"}
+            )
+            await response.content.readany()
+            responses.append(response)
+            opened += 1
+
+        sem = asyncio.Semaphore(200)
+
+        async def gated() -> None:
+            async with sem:
+                await open_one()
+
+        await asyncio.gather(*(gated() for _ in range(count)))
+        print(json.dumps({"opened": opened}), flush=True)
+        await asyncio.sleep(hold)
+        for response in responses:
+            response.close()
+    return {"opened": opened}
+
+
+def loadgen_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=3)
+    parser.add_argument("--max-requests", type=int, default=10**9)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--prompt-bytes", type=int, default=len(PROMPT))
+    parser.add_argument("--both-legs", default=None, help="prefill URL: send both legs")
+    parser.add_argument("--idle", type=int, default=0)
+    parser.add_argument("--hold", type=float, default=3)
+    args = parser.parse_args(argv)
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    if args.idle:
+        result = asyncio.run(idle_streams(args.url, args.idle, args.hold))
+    else:
+        result = asyncio.run(
+            load(
+                args.url,
+                args.concurrency,
+                args.seconds,
+                args.max_requests,
+                args.stream,
+                args.prompt_bytes,
+                args.both_legs,
+            )
+        )
+    print(json.dumps(result), flush=True)
+
+
+# --- process bookkeeping
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its reaped children, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    utime, stime = int(fields[11]), int(fields[12])
+    return (utime + stime) / CLOCK_TICKS
+
+
+def rss_kib(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/statm").read_text().split()
+    return int(fields[1]) * PAGE_SIZE / 1024
+
+
+def tree_pids(pid: int) -> list[int]:
+    """The process and its children (the --workers processes)."""
+    pids = [pid]
+    with contextlib.suppress(FileNotFoundError):
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        for child in children:
+            pids += tree_pids(int(child))
+    return pids
+
+
+def wait_http(url: str, seconds: float = 20) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
+            if response.status == 200:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer 200 within {seconds} s")
+
+
+@dataclass
+class Target:
+    name: str
+    url: str  # base URL requests go to
+    pid: int | None = None  # the process whose CPU and memory count as "the proxy"
+    process: subprocess.Popen[bytes] | None = None
+
+
+@dataclass
+class Result:
+    scenario: str
+    target: str
+    concurrency: int
+    stream: bool
+    requests: int
+    errors: int
+    rps: float
+    chunks_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    cpu_ms_per_request: float | None
+    peak_rss_mib: float | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.results: list[Result] = []
+
+    def spawn(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(argv, **kwargs)
+        self.processes.append(process)
+        return process
+
+    def start_cluster(self) -> None:
+        self.prefill_port, self.decode_port = free_port(), free_port()
+        self.bootstrap_port = self.prefill_port  # the prefill fake serves /query itself
+        for role, port in (("prefill", self.prefill_port), ("decode", self.decode_port)):
+            self.spawn([sys.executable, __file__, "fake", role, str(port)])
+        self.prefill_url = f"http://127.0.0.1:{self.prefill_port}"
+        self.decode_url = f"http://127.0.0.1:{self.decode_port}"
+        wait_http(self.prefill_url + "/health")
+        wait_http(self.decode_url + "/health")
+
+    def start_proxy(self, workers: int = 1) -> Target:
+        port = free_port()
+        argv = [
+            sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port),
+            "--prefill", self.prefill_url, str(self.bootstrap_port),
+            "--decode", self.decode_url, "--log-level", "WARNING",
+        ]  # fmt: skip
+        if workers > 1:
+            argv += ["--workers", str(workers)]
+        process = self.spawn(argv)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health")
+        return Target(
+            f"proxy (workers={workers})" if workers > 1 else "proxy", url, process.pid, process
+        )
+
+    def start_vllm_router(self) -> Target | None:
+        binary = shutil.which("vllm-router")
+        if binary is None:
+            return None
+        port = free_port()
+        argv = [
+            binary, "--host", "127.0.0.1", "--port", str(port),
+            "--vllm-pd-disaggregation", "--kv-connector", "mooncake",
+            "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
+        ]  # fmt: skip
+        process = self.spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_http(url + "/health", 30)
+        except RuntimeError:
+            print("vllm-router did not start; left out", file=sys.stderr)
+            return None
+        return Target("vllm-router", url, process.pid, process)
+
+    def stop(self, target: Target) -> None:
+        if target.process is not None and target.process.poll() is None:
+            target.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                target.process.wait(10)
+            if target.process.poll() is None:
+                target.process.kill()
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+    def run_load(
+        self,
+        target: Target,
+        scenario: str,
+        concurrency: int,
+        stream: bool,
+        seconds: float,
+        prompt_bytes: int = len(PROMPT),
+        both_legs: str | None = None,
+    ) -> Result:
+        argv = [
+            sys.executable, __file__, "loadgen", "--url", f"{target.url}/v1/completions",
+            "--concurrency", str(concurrency), "--seconds", str(seconds),
+            "--prompt-bytes", str(prompt_bytes),
+        ]  # fmt: skip
+        if stream:
+            argv.append("--stream")
+        if both_legs:
+            argv += ["--both-legs", both_legs]
+        pids = tree_pids(target.pid) if target.pid else []
+        cpu_before = sum(cpu_seconds(p) for p in pids)
+        peak = 0.0
+        loadgen = subprocess.Popen(argv, stdout=subprocess.PIPE)
+        while loadgen.poll() is None:
+            if pids:
+                peak = max(peak, sum(rss_kib(p) for p in pids))
+            time.sleep(0.05)
+        out, _ = loadgen.communicate()
+        cpu_after = sum(cpu_seconds(p) for p in pids) if pids else 0.0
+        data = json.loads(out.decode().strip().splitlines()[-1])
+        samples = [s for s in data["samples"]]
+        good = [s for s in samples if s["ok"]]
+        count = len(samples)
+        result = Result(
+            scenario=scenario,
+            target=target.name,
+            concurrency=concurrency,
+            stream=stream,
+            requests=count,
+            errors=count - len(good),
+            rps=count / data["elapsed"],
+            chunks_per_s=sum(s["chunks"] for s in good) / data["elapsed"],
+            ttft_p50_ms=1000 * percentile([s["ttft"] for s in good], 0.5),
+            ttft_p99_ms=1000 * percentile([s["ttft"] for s in good], 0.99),
+            e2e_p50_ms=1000 * percentile([s["total"] for s in good], 0.5),
+            e2e_p99_ms=1000 * percentile([s["total"] for s in good], 0.99),
+            cpu_ms_per_request=1000 * (cpu_after - cpu_before) / count if pids and count else None,
+            peak_rss_mib=peak / 1024 if pids else None,
+        )
+        self.results.append(result)
+        print(format_row(result), flush=True)
+        return result
+
+    def idle_memory(self, target: Target, streams: int, hold: float) -> dict[str, float]:
+        pids = tree_pids(target.pid) if target.pid else []
+        base = sum(rss_kib(p) for p in pids)
+        argv = [
+            sys.executable, __file__, "loadgen", "--url", f"{target.url}/v1/completions",
+            "--idle", str(streams), "--hold", str(hold),
+        ]  # fmt: skip
+        loadgen = subprocess.Popen(argv, stdout=subprocess.PIPE)
+        assert loadgen.stdout is not None
+        opened = json.loads(loadgen.stdout.readline())["opened"]
+        time.sleep(min(1.0, hold / 2))
+        held = sum(rss_kib(p) for p in pids)
+        loadgen.wait()
+        return {
+            "streams": opened,
+            "base_kib": base,
+            "held_kib": held,
+            "kib_per_stream": (held - base) / max(opened, 1),
+        }
+
+
+def format_row(r: Result) -> str:
+    cpu = f"{r.cpu_ms_per_request:7.3f}" if r.cpu_ms_per_request is not None else "      -"
+    rss = f"{r.peak_rss_mib:7.1f}" if r.peak_rss_mib is not None else "      -"
+    kind = "stream" if r.stream else "plain"
+    return (
+        f"{r.scenario:<14} {r.target:<22} c={r.concurrency:<4} {kind:<6} "
+        f"{r.rps:8.1f} req/s {r.chunks_per_s:8.0f} chunk/s  "
+        f"ttft {r.ttft_p50_ms:6.2f}/{r.ttft_p99_ms:6.2f} ms  "
+        f"e2e {r.e2e_p50_ms:6.2f}/{r.e2e_p99_ms:6.2f} ms  cpu {cpu} ms/req  rss {rss} MiB  "
+        f"err {r.errors}"
+    )
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    bench = Bench(args)
+    quick = args.quick
+    seconds = 2.0 if quick else 5.0
+    concurrencies = [1, 32] if quick else [1, 8, 32, 64, 128, 256]
+    summary: dict[str, Any] = {}
+    direct = None
+    try:
+        bench.start_cluster()
+        direct = Target("direct", bench.decode_url)
+        proxy = bench.start_proxy()
+        router = None if args.no_router else bench.start_vllm_router()
+        targets = [t for t in (direct, proxy, router) if t is not None]
+        for stream in (True, False):
+            for concurrency in concurrencies:
+                for target in targets:
+                    bench.run_load(target, "sweep", concurrency, stream, seconds)
+        # The 1 MiB prompt: the proxy against a client that sends both legs itself.
+        mib = 1 << 20
+        both = Target("client does both legs", bench.decode_url)
+        for target in (both, proxy):
+            bench.run_load(
+                target,
+                "1 MiB prompt",
+                1,
+                True,
+                seconds,
+                prompt_bytes=mib,
+                both_legs=f"{bench.prefill_url}/v1/completions" if target is both else None,
+            )
+        summary["idle"] = bench.idle_memory(proxy, 500 if quick else 2000, 2.0 if quick else 4.0)
+        print(f"idle streams: {summary['idle']}", flush=True)
+        bench.stop(proxy)
+        if not quick or args.workers:
+            for workers in (1, 2):
+                target = bench.start_proxy(workers)
+                bench.run_load(target, f"workers={workers}", 64, True, seconds)
+                bench.stop(target)
+    finally:
+        bench.close()
+    table = summarize(bench.results, summary)
+    print("\n" + table)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"results": [asdict(r) for r in bench.results], **summary}, indent=2)
+        )
+    if args.plot:
+        plot(bench.results, args.plot)
+    return 0
+
+
+def median_of(results: list[Result], **match: Any) -> Result | None:
+    for r in results:
+        if all(getattr(r, k) == v for k, v in match.items()):
+            return r
+    return None
+
+
+def summarize(results: list[Result], summary: dict[str, Any]) -> str:
+    lines = ["| target | metric | value | target | met |", "|---|---|---|---|---|"]
+
+    def add(
+        metric: str, value: float | None, goal: str, met: bool | None, fmt: str = "{:.3f}"
+    ) -> None:
+        shown = "-" if value is None else fmt.format(value)
+        verdict = "-" if met is None else ("yes" if met else "NO")
+        lines.append(f"| proxy | {metric} | {shown} | {goal} | {verdict} |")
+
+    def find(**match: Any) -> Result | None:
+        return median_of(results, **match)
+
+    streamed = find(scenario="sweep", target="proxy", stream=True, concurrency=32)
+    plain = find(scenario="sweep", target="proxy", stream=False, concurrency=32)
+    direct32 = find(scenario="sweep", target="direct", stream=True, concurrency=32)
+    if streamed and streamed.cpu_ms_per_request is not None:
+        add(
+            "CPU per streamed request (ms)",
+            streamed.cpu_ms_per_request,
+            "<= 0.35",
+            streamed.cpu_ms_per_request <= 0.35,
+        )
+    if plain and plain.cpu_ms_per_request is not None:
+        add(
+            "CPU per non-streamed request (ms)",
+            plain.cpu_ms_per_request,
+            "<= 0.25",
+            plain.cpu_ms_per_request <= 0.25,
+        )
+    if streamed and direct32:
+        ratio = streamed.rps / direct32.rps
+        add("streamed req/s at 32 vs direct", ratio, ">= 0.45x", ratio >= 0.45, "{:.2f}x")
+    p1 = find(scenario="sweep", target="proxy", stream=True, concurrency=1)
+    d1 = find(scenario="sweep", target="direct", stream=True, concurrency=1)
+    if p1 and d1:
+        added = p1.ttft_p50_ms - d1.ttft_p50_ms
+        add("added TTFT p50 at concurrency 1 (ms)", added, "<= 0.6", added <= 0.6)
+    idle = summary.get("idle")
+    if idle:
+        add(
+            f"RSS per idle stream ({idle['streams']} open, KiB)",
+            idle["kib_per_stream"],
+            "<= 20",
+            idle["kib_per_stream"] <= 20,
+            "{:.1f}",
+        )
+    big_proxy = find(scenario="1 MiB prompt", target="proxy")
+    big_both = find(scenario="1 MiB prompt", target="client does both legs")
+    if big_proxy and big_both:
+        added = big_proxy.e2e_p50_ms - big_both.e2e_p50_ms
+        add("1 MiB prompt, added e2e p50 (ms)", added, "<= 3", added <= 3)
+    w1 = find(scenario="workers=1")
+    w2 = find(scenario="workers=2")
+    if w1 and w2:
+        add(
+            "req/s with --workers 2 vs 1",
+            w2.rps / w1.rps,
+            "> 1 (2 cores)",
+            w2.rps > w1.rps,
+            "{:.2f}x",
+        )
+    router = find(scenario="sweep", target="vllm-router", stream=True, concurrency=32)
+    if router and direct32:
+        ratio = router.rps / direct32.rps
+        lines.append(f"| vllm-router | streamed req/s at 32 vs direct | {ratio:.2f}x | - | - |")
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return
+    figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for target in sorted({r.target for r in results if r.scenario == "sweep"}):
+        for stream in (True, False):
+            rows = sorted(
+                (
+                    r
+                    for r in results
+                    if r.scenario == "sweep" and r.target == target and r.stream == stream
+                ),
+                key=lambda r: r.concurrency,
+            )
+            if not rows:
+                continue
+            label = f"{target} ({'streamed' if stream else 'plain'})"
+            style = "-" if stream else "--"
+            throughput.plot(
+                [r.concurrency for r in rows], [r.rps for r in rows], style, marker="o", label=label
+            )
+            ttft.plot(
+                [r.concurrency for r in rows],
+                [r.ttft_p50_ms for r in rows],
+                style,
+                marker="o",
+                label=label,
+            )
+    for axis, title, unit in (
+        (throughput, "throughput", "requests/s"),
+        (ttft, "time to first byte, p50", "ms"),
+    ):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent requests")
+        axis.set_ylabel(unit)
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+    throughput.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "fake":
+        run_fake(sys.argv[2], int(sys.argv[3]))
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "loadgen":
+        loadgen_main(sys.argv[2:])
+        return 0
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument(
+        "--workers", action="store_true", help="also compare --workers 1/2 in quick mode"
+    )
+    parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
+    return bench_main(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
