@@ -1714,3 +1714,46 @@ async def test_workers_share_the_port_and_drain_together(aiohttp_server: Any) ->
     proxy.process.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(proxy.process.wait(), 20) == 0
     await proxy.stop()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "stdlib"])
+def test_leg_bodies_encode_alike_with_or_without_the_speed_extra(
+    monkeypatch: pytest.MonkeyPatch, fast: bool
+) -> None:
+    if not fast:
+        monkeypatch.setattr(mp, "FAST_DUMPS", None)
+    bodies = [
+        completion(prompt="caf\u00e9 \u4e2d\u6587 " * 3),
+        completion(prompt="x" * 100_000),
+        # What orjson refuses and the stdlib parser produces: the slow path takes them.
+        mp.parse_request_json(
+            b'{"prompt": "\\ud800 lone surrogate", "seed": 123456789012345678901234567890}'
+        ),
+        mp.parse_request_json(b'{"prompt": ' + b"[" * 400 + b"]" * 400 + b"}"),
+    ]
+    for body in bodies:
+        encoded = mp.encode_json(body)
+        assert isinstance(encoded, bytes)
+        assert json.loads(encoded) == body
+
+
+async def test_the_pd_flow_works_without_the_speed_extra(
+    start_cluster: StartCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mp, "FAST_DUMPS", None)
+    cluster = await start_cluster()
+    response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+    assert sse_events(await response.read())[-1] == "[DONE]"
+
+
+def test_loop_choice() -> None:
+    assert mp.event_loop_factory("asyncio") is None
+    factory = mp.event_loop_factory("auto")
+    try:
+        import uvloop
+    except ImportError:
+        assert factory is None
+        with pytest.raises(mp.ConfigError):
+            mp.event_loop_factory("uvloop")
+    else:
+        assert factory is uvloop.new_event_loop
