@@ -2,11 +2,12 @@
 #   make demo   the proxy in front of a simulated vLLM cluster, and a streamed request through it
 #   make test   the test suite (make check adds ruff and mypy --strict)
 # and, heavier: make integration   the proxy against real vLLM on the CPU with real Mooncake
+#               make bench         the benchmark (make bench-quick: under a minute)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: demo test integration lint check clean
+.PHONY: demo test integration bench bench-quick lint check clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -18,6 +19,13 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
+	$(PY) bench_mooncake_proxy.py --json bench.json --plot bench.png
+
+bench-quick: $(VENV)/.installed
+	$(PY) bench_mooncake_proxy.py --quick
 
 integration: $(VENV)/.installed
 	bash integration/run.sh

@@ -147,6 +147,67 @@ def run_fake(role: str, port: int) -> None:
     web.run_app(fake_app(role), host="127.0.0.1", port=port, print=None, access_log=None)
 
 
+# --- a yardstick: the plain, unoptimised aiohttp PD proxy of the issue's table
+
+
+def plain_proxy_app(prefill: str, decode: str) -> web.Application:
+    """Both legs at once and the decode's bytes passed on; no health, metrics or failover.
+
+    Run beside the real proxy, it tells how fast this machine is: the issue's table has such
+    a proxy at 0.44 ms CPU per streamed request on its machine.
+    """
+    state: dict[str, Any] = {}
+
+    async def session_ctx(app: web.Application) -> Any:
+        state["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        async with state["session"].get(prefill + "/query") as query:
+            state["engine"] = (await query.json())["0"]["engine_id"]
+        yield
+        await state["session"].close()
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        session, body, rid = state["session"], await request.json(), os.urandom(8).hex()
+        prefill_body = dict(body, stream=False, max_tokens=1)
+        prefill_body.pop("stream_options", None)
+        prefill_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": rid}
+        decode_body = dict(body)
+        decode_body["kv_transfer_params"] = {
+            "do_remote_prefill": True,
+            "remote_engine_id": state["engine"],
+            "remote_bootstrap_addr": prefill,
+            "transfer_id": rid,
+        }
+
+        async def send_prefill() -> None:
+            async with session.post(prefill + request.path, json=prefill_body) as answer:
+                await answer.read()
+
+        prefill_task = asyncio.create_task(send_prefill())
+        async with session.post(decode + request.path, json=decode_body) as upstream:
+            response = web.StreamResponse(status=upstream.status)
+            response.content_type = upstream.content_type
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+        await prefill_task
+        return response
+
+    app = web.Application(client_max_size=1 << 30)
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completion)
+    return app
+
+
+def run_plain_proxy(prefill: str, decode: str, port: int) -> None:
+    app = plain_proxy_app(prefill, decode)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
 # --- the load generator (runs in a process of its own)
 
 
@@ -407,6 +468,14 @@ class Bench:
             f"proxy (workers={workers})" if workers > 1 else "proxy", url, process.pid, process
         )
 
+    def start_plain_proxy(self) -> Target:
+        port = free_port()
+        argv = [sys.executable, __file__, "plain", self.prefill_url, self.decode_url, str(port)]
+        process = self.spawn(argv)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health")
+        return Target("plain aiohttp (ref)", url, process.pid, process)
+
     def start_vllm_router(self) -> Target | None:
         binary = shutil.which("vllm-router")
         if binary is None:
@@ -541,7 +610,8 @@ def bench_main(args: argparse.Namespace) -> int:
         direct = Target("direct", bench.decode_url)
         proxy = bench.start_proxy()
         router = None if args.no_router else bench.start_vllm_router()
-        targets = [t for t in (direct, proxy, router) if t is not None]
+        plain = bench.start_plain_proxy()
+        targets = [t for t in (direct, proxy, plain, router) if t is not None]
         for stream in (True, False):
             for concurrency in concurrencies:
                 for target in targets:
@@ -649,6 +719,17 @@ def summarize(results: list[Result], summary: dict[str, Any]) -> str:
             w2.rps > w1.rps,
             "{:.2f}x",
         )
+    for name in ("plain aiohttp (ref)",):
+        ref = find(scenario="sweep", target=name, stream=True, concurrency=32)
+        ref_plain = find(scenario="sweep", target=name, stream=False, concurrency=32)
+        if ref and direct32 and ref_plain:
+            lines.append(
+                f"| {name} | CPU per streamed / non-streamed request (ms) | "
+                f"{ref.cpu_ms_per_request:.3f} / {ref_plain.cpu_ms_per_request:.3f} | "
+                "(0.44 / 0.33 on the issue's machine) | - |"
+            )
+            ratio = ref.rps / direct32.rps
+            lines.append(f"| {name} | streamed req/s at 32 vs direct | {ratio:.2f}x | - | - |")
     router = find(scenario="sweep", target="vllm-router", stream=True, concurrency=32)
     if router and direct32:
         ratio = router.rps / direct32.rps
@@ -708,6 +789,9 @@ def plot(results: list[Result], path: str) -> None:
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "fake":
         run_fake(sys.argv[2], int(sys.argv[3]))
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "plain":
+        run_plain_proxy(sys.argv[2], sys.argv[3], int(sys.argv[4]))
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "loadgen":
         loadgen_main(sys.argv[2:])
