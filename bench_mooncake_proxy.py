@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,18 +38,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from fake_vllm import free_port
+
 HERE = Path(__file__).resolve().parent
 TOKENS = 16
 PROMPT = "x" * 200  # the 200-byte prompt of the table
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # --- the fake cluster: precomputed answers, as cheap as aiohttp allows

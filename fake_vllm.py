@@ -457,11 +457,28 @@ class FakeVllm:
 # --- a whole simulated cluster, for the demo
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A free port below the kernel's ephemeral range.
+
+    A port from bind(0) is free now, but until the server started later binds it the kernel
+    may hand it out again (vLLM alone opens several such ports while it starts). Ports below
+    32768 are never handed out that way.
+    """
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        if port in _handed_out:
+            continue  # free, but promised to another server of this run
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free port found in 20000-32000")
 
 
 @dataclass

@@ -1276,18 +1276,27 @@ def watch_lingering_prefill(
 # --- discovery and health
 
 
+async def check_health(
+    session: aiohttp.ClientSession, backend: Backend, limits: aiohttp.ClientTimeout
+) -> None:
+    """vLLM's ``GET /health``: 2xx when its engine is alive; raises ValueError saying why not."""
+    url = backend.routes["/health"]
+    try:
+        async with session.get(url, timeout=limits) as health:
+            await health.read()
+            status = health.status
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise ValueError(transport_error("health check", url, error).message) from None
+    if not 200 <= status < 300:
+        raise ValueError(f"{url} answered {status}")
+
+
 async def query_engine_ids(
     session: aiohttp.ClientSession, instance: PrefillInstance, limits: aiohttp.ClientTimeout
 ) -> tuple[str, ...]:
     """Wait for the prefill API to be healthy, then read its engines from the bootstrap."""
-    health_url = instance.routes["/health"]
-    try:
-        async with session.get(health_url, timeout=limits) as health:
-            await health.read()
-            if not 200 <= health.status < 300:
-                raise ValueError(f"{health_url} answered {health.status}")
-    except (aiohttp.ClientError, TimeoutError) as error:
-        raise ValueError(transport_error("health check", health_url, error).message) from None
+    # Workers register before the API server listens: a healthy API means a full answer.
+    await check_health(session, instance, limits)
     try:
         async with session.get(instance.query_url, timeout=limits) as query:
             raw = await query.read()
@@ -1307,20 +1316,6 @@ async def query_engine_ids(
     return engine_ids
 
 
-async def check_decode(
-    session: aiohttp.ClientSession, decode: DecodeInstance, limits: aiohttp.ClientTimeout
-) -> None:
-    url = decode.routes["/health"]
-    try:
-        async with session.get(url, timeout=limits) as health:
-            await health.read()
-            status = health.status
-    except (aiohttp.ClientError, TimeoutError) as error:
-        raise ValueError(transport_error("health check", url, error).message) from None
-    if not 200 <= status < 300:
-        raise ValueError(f"{url} answered {status}")
-
-
 async def check_backend(app: web.Application, backend: Backend) -> None:
     """One health check; moves the backend in or out of the rotation and says so once."""
     config, fleet, session = app[CONFIG_KEY], app[FLEET_KEY], app[SESSION_KEY]
@@ -1329,8 +1324,7 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
         if isinstance(backend, PrefillInstance):
             engine_ids = await query_engine_ids(session, backend, limits)
         else:
-            assert isinstance(backend, DecodeInstance)
-            await check_decode(session, backend, limits)
+            await check_health(session, backend, limits)
     except ValueError as failure:
         error = str(failure)
         repeated = error == backend.last_error

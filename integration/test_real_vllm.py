@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,9 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 PROXY = HERE.parent / "mooncake_proxy.py"
+sys.path.insert(0, str(HERE.parent))
+from fake_vllm import free_port  # noqa: E402  (ports vLLM's own start-up cannot take)
+
 MODEL = "tiny"
 # The prefill accepts shorter prompts than the decode: a prompt between the two is rejected by
 # the prefill alone, the one case where only fail-fast saves the client from the KV timeout.
@@ -50,13 +52,6 @@ def http_get(url: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
