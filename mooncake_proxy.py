@@ -945,7 +945,7 @@ class Exchange:
     fleet: Fleet
     session: aiohttp.ClientSession
     path: str
-    headers: dict[str, str]  # for both legs; X-Request-Id is set per attempt
+    headers: dict[str, str]  # for both legs; each attempt sets its own X-Request-Id
     response: web.StreamResponse
     retries_left: int
     stats: RequestStats
@@ -969,13 +969,11 @@ class Exchange:
         return ProxyError(failure.status, f"{len(self.failures)} attempts failed: {tried}")
 
 
-async def send_prefill(
-    ex: Exchange, engine: PrefillEngine, payload: bytes, request_id: str
-) -> None:
+async def send_prefill(ex: Exchange, engine: PrefillEngine, payload: bytes) -> None:
     """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
     url = engine.instance.routes[ex.path]
     where = f"prefill rank {engine.dp_rank}"
-    headers = {**ex.headers, REQUEST_ID_HEADER: request_id, DP_RANK_HEADER: str(engine.dp_rank)}
+    headers = {**ex.headers, DP_RANK_HEADER: str(engine.dp_rank)}
     started = time.monotonic()
     try:
         async with ex.session.post(
@@ -1053,7 +1051,7 @@ async def open_decode(
 
 
 async def relay_decode(
-    ex: Exchange, engine: PrefillEngine, claim: DecodeClaim, payload: bytes, request_id: str
+    ex: Exchange, engine: PrefillEngine, claim: DecodeClaim, payload: bytes
 ) -> None:
     """The decode leg: pass its status, content type and bytes to the client as they come.
 
@@ -1062,8 +1060,7 @@ async def relay_decode(
     answered with the prefill's own status.
     """
     response = ex.response
-    headers = {**ex.headers, REQUEST_ID_HEADER: request_id}
-    upstream = await open_decode(ex, claim, payload, headers)
+    upstream = await open_decode(ex, claim, payload, ex.headers)
     url = upstream.url
     stats = ex.stats
     stats.decode = str(claim.decode.url)
@@ -1175,7 +1172,7 @@ async def run_pd_attempt(
     except BaseException:
         fleet.release_prefill(engine)
         raise
-    response.headers[REQUEST_ID_HEADER] = request_id
+    response.headers[REQUEST_ID_HEADER] = ex.headers[REQUEST_ID_HEADER] = request_id
     ex.stats.request_id = request_id
     ex.stats.prefill = f"{engine.url}#{engine.dp_rank}"
     if log.isEnabledFor(logging.DEBUG):
@@ -1193,7 +1190,7 @@ async def run_pd_attempt(
         if relaying and task_error(task) is not None:
             handler.cancel()
 
-    prefill = asyncio.create_task(send_prefill(ex, engine, prefill_payload, request_id))
+    prefill = asyncio.create_task(send_prefill(ex, engine, prefill_payload))
     prefill.add_done_callback(prefill_done)
     del prefill_payload  # the task holds it as long as it is needed
     handed_over = False
@@ -1201,7 +1198,7 @@ async def run_pd_attempt(
         decode_error: ProxyError | None = None
         cut_short = False
         try:
-            await relay_decode(ex, engine, claim, decode_payload, request_id)
+            await relay_decode(ex, engine, claim, decode_payload)
         except asyncio.CancelledError:
             if task_error(prefill) is None or handler.uncancel() > 0:
                 raise  # the client went away
