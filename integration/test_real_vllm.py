@@ -158,6 +158,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
     # The proxy as users start it.
     argv = [sys.executable, str(PROXY), "--port", str(proxy_port), "--decode", decode.url]
     argv += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+    # Two CPU vLLM servers saturate this 2-core machine: under 32 new connections at once the
+    # decode once took over the default 5 s to accept one. Real nodes accept in microseconds.
+    argv += ["--connect-timeout", "30"]
     proxy = Server(
         "proxy",
         argv,
