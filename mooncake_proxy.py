@@ -76,6 +76,8 @@ DEFAULT_BOOTSTRAP_PORT: Final = 8998
 # Long prompts and base64 images make big bodies; 100 MiB still stops a runaway upload.
 DEFAULT_MAX_REQUEST_BYTES: Final = 100 * 1024 * 1024
 DEFAULT_CONNECT_TIMEOUT: Final = 5.0
+# How long a request may wait for a connection under --max-connections (httpx's default too).
+DEFAULT_POOL_TIMEOUT: Final = 5.0
 # vLLM (uvicorn) closes idle keep-alive connections after 5 s; reusing one it already closed
 # fails the request, so the pool must forget idle connections before vLLM does.
 DEFAULT_KEEPALIVE_TIMEOUT: Final = 4.0
@@ -173,8 +175,10 @@ class ProxyConfig:
     # None: a stream may last as long as the decode keeps producing tokens.
     request_timeout: float | None = None
     prefill_timeout: float | None = DEFAULT_PREFILL_TIMEOUT
-    # 0: no cap; each open stream holds one upstream connection.
+    # 0: no cap. Counts upstream connections in use: a PD request takes two at once (its
+    # prefill's until the prefill answered, its decode's until the stream ends).
     max_connections: int = 0
+    pool_timeout: float = DEFAULT_POOL_TIMEOUT
     health_interval: float = DEFAULT_HEALTH_INTERVAL
     discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL
     health_timeout: float = DEFAULT_HEALTH_TIMEOUT
@@ -227,6 +231,7 @@ class ProxyConfig:
             raise ConfigError("--unhealthy-after and --healthy-after must be at least 1")
         for flag, value in (
             ("--connect-timeout", self.connect_timeout),
+            ("--pool-timeout", self.pool_timeout),
             ("--keepalive-timeout", self.keepalive_timeout),
             ("--health-interval", self.health_interval),
             ("--discovery-interval", self.discovery_interval),
@@ -308,6 +313,7 @@ class ProxyError(Exception):
         body: bytes | None = None,
         content_type: str | None = None,
         reason: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -317,6 +323,8 @@ class ProxyError(Exception):
         self.content_type = content_type
         # For the errors metric: refused, timeout, http_<status>, stopped_early, ...
         self.reason = reason or f"http_{status}"
+        # Seconds a client should wait before trying again (the Retry-After header).
+        self.retry_after = retry_after
 
     @classmethod
     def from_upstream(
@@ -342,8 +350,11 @@ class ProxyError(Exception):
         if self.body is not None:
             response = web.Response(status=self.status, body=self.body, headers=headers)
             response.headers[hdrs.CONTENT_TYPE] = self.content_type or "application/json"
-            return response
-        return web.json_response(self.payload(), status=self.status, headers=headers)
+        else:
+            response = web.json_response(self.payload(), status=self.status, headers=headers)
+        if self.retry_after is not None:
+            response.headers[hdrs.RETRY_AFTER] = str(self.retry_after)
+        return response
 
     def sse_frame(self) -> bytes:
         """The in-band error vLLM itself sends once a stream's 200 has gone out."""
@@ -548,6 +559,11 @@ class Backend:
         self.in_flight = 0
         # Set to check this instance now instead of at the next interval.
         self.recheck = asyncio.Event()
+        # When the last check began and the last request on it succeeded (monotonic): a check
+        # that times out while requests succeed is a sign of load, not of failure.
+        self.checked_at = 0.0
+        self.last_success = 0.0
+        self.slow = False
 
     def check_passed(self, healthy_after: int) -> bool:
         """Count a good check; True if that brought the instance back into the rotation."""
@@ -563,6 +579,7 @@ class Backend:
         self.passes = 0
         self.failures += 1
         self.last_error = error
+        self.slow = False
         if not self.usable or self.failures < unhealthy_after:
             return False
         self.usable, self.since = False, time.time()
@@ -583,6 +600,7 @@ class Backend:
             "url": str(self.url),
             "usable": self.usable,
             "since": datetime.fromtimestamp(self.since, UTC).isoformat(timespec="seconds"),
+            "slow": self.slow,
             "last_error": self.last_error,
             "in_flight": self.in_flight,
         }
@@ -893,6 +911,66 @@ def upstream_authorization(client_headers: Mapping[str, str], config: ProxyConfi
 # --- upstream legs
 
 
+class UpstreamSlots:
+    """The --max-connections cap: upstream connections in use, handed out first come first served.
+
+    The proxy counts them itself instead of capping aiohttp's pool, so that a request waits for
+    a slot before its legs start (a bounded wait with an error of its own) and a health check,
+    which has a pool of its own, never waits behind client traffic and never mistakes the
+    proxy's own limit for an upstream that is down. A PD request takes both its slots at once:
+    decodes holding slots while waiting for prefills that cannot get one would deadlock.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # 0: no cap, and no bookkeeping either
+        self.in_use = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    async def acquire(self, count: int, within: float) -> None:
+        """Take ``count`` slots; raises TimeoutError if they did not come free ``within`` s."""
+        if not self.limit:
+            return
+        if not self._waiters and self.in_use + count <= self.limit:
+            self.in_use += count
+            return
+        granted = asyncio.get_running_loop().create_future()
+        waiter = (count, granted)
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(within):
+                await granted
+        except BaseException:
+            if granted.done() and not granted.cancelled():
+                self.release(count)  # granted just as the wait ended: give it back
+            else:
+                with contextlib.suppress(ValueError):  # _grant may have dropped it already
+                    self._waiters.remove(waiter)
+                self._grant()  # a smaller request behind this one may fit now
+            raise
+
+    def release(self, count: int) -> None:
+        if self.limit:
+            self.in_use -= count
+            self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self.in_use + self._waiters[0][0] <= self.limit:
+            count, granted = self._waiters.popleft()
+            if not granted.done():  # done: its request gave up (cancelled) while queued
+                self.in_use += count
+                granted.set_result(None)
+
+
+def pool_exhausted(config: ProxyConfig, legs: str) -> ProxyError:
+    return ProxyError(
+        503,
+        f"all {config.max_connections} upstream connections allowed by --max-connections are "
+        f"in use; none came free within {config.pool_timeout:g} s (--pool-timeout) for {legs}",
+        reason="pool_timeout",
+        retry_after=1,
+    )
+
+
 class Unreachable(ProxyError):
     """A leg never reached its upstream: safe to try elsewhere, and a sign the host is down."""
 
@@ -944,6 +1022,7 @@ class Exchange:
     config: ProxyConfig
     fleet: Fleet
     session: aiohttp.ClientSession
+    slots: UpstreamSlots
     path: str
     headers: dict[str, str]  # for both legs; each attempt sets its own X-Request-Id
     response: web.StreamResponse
@@ -989,13 +1068,15 @@ async def send_prefill(ex: Exchange, engine: PrefillEngine, payload: bytes) -> N
     except (aiohttp.ClientError, TimeoutError) as error:
         raise transport_error(where, url, error) from None
     finally:
-        ex.metrics.prefill_duration.observe(time.monotonic() - started)
+        finished = time.monotonic()
+        ex.metrics.prefill_duration.observe(finished - started)
     if not 200 <= status < 300:
         if status >= 500:
             engine.instance.recheck.set()
         raise ProxyError.from_upstream(where, url, status, body, ctype)
     if problem := prefill_finish_problem(body):
         raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
+    engine.instance.last_success = finished
 
 
 class RelayResponse(web.StreamResponse):
@@ -1073,6 +1154,7 @@ async def relay_decode(
                 body = await upstream.read()
                 ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "")
                 raise ProxyError.from_upstream("decode", url, upstream.status, body, ctype)
+            claim.decode.last_success = time.monotonic()
             response.set_status(upstream.status, upstream.reason)
             response.headers[hdrs.CONTENT_TYPE] = upstream.headers.get(
                 hdrs.CONTENT_TYPE, "application/octet-stream"
@@ -1124,6 +1206,7 @@ async def run_pd_request(
         config=config,
         fleet=fleet,
         session=app[SESSION_KEY],
+        slots=app[SLOTS_KEY],
         path=request.path,
         headers=upstream_headers(request.headers, request_id, config),
         response=RelayResponse(),
@@ -1172,6 +1255,15 @@ async def run_pd_attempt(
     except BaseException:
         fleet.release_prefill(engine)
         raise
+    try:
+        await ex.slots.acquire(2, ex.config.pool_timeout)
+    except BaseException as error:
+        fleet.release_prefill(engine)
+        fleet.release_decode(claim.decode)
+        if isinstance(error, TimeoutError):
+            legs = f"prefill {engine.url} rank {engine.dp_rank} and decode {claim.decode.url}"
+            raise pool_exhausted(ex.config, legs) from None
+        raise
     response.headers[REQUEST_ID_HEADER] = ex.headers[REQUEST_ID_HEADER] = request_id
     ex.stats.request_id = request_id
     ex.stats.prefill = f"{engine.url}#{engine.dp_rank}"
@@ -1187,6 +1279,7 @@ async def run_pd_attempt(
     def prefill_done(task: asyncio.Task[None]) -> None:
         # A done callback runs even for a task cancelled before it started: claims never leak.
         fleet.release_prefill(engine)
+        ex.slots.release(1)
         if relaying and task_error(task) is not None:
             handler.cancel()
 
@@ -1208,6 +1301,7 @@ async def run_pd_attempt(
         finally:
             relaying = False
             fleet.release_decode(claim.decode)
+            ex.slots.release(1)
         prefill_error = task_error(prefill)
         for stage, leg_error in (("prefill", prefill_error), ("decode", decode_error)):
             if isinstance(leg_error, ProxyError) and not isinstance(leg_error, Unreachable):
@@ -1273,19 +1367,33 @@ def watch_lingering_prefill(
 # --- discovery and health
 
 
+class CheckFailed(ValueError):
+    """A health check or discovery failed; the message says why."""
+
+    def __init__(self, message: str, *, no_answer_in_time: bool = False) -> None:
+        super().__init__(message)
+        # Connected, but the answer took longer than --health-timeout: maybe only busy.
+        self.no_answer_in_time = no_answer_in_time
+
+
+def check_error(stage: str, url: URL, error: BaseException) -> CheckFailed:
+    slow = isinstance(error, TimeoutError) and not isinstance(error, aiohttp.ConnectionTimeoutError)
+    return CheckFailed(transport_error(stage, url, error).message, no_answer_in_time=slow)
+
+
 async def check_health(
     session: aiohttp.ClientSession, backend: Backend, limits: aiohttp.ClientTimeout
 ) -> None:
-    """vLLM's ``GET /health``: 2xx when its engine is alive; raises ValueError saying why not."""
+    """vLLM's ``GET /health``: 2xx when its engine is alive; raises CheckFailed saying why not."""
     url = backend.routes["/health"]
     try:
         async with session.get(url, timeout=limits) as health:
             await health.read()
             status = health.status
     except (aiohttp.ClientError, TimeoutError) as error:
-        raise ValueError(transport_error("health check", url, error).message) from None
+        raise check_error("health check", url, error) from None
     if not 200 <= status < 300:
-        raise ValueError(f"{url} answered {status}")
+        raise CheckFailed(f"{url} answered {status}")
 
 
 async def query_engine_ids(
@@ -1299,39 +1407,53 @@ async def query_engine_ids(
             raw = await query.read()
             status = query.status
     except (aiohttp.ClientError, TimeoutError) as error:
-        raise ValueError(transport_error("bootstrap", instance.query_url, error).message) from None
+        raise check_error("bootstrap", instance.query_url, error) from None
     if status == 503:
-        raise ValueError(f"bootstrap {instance.query_url}: topology is not ready yet (503)")
+        raise CheckFailed(f"bootstrap {instance.query_url}: topology is not ready yet (503)")
     if not 200 <= status < 300:
-        raise ValueError(f"bootstrap {instance.query_url} answered {status}")
+        raise CheckFailed(f"bootstrap {instance.query_url} answered {status}")
     try:
         engine_ids = parse_engine_ids(json.loads(raw))
     except ValueError as error:
-        raise ValueError(f"bootstrap {instance.query_url}: {error}") from None
+        raise CheckFailed(f"bootstrap {instance.query_url}: {error}") from None
     if not engine_ids:
-        raise ValueError(f"bootstrap {instance.query_url}: no DP rank registered yet")
+        raise CheckFailed(f"bootstrap {instance.query_url}: no DP rank registered yet")
     return engine_ids
 
 
 async def check_backend(app: web.Application, backend: Backend) -> None:
     """One health check; moves the backend in or out of the rotation and says so once."""
-    config, fleet, session = app[CONFIG_KEY], app[FLEET_KEY], app[SESSION_KEY]
+    config, fleet, session = app[CONFIG_KEY], app[FLEET_KEY], app[HEALTH_SESSION_KEY]
     limits = config.upstream_timeout(config.health_timeout)
+    previous_check, backend.checked_at = backend.checked_at, time.monotonic()
     try:
         if isinstance(backend, PrefillInstance):
             engine_ids = await query_engine_ids(session, backend, limits)
         else:
             await check_health(session, backend, limits)
-    except ValueError as failure:
+    except CheckFailed as failure:
         error = str(failure)
         repeated = error == backend.last_error
         app[METRICS_KEY].check_failures.labels(backend.role, str(backend.url)).inc()
+        if failure.no_answer_in_time and backend.usable and backend.last_success > previous_check:
+            # Envoy's outlier detection weighs real outcomes: requests that keep succeeding
+            # outvote a probe that timed out. A refusal, a 5xx or silence still count.
+            if not backend.slow:
+                log.warning(
+                    "%s %s is slow: %s, but its requests succeed; it stays in the rotation",
+                    *(backend.role, backend.url, error),
+                )
+            backend.slow, backend.last_error = True, error
+            return
         if backend.check_failed(error, config.unhealthy_after):
             log.warning("%s %s left the rotation: %s", backend.role, backend.url, error)
             fleet.refresh()
         elif not repeated:
             log.warning("%s %s check failed: %s", backend.role, backend.url, error)
         return
+    if backend.slow:
+        backend.slow = False
+        log.info("%s %s answers its checks in time again", backend.role, backend.url)
     if isinstance(backend, PrefillInstance) and engine_ids != backend.engine_ids:
         if backend.engines:
             app[METRICS_KEY].engine_id_changes.labels(str(backend.url)).inc()
@@ -1418,6 +1540,11 @@ async def handle_models(request: web.Request) -> web.Response:
     headers = {}
     if authorization := upstream_authorization(request.headers, config):
         headers[hdrs.AUTHORIZATION] = authorization
+    slots = request.app[SLOTS_KEY]
+    try:
+        await slots.acquire(1, config.pool_timeout)
+    except TimeoutError:
+        raise pool_exhausted(config, f"decode {decode.url}") from None
     try:
         async with session.get(url, headers=headers) as upstream:
             body = await upstream.read()
@@ -1428,6 +1555,8 @@ async def handle_models(request: web.Request) -> web.Response:
             return response
     except (aiohttp.ClientError, TimeoutError) as error:
         raise transport_error("decode", url, error) from None
+    finally:
+        slots.release(1)
 
 
 def healthcheck_payload(fleet: Fleet, draining: bool) -> dict[str, Any]:
@@ -1528,6 +1657,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
 CONFIG_KEY: Final = web.AppKey("config", ProxyConfig)
 FLEET_KEY: Final = web.AppKey("fleet", Fleet)
 SESSION_KEY: Final = web.AppKey("session", aiohttp.ClientSession)
+HEALTH_SESSION_KEY: Final = web.AppKey("health_session", aiohttp.ClientSession)
+SLOTS_KEY: Final = web.AppKey("upstream_slots", UpstreamSlots)
 LINGERING_KEY: Final = web.AppKey[set[asyncio.Task[None]]]("lingering_prefills")
 STATS_KEY: Final = web.RequestKey("stats", RequestStats)
 METRICS_KEY: Final = web.AppKey("metrics", Metrics)
@@ -1592,15 +1723,12 @@ async def report_to_systemd(app: web.Application) -> None:
         await asyncio.sleep(period)
 
 
-async def client_session_ctx(app: web.Application) -> AsyncIterator[None]:
-    """One connection pool for the app's lifetime, shared by every leg and every check."""
-    config = app[CONFIG_KEY]
+def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
+    # Uncapped: --max-connections is counted by UpstreamSlots, before a leg starts.
     connector = aiohttp.TCPConnector(
-        limit=config.max_connections,
-        limit_per_host=0,
-        keepalive_timeout=config.keepalive_timeout,
+        limit=0, limit_per_host=0, keepalive_timeout=config.keepalive_timeout
     )
-    session = aiohttp.ClientSession(
+    return aiohttp.ClientSession(
         connector=connector,
         timeout=config.upstream_timeout(config.request_timeout),
         auto_decompress=False,
@@ -1610,9 +1738,16 @@ async def client_session_ctx(app: web.Application) -> AsyncIterator[None]:
         cookie_jar=aiohttp.DummyCookieJar(),
         headers={hdrs.USER_AGENT: f"{ID}/{VERSION}"},
     )
-    app[SESSION_KEY] = session
+
+
+async def client_session_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Two connection pools for the app's lifetime: one for the legs of client requests, one
+    for health checks and discovery, so that checks never queue behind client traffic."""
+    config = app[CONFIG_KEY]
+    app[SESSION_KEY] = session = upstream_session(config)
+    app[HEALTH_SESSION_KEY] = health_session = upstream_session(config)
     yield
-    await session.close()
+    await asyncio.gather(session.close(), health_session.close())
 
 
 async def discovery_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -1651,6 +1786,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app[CONFIG_KEY] = config
     app[FLEET_KEY] = fleet = Fleet(config)
     app[LIFECYCLE_KEY] = lifecycle = Lifecycle()
+    app[SLOTS_KEY] = UpstreamSlots(config.max_connections)
     app[METRICS_KEY] = Metrics(fleet, lifecycle)
     # Order matters: cleanup runs in reverse, so discovery stops before the pool closes.
     app.cleanup_ctx.extend((client_session_ctx, lingering_prefills_ctx, discovery_ctx, systemd_ctx))
@@ -1739,7 +1875,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections",
         type=int,
         default=0,
-        help="cap on open upstream connections; 0 for none (each stream holds one)",
+        help="cap on upstream connections in use at once, 0 for none: a PD request takes two "
+        "(its prefill's until the prefill answered, its decode's until its stream ends); "
+        "health checks have a pool of their own",
+    )
+    parser.add_argument(
+        "--pool-timeout",
+        type=float,
+        default=DEFAULT_POOL_TIMEOUT,
+        help="seconds a request may wait for --max-connections to let it through; then 503",
     )
     parser.add_argument(
         "--health-interval",
@@ -1894,6 +2038,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         request_timeout=args.request_timeout or None,
         prefill_timeout=args.prefill_timeout or None,
         max_connections=args.max_connections,
+        pool_timeout=args.pool_timeout,
         health_interval=args.health_interval,
         discovery_interval=args.discovery_interval,
         health_timeout=args.health_timeout,

@@ -830,7 +830,11 @@ async def test_decode_error_reaches_client_and_cancels_the_prefill(
 
 
 async def test_decode_refused_is_a_502_naming_the_decode(start_cluster: StartCluster) -> None:
-    cluster = await start_cluster(prefill={"delay": 5})
+    cluster = await start_cluster()
+    # One request first, so the prefill leg finds a pooled connection and reaches the prefill
+    # before the decode's refusal comes back (health checks have a pool of their own).
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    cluster.prefills[0].delay = 5
     dead = cluster.decodes[0].api_url
     await cluster.kill(cluster.decodes[0])
     async with asyncio.timeout(FAST):
@@ -999,6 +1003,72 @@ async def test_many_concurrent_streams_are_not_capped_by_the_pool(
         await eventually(lambda: cluster.decodes[0].running == count, FAST * 3)
         answers = await asyncio.gather(*tasks)
     assert all(sse_events(a)[-1] == "[DONE]" for a in answers)
+
+
+async def test_a_capped_pool_never_takes_healthy_instances_out(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(
+        max_connections=3,
+        pool_timeout=0.3,
+        health_interval=0.05,
+        health_timeout=0.2,
+        decode={"token_delay": 0.1},
+    )
+    fleet, decode = fleet_of(cluster), cluster.decodes[0]
+    # A PD request takes two connections, and keeps one while it streams: 3 allow 2 streams.
+    streams = [
+        asyncio.create_task(
+            cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=15))
+        )
+        for _ in range(2)
+    ]
+    await eventually(lambda: decode.running == 2)
+    checks = decode.health_count
+    started = time.monotonic()
+    refused = await cluster.client.post(COMPLETIONS, json=completion())
+    waited = time.monotonic() - started
+    payload = await refused.json()
+    assert refused.status == 503 and 0.25 < waited < FAST
+    assert_openai_error(payload, 503)
+    message = payload["error"]["message"]
+    assert "--max-connections" in message and "3" in message and "--pool-timeout" in message
+    assert cluster.prefills[0].api_url in message and decode.api_url in message
+    assert refused.headers["Retry-After"] == "1"
+    # Health checks have a pool of their own: they go on, and nothing leaves the rotation.
+    await asyncio.sleep(0.5)
+    assert decode.health_count >= checks + 3
+    assert (await cluster.client.get("/health")).status == 200
+    assert all(b.usable for b in (*fleet.prefills, *fleet.decodes))
+    for stream in streams:
+        response = await stream
+        assert sse_events(await response.read())[-1] == "[DONE]"
+    assert cluster.client.app[mp.SLOTS_KEY].in_use == 0
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_requests_total", route=COMPLETIONS, status="503") == 1
+
+
+async def test_pool_slots_are_handed_out_in_order_and_given_back_when_a_wait_ends() -> None:
+    slots = mp.UpstreamSlots(3)
+    await slots.acquire(2, 1)
+    first = asyncio.create_task(slots.acquire(2, 1))
+    second = asyncio.create_task(slots.acquire(1, 1))
+    await asyncio.sleep(0.01)
+    # First come first served: the single slot free does not go to the later, smaller request.
+    assert not first.done() and not second.done() and slots.in_use == 2
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert second.done() and slots.in_use == 3  # the cancelled wait let the next one through
+    with pytest.raises(TimeoutError):
+        await slots.acquire(1, 0.05)
+    slots.release(2)
+    slots.release(1)
+    assert slots.in_use == 0
+    unlimited = mp.UpstreamSlots(0)
+    await unlimited.acquire(100, 0)
+    assert unlimited.in_use == 0
 
 
 async def test_upstream_connections_are_reused(start_cluster: StartCluster) -> None:
@@ -1251,6 +1321,28 @@ async def test_a_busy_instance_is_not_flapped_out(
     assert not seen_unusable
     assert cluster.decodes[0].health_count >= 3
     assert not [r for r in caplog.records if "left the rotation" in r.getMessage()]
+
+
+async def test_a_check_timing_out_while_requests_succeed_is_load_not_failure(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="mooncake_proxy")
+    cluster = await start_cluster(health_interval=0.05, health_timeout=0.2, unhealthy_after=2)
+    fleet, decode = fleet_of(cluster), cluster.decodes[0]
+    decode.health_delay = 1.0  # a saturated vLLM: /health answers after the check gave up
+    checks = decode.health_count
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+        assert fleet.decodes[0].usable
+    assert decode.health_count >= checks + 3  # several checks timed out meanwhile
+    status = await (await cluster.client.get("/healthcheck")).json()
+    assert status["decode"][0]["slow"] is True and status["decode"][0]["usable"] is True
+    slow_lines = [r for r in caplog.records if "is slow" in r.getMessage()]
+    assert len(slow_lines) == 1  # said once, not per check
+    # With no request succeeding, the same timeouts take it out as before.
+    await eventually(lambda: not fleet.decodes[0].usable, FAST)
+    assert any("left the rotation" in r.getMessage() for r in caplog.records)
 
 
 async def test_an_instance_comes_back_after_enough_good_checks(start_cluster: StartCluster) -> None:
