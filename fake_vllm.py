@@ -132,6 +132,7 @@ class FakeVllm:
     token_delay: float = 0.0  # seconds between streamed tokens
     keepalive_first: bool = False  # a streaming decode sends ": keep-alive" before its KV
     break_after_tokens: int | None = None  # drop the connection mid-stream
+    linger_after_done: float = 0.0  # seconds between a stream's [DONE] and its end
     kv_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
     bootstrap_not_ready: int = 0  # answer /query 503 this many times, then {} once
     health_status: int = 200
@@ -447,6 +448,7 @@ class FakeVllm:
         if (body.get("stream_options") or {}).get("include_usage"):
             await self.frame(response, request_id, {**base, "choices": [], "usage": usage})
         await self.write(response, request_id, b"data: [DONE]\n\n")
+        await asyncio.sleep(self.linger_after_done)
         await response.write_eof()
         return response
 

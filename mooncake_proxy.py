@@ -386,6 +386,8 @@ class RequestStats:
     prefill: str = "-"
     decode: str = "-"
     first_byte: float | None = None
+    # The status whose headers already went out, for a client that leaves after them.
+    status_sent: int | None = None
     bytes_out: int = 0
     outcome: str = "ok"
 
@@ -1093,6 +1095,10 @@ class DecodeStreamBroken(ProxyError):
     """The decode failed after its answer began; only an in-band error can still be sent."""
 
 
+class ClientGone(Exception):
+    """Writing to the client failed: it closed its connection before its answer was whole."""
+
+
 @dataclass(eq=False)
 class DecodeClaim:
     """The decode instance one attempt holds a claim on; it changes when the leg moves."""
@@ -1170,14 +1176,20 @@ async def relay_decode(
                 if not response.prepared:
                     await response.prepare(ex.request)
                     stats.first_byte = time.monotonic()
+                    stats.status_sent = response.status
                 stats.bytes_out += len(chunk)
-                await response.write(chunk)
+                try:
+                    await response.write(chunk)
+                except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
+                    raise ClientGone from None
     except (aiohttp.ClientError, TimeoutError) as error:
         broken = transport_error("decode", url, error)
         raise DecodeStreamBroken(broken.status, broken.message, reason="broken") from None
     if not response.prepared:
         await response.prepare(ex.request)
-    await response.write_eof()
+    # A client that closed as soon as it read the last bytes had its whole answer.
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
 
 
 def task_error(task: asyncio.Task[None]) -> BaseException | None:
@@ -1298,6 +1310,11 @@ async def run_pd_attempt(
             cut_short = True
         except ProxyError as failure:
             decode_error = failure
+        except ClientGone:
+            # Seen on a write before aiohttp cancels the handler: the same as being cancelled.
+            ex.stats.outcome = "client_gone"
+            ex.metrics.errors.labels("client", "client_gone").inc()
+            return response
         finally:
             relaying = False
             fleet.release_decode(claim.decode)
@@ -1601,6 +1618,8 @@ async def access_middleware(request: web.Request, handler: Any) -> web.StreamRes
             stats.bytes_out = response.content_length or 0
         return response
     except asyncio.CancelledError:
+        # 499 (nginx's "client closed request") only if the client left before the answer began.
+        status = stats.status_sent or status
         stats.outcome = "client_gone"
         request.app[METRICS_KEY].errors.labels("client", "client_gone").inc()
         raise

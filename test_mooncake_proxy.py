@@ -74,6 +74,15 @@ class Cluster:
 StartCluster = Callable[..., Awaitable[Cluster]]
 
 
+class UncancelledTestServer(TestServer):
+    """A server that does not cancel the handler of a client that left, so the proxy finds out
+    on its next write: what happens under load when the two events meet in one loop turn."""
+
+    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
+        kwargs["handler_cancellation"] = False
+        return await super()._make_runner(**kwargs)
+
+
 async def serve(aiohttp_server: Any, app: web.Application, port: int | None = None) -> TestServer:
     server: TestServer = await aiohttp_server(app, port=port)
     return server
@@ -88,6 +97,7 @@ def start_cluster(aiohttp_server: Any, aiohttp_client: Any) -> StartCluster:
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
         each_prefill: tuple[dict[str, Any], ...] = (),
+        cancel_handlers: bool = True,
         **config: Any,
     ) -> Cluster:
         prefills, specs, api_servers = [], [], {}
@@ -115,7 +125,9 @@ def start_cluster(aiohttp_server: Any, aiohttp_client: Any) -> StartCluster:
             decode_urls.append(URL(fake.api_url))
         config.setdefault("discovery_interval", 0.02)
         proxy_config = mp.ProxyConfig(prefills=tuple(specs), decodes=tuple(decode_urls), **config)
-        client = await aiohttp_client(mp.create_app(proxy_config))
+        app = mp.create_app(proxy_config)
+        server = TestServer(app) if cancel_handlers else UncancelledTestServer(app)
+        client = await aiohttp_client(server)
         if wait_ready:
             await wait_ready_(client)
         return Cluster(prefills, decode_fakes, proxy_config, client, aiohttp_server, api_servers)
@@ -901,6 +913,86 @@ async def test_client_gone_mid_stream_aborts_the_decode(start_cluster: StartClus
         await eventually(lambda: cluster.decodes[0].running == 0)
     assert len(cluster.decodes[0].aborted) == 1
     assert cluster.prefills[0].running == 0
+
+
+async def raw_post(port: int, body: Any, path: str = COMPLETIONS) -> asyncio.StreamReader:
+    """A POST over a plain socket; the reader sees the answer's raw bytes, framing included."""
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    await writer.drain()
+    raw_writers.append(writer)
+    return reader
+
+
+raw_writers: list[asyncio.StreamWriter] = []
+
+
+async def read_until(reader: asyncio.StreamReader, marker: bytes) -> bytes:
+    data = b""
+    async with asyncio.timeout(FAST):
+        while marker not in data:
+            chunk = await reader.read(65536)
+            assert chunk, f"connection closed before {marker!r}: {data!r}"
+            data += chunk
+    return data
+
+
+def close_raw() -> None:
+    while raw_writers:
+        raw_writers.pop().close()
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [r.__dict__["access"] for r in caplog.records if r.name == "mooncake_proxy.access"]
+
+
+CANCEL_HANDLERS = pytest.mark.parametrize(
+    "cancel_handlers", [True, False], ids=["cancelled", "found-on-write"]
+)
+
+
+@CANCEL_HANDLERS
+async def test_a_client_closing_right_after_done_had_its_whole_answer(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture, cancel_handlers: bool
+) -> None:
+    caplog.set_level("INFO", logger="mooncake_proxy")
+    cluster = await start_cluster(
+        decode={"linger_after_done": 0.3}, cancel_handlers=cancel_handlers
+    )
+    reader = await raw_post(cluster.client.server.port, completion(stream=True))
+    await read_until(reader, b"data: [DONE]")
+    close_raw()  # the client leaves before the decode ends its stream
+    await eventually(lambda: bool(access_lines(caplog)))
+    (line,) = access_lines(caplog)
+    assert line["status"] == 200 and line["outcome"] in ("ok", "client_gone")
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_requests_total", route=COMPLETIONS, status="500") == 0
+    assert sample(samples, "mooncake_proxy_errors_total", stage="decode", reason="broken") == 0
+
+
+@CANCEL_HANDLERS
+async def test_a_client_gone_mid_stream_is_not_blamed_on_the_decode(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture, cancel_handlers: bool
+) -> None:
+    caplog.set_level("INFO", logger="mooncake_proxy")
+    cluster = await start_cluster(decode={"token_delay": 0.1}, cancel_handlers=cancel_handlers)
+    reader = await raw_post(cluster.client.server.port, completion(stream=True, max_tokens=50))
+    await read_until(reader, b"data: {")
+    close_raw()
+    await eventually(lambda: bool(access_lines(caplog)))
+    (line,) = access_lines(caplog)
+    assert line["outcome"] == "client_gone"
+    await eventually(lambda: cluster.decodes[0].running == 0)
+    assert len(cluster.decodes[0].aborted) == 1
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_errors_total", stage="client", reason="client_gone") == 1
+    assert sample(samples, "mooncake_proxy_errors_total", stage="decode", reason="broken") == 0
 
 
 async def test_client_gone_before_any_byte_aborts_both_legs(start_cluster: StartCluster) -> None:
