@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import resource
 import signal
 import socket
 import sys
@@ -42,8 +43,9 @@ from typing import Any, ClassVar, Final, NoReturn, TypedDict, TypeVar
 
 import aiohttp
 from aiohttp import hdrs, web
+from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine, HttpProcessingError, LineTooLong
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from yarl import URL
 
@@ -92,8 +94,18 @@ DEFAULT_HEALTH_TIMEOUT: Final = 3.0
 DEFAULT_UNHEALTHY_AFTER: Final = 2
 DEFAULT_HEALTHY_AFTER: Final = 1
 DEFAULT_MAX_RETRIES: Final = 2
+# Clients on a network: a request head must arrive within HEADER_TIMEOUT (slowloris), a body
+# within BODY_TIMEOUT plus a second per BODY_MIN_RATE bytes (Apache's mod_reqtimeout rule),
+# and open connections are capped so that idle or slow clients cannot use up file descriptors.
+DEFAULT_HEADER_TIMEOUT: Final = 10.0
+DEFAULT_BODY_TIMEOUT: Final = 30.0
+DEFAULT_BODY_MIN_RATE: Final = 64 * 1024
+DEFAULT_MAX_CLIENT_CONNECTIONS: Final = 4096
+# nginx's keepalive_timeout: longer than the idle timeouts of common load balancers (60 s).
+DEFAULT_CLIENT_KEEPALIVE_TIMEOUT: Final = 75.0
 # How long in-flight streams may run on after SIGTERM; the unit's TimeoutStopSec is longer.
 DEFAULT_SHUTDOWN_TIMEOUT: Final = 30.0
+LISTEN_BACKLOG: Final = 1024
 # Every flag can also be set as MOONCAKE_PROXY_<FLAG> (systemd EnvironmentFile); flags win.
 ENV_PREFIX: Final = "MOONCAKE_PROXY_"
 
@@ -194,6 +206,13 @@ class ProxyConfig:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     # Processes sharing the port (SO_REUSEPORT), each with its own pool and discovery.
     workers: int = 1
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    body_min_rate: int = DEFAULT_BODY_MIN_RATE
+    # Per worker process; each stream also holds an upstream connection, so about 3 file
+    # descriptors each are needed.
+    max_client_connections: int = DEFAULT_MAX_CLIENT_CONNECTIONS
+    client_keepalive_timeout: float = DEFAULT_CLIENT_KEEPALIVE_TIMEOUT
 
     def describe(self) -> str:
         """The configuration for the startup log line: everything but the secrets."""
@@ -225,6 +244,10 @@ class ProxyConfig:
             raise ConfigError("--max-connections must be 0 (no cap) or more")
         if self.workers < 1:
             raise ConfigError("--workers must be at least 1")
+        if self.max_client_connections < 1:
+            raise ConfigError("--max-client-connections must be at least 1")
+        if self.body_min_rate < 1:
+            raise ConfigError("--body-min-rate must be at least 1 byte per second")
         if self.max_retries < 0:
             raise ConfigError("--max-retries must be 0 or more")
         if self.unhealthy_after < 1 or self.healthy_after < 1:
@@ -237,6 +260,9 @@ class ProxyConfig:
             ("--discovery-interval", self.discovery_interval),
             ("--health-timeout", self.health_timeout),
             ("--shutdown-timeout", self.shutdown_timeout),
+            ("--header-timeout", self.header_timeout),
+            ("--body-timeout", self.body_timeout),
+            ("--client-keepalive-timeout", self.client_keepalive_timeout),
         ):
             if not value > 0:
                 raise ConfigError(f"{flag} must be a positive number of seconds")
@@ -380,6 +406,7 @@ class RequestStats:
 
     method: str
     route: str
+    path: str = "-"
     started: float = field(default_factory=time.monotonic)
     request_id: str = "-"
     model: str = "-"
@@ -396,6 +423,7 @@ class RequestStats:
             "request_id": self.request_id,
             "method": self.method,
             "route": self.route,
+            "path": self.path,
             "model": self.model,
             "prefill": self.prefill,
             "decode": self.decode,
@@ -412,7 +440,7 @@ class Metrics:
     pays only for a few counter and histogram updates; labels are routes, statuses, stages
     and instances from the configuration, never request data."""
 
-    def __init__(self, fleet: Fleet, lifecycle: Lifecycle) -> None:
+    def __init__(self, fleet: Fleet, lifecycle: Lifecycle, connections: ClientConnections) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
             "mooncake_proxy_requests",
@@ -464,7 +492,7 @@ class Metrics:
             ["role", "instance"],
             registry=registry,
         )
-        registry.register(FleetCollector(fleet, lifecycle))
+        registry.register(FleetCollector(fleet, lifecycle, connections))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -473,9 +501,10 @@ class Metrics:
 class FleetCollector(Collector):
     """Gauges of the fleet's state, computed at scrape time."""
 
-    def __init__(self, fleet: Fleet, lifecycle: Lifecycle) -> None:
+    def __init__(self, fleet: Fleet, lifecycle: Lifecycle, connections: ClientConnections) -> None:
         self.fleet = fleet
         self.lifecycle = lifecycle
+        self.connections = connections
 
     def collect(self) -> Iterator[Metric]:
         fleet = self.fleet
@@ -504,7 +533,17 @@ class FleetCollector(Collector):
         for backend in fleet.decodes:
             usable.add_metric(["decode", str(backend.url)], float(backend.usable))
             decode.add_metric([str(backend.url)], backend.in_flight)
-        yield from (ready, usable, prefill, decode)
+        open_connections = GaugeMetricFamily(
+            "mooncake_proxy_client_connections",
+            "Client connections open (counted by the daemon's listener).",
+        )
+        open_connections.add_metric([], self.connections.open)
+        rejected = CounterMetricFamily(
+            "mooncake_proxy_client_connections_rejected",
+            "Client connections answered 503 and closed: --max-client-connections were open.",
+        )
+        rejected.add_metric([], self.connections.rejected)
+        yield from (ready, usable, prefill, decode, open_connections, rejected)
 
 
 def route_label(request: web.Request) -> str:
@@ -512,9 +551,16 @@ def route_label(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
-def record_request(request: web.Request, stats: RequestStats, status: int) -> None:
+def loggable_path(request: web.BaseRequest) -> str:
+    """The request's path as the client sent it, cut short and safe for one log line."""
+    path = request.raw_path
+    path = path if len(path) <= 200 else f"{path[:200]}..."
+    return path if path.isprintable() and path.isascii() else ascii(path)[1:-1]
+
+
+def record_request(app: web.Application, stats: RequestStats, status: int) -> None:
     now = time.monotonic()
-    metrics = request.app[METRICS_KEY]
+    metrics = app[METRICS_KEY]
     metrics.requests.labels(stats.route, str(status)).inc()
     probe = stats.route in PROBE_ROUTES
     if not probe:
@@ -525,7 +571,7 @@ def record_request(request: web.Request, stats: RequestStats, status: int) -> No
         fields = stats.access_fields(status, now)
         access_log.log(
             level,
-            "%(request_id)s %(method)s %(route)s %(status)d model=%(model)s "
+            "%(request_id)s %(method)s %(path)s %(status)d model=%(model)s "
             "prefill=%(prefill)s decode=%(decode)s ttfb=%(ttfb_s).4fs total=%(total_s).4fs "
             "bytes=%(bytes_out)d outcome=%(outcome)s",
             fields,
@@ -851,12 +897,23 @@ def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_request_json(raw: bytes) -> dict[str, Any]:
-    """The client's body as a JSON object, or a 400 saying what is wrong with it."""
+def parse_request_json(raw: bytes | bytearray) -> dict[str, Any]:
+    """The client's body as a JSON object, or a 400 saying what is wrong with it.
+
+    A bytearray is consumed: it is emptied once decoded, so that a large body is never held as
+    bytes, text and objects at once (json.loads of bytes would keep all three).
+    """
     if not raw or raw.isspace():
         raise ProxyError(400, "request body is empty: expected a JSON object")
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        # What json.loads does with bytes, done here so the bytes can go before parsing.
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    except UnicodeDecodeError as error:
+        raise ProxyError(400, f"request body is not valid JSON: {error}") from None
+    if isinstance(raw, bytearray):
+        raw.clear()
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
         raise ProxyError(400, "request body is nested too deeply") from None
     except ValueError as error:  # JSONDecodeError, invalid UTF-8, oversized integers
@@ -1526,21 +1583,43 @@ def require_ready(request: web.Request) -> Fleet:
     return fleet
 
 
-async def read_body(request: web.Request) -> bytes:
-    limit = request.app[CONFIG_KEY].max_request_bytes
+async def read_body(request: web.Request) -> bytearray:
+    """The body, within --max-request-bytes (else 413) and its deadline (else 408).
+
+    The deadline is --body-timeout plus a second per --body-min-rate bytes received, so a big
+    upload at a sane rate gets the time it needs while a trickle is cut off. Read here and not
+    with request.read(), which would keep a second copy for the whole request.
+    """
+    config = request.app[CONFIG_KEY]
+    limit = config.max_request_bytes
     if request.content_length is not None and request.content_length > limit:
         raise ProxyError(413, f"request body of {request.content_length} bytes exceeds {limit}")
+    body = bytearray()
+    started = asyncio.get_running_loop().time()
     try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ProxyError(413, f"request body exceeds {limit} bytes") from None
+        async with asyncio.timeout_at(started + config.body_timeout) as deadline:
+            while chunk := await request.content.readany():
+                body += chunk
+                if len(body) > limit:
+                    raise ProxyError(413, f"request body exceeds {limit} bytes")
+                allowed = config.body_timeout + len(body) / config.body_min_rate
+                deadline.reschedule(started + allowed)
+    except TimeoutError:
+        raise ProxyError(
+            408,
+            f"request body not received in time: {len(body)} bytes in "
+            f"{config.body_timeout + len(body) / config.body_min_rate:.1f} s "
+            f"(--body-timeout {config.body_timeout:g} s plus 1 s per --body-min-rate "
+            f"{config.body_min_rate} bytes)",
+            reason="body_timeout",
+        ) from None
+    return body
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
     client_request_id = request.headers.get(REQUEST_ID_HEADER)
-    request_id = mint_request_id(client_request_id)
     stats = request[STATS_KEY]
-    stats.request_id = request_id
+    request_id = stats.request_id
     require_ready(request)
     body = parse_request_json(await read_body(request))
     if isinstance(model := body.get("model"), str):
@@ -1609,7 +1688,14 @@ async def handle_metrics(request: web.Request) -> web.Response:
 @web.middleware
 async def access_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Outermost: one access line and the request metrics per request, however it ended."""
-    stats = request[STATS_KEY] = RequestStats(request.method, route_label(request))
+    stats = request[STATS_KEY] = RequestStats(
+        request.method, route_label(request), loggable_path(request)
+    )
+    # Every request gets an id, for the access line and the client's X-Request-Id.
+    stats.request_id = mint_request_id(request.headers.get(REQUEST_ID_HEADER))
+    connection = request.protocol
+    if isinstance(connection, ClientConnection):
+        connection.head_received()
     status = 499  # nginx's "client closed request", for a client that left before the answer
     try:
         response: web.StreamResponse = await handler(request)
@@ -1624,7 +1710,9 @@ async def access_middleware(request: web.Request, handler: Any) -> web.StreamRes
         request.app[METRICS_KEY].errors.labels("client", "client_gone").inc()
         raise
     finally:
-        record_request(request, stats, status)
+        record_request(request.app, stats, status)
+        if isinstance(connection, ClientConnection):
+            connection.request_done()
 
 
 @web.middleware
@@ -1654,8 +1742,11 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         headers = {}
         if stats.request_id != "-":
             headers[REQUEST_ID_HEADER] = stats.request_id
-        log.info("%s %s -> %d: %s", request.method, request.path, error.status, error.message)
-        return error.response(headers)
+        log.info("%s %s -> %d: %s", request.method, stats.path, error.status, error.message)
+        response = error.response(headers)
+        if not request.content.is_eof():
+            response.force_close()  # a body left unread (413, 408): the connection ends here
+        return response
     except web.HTTPException as http_error:
         if http_error.status < 400:
             raise
@@ -1671,6 +1762,200 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return ProxyError(500, "internal error in mooncake-proxy; see its log").response()
 
 
+# --- client connections
+
+# aiohttp's parser limits (its defaults), named in the errors that enforce them.
+MAX_LINE_BYTES: Final = 8190
+MAX_HEADERS: Final = 128
+# After answering a connection that is to close (an unread body, a slow head, over the cap),
+# how long its further bytes are read and dropped, so that closing does not reset the
+# connection before the client read the answer; aiohttp's own 10 s would let a trickling
+# client keep its connection that much longer.
+CLOSE_LINGER: Final = 2.0
+# The route label of requests whose head never parsed (malformed, or too slow to arrive).
+UNPARSED: Final = "unparsed"
+
+
+def malformed_request_error(error: HttpProcessingError) -> ProxyError:
+    """The client's answer to a request aiohttp's parser refused. Its messages quote the
+    client's bytes; these never do, so that no client can write into the log."""
+    if isinstance(error, LineTooLong):
+        message = f"a request line or header field is longer than {MAX_LINE_BYTES} bytes"
+        return ProxyError(431, message, reason="header_too_long")
+    if "Too many headers" in error.message:
+        return ProxyError(431, f"more than {MAX_HEADERS} header fields", reason="too_many_headers")
+    if isinstance(error, BadHttpMethod):
+        return ProxyError(
+            400, "malformed request method (TLS on a plain HTTP port?)", reason="bad_method"
+        )
+    if isinstance(error, BadStatusLine):
+        message = "malformed request line (HTTP/1.1 lines end in CRLF)"
+        return ProxyError(400, message, reason="bad_request_line")
+    return ProxyError(400, "malformed header field", reason="bad_header")
+
+
+def raw_error_response(error: ProxyError) -> bytes:
+    """A whole HTTP/1.1 error answer, for a connection that has no request to answer through."""
+    body = json.dumps(error.payload()).encode()
+    head = [
+        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+    ]
+    if error.retry_after is not None:
+        head.append(f"Retry-After: {error.retry_after}")
+    return "\r\n".join(head).encode() + b"\r\n\r\n" + body
+
+
+class ClientConnections:
+    """Open client connections against --max-client-connections (the daemon's listener)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self.rejected = 0
+        self._full = False
+
+    def admit(self) -> bool:
+        if self.open >= self.limit:
+            self.rejected += 1
+            if not self._full:
+                self._full = True
+                log.warning(
+                    "%d client connections open (--max-client-connections): new ones are "
+                    "answered 503 until some close",
+                    self.limit,
+                )
+            return False
+        self.open += 1
+        return True
+
+    def release(self) -> None:
+        self.open -= 1
+        if self._full and self.open < self.limit:
+            self._full = False
+            log.info("client connections below --max-client-connections again")
+
+
+class ClientConnection(web.RequestHandler):
+    """One client connection: aiohttp's HTTP/1.1 protocol, plus what a server facing a network
+    needs and aiohttp leaves out: a deadline for each request head (--header-timeout), a cap on
+    open connections, and malformed requests answered in the proxy's words (an OpenAI-style
+    error, counted, one access line, no traceback).
+
+    The access middleware tells it when a request's head is in and when the request is done.
+    """
+
+    __slots__ = ("_admitted", "_busy", "_closing", "_head_deadline", "app")
+
+    def __init__(self, manager: web.Server, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.app = app
+        self._head_deadline: asyncio.TimerHandle | None = None
+        self._busy = False  # a request is being handled
+        self._admitted = False  # counted against --max-client-connections
+        self._closing = False  # answered for the last time: further bytes are dropped
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        connections = self.app[CONNECTIONS_KEY]
+        if not connections.admit():
+            message = (
+                f"too many open client connections (--max-client-connections {connections.limit})"
+            )
+            self._answer_and_close(ProxyError(503, message, retry_after=1))
+            return
+        self._admitted = True
+        self._start_head_deadline()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._admitted:
+            self._admitted = False
+            self.app[CONNECTIONS_KEY].release()
+        self.head_received()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        if not self._busy and self._head_deadline is None:
+            self._start_head_deadline()  # the first bytes of the next request on this connection
+        super().data_received(data)
+
+    def head_received(self) -> None:
+        self._busy = True
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def request_done(self) -> None:
+        self._busy = False
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)  # a bug: keep the trace
+        self.head_received()
+        error = malformed_request_error(exc)
+        self._record(error)
+        response = error.response()
+        response.force_close()
+        return response
+
+    def _start_head_deadline(self) -> None:
+        timeout = self.app[CONFIG_KEY].header_timeout
+        self._head_deadline = asyncio.get_running_loop().call_later(timeout, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        timeout = self.app[CONFIG_KEY].header_timeout
+        message = f"request head not received within {timeout:g} s (--header-timeout)"
+        error = ProxyError(408, message, reason="header_timeout")
+        self._record(error)
+        self._answer_and_close(error)
+
+    def _record(self, error: ProxyError) -> None:
+        stats = RequestStats("-", UNPARSED, outcome=f"error:{error.reason}")
+        record_request(self.app, stats, error.status)
+
+    def _answer_and_close(self, error: ProxyError) -> None:
+        """Answer, end our side, read and drop what still comes for a moment, then close."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._closing = True
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(raw_error_response(error))
+        transport.write_eof()
+        asyncio.get_running_loop().call_later(CLOSE_LINGER, self.force_close)
+
+
+async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
+    """Serve a set-up runner's app on a bound socket, each connection a ClientConnection."""
+    app, server = runner.app, runner.server
+    assert server is not None, "the runner is set up first"
+    config = app[CONFIG_KEY]
+    loop = asyncio.get_running_loop()
+
+    def connection() -> ClientConnection:
+        return ClientConnection(
+            server,
+            app,
+            loop=loop,
+            keepalive_timeout=config.client_keepalive_timeout,
+            lingering_time=CLOSE_LINGER,
+            access_log=None,  # the proxy writes its own access line, with PD fields
+        )
+
+    return await loop.create_server(connection, sock=sock, backlog=LISTEN_BACKLOG)
+
+
 # --- application
 
 CONFIG_KEY: Final = web.AppKey("config", ProxyConfig)
@@ -1678,6 +1963,7 @@ FLEET_KEY: Final = web.AppKey("fleet", Fleet)
 SESSION_KEY: Final = web.AppKey("session", aiohttp.ClientSession)
 HEALTH_SESSION_KEY: Final = web.AppKey("health_session", aiohttp.ClientSession)
 SLOTS_KEY: Final = web.AppKey("upstream_slots", UpstreamSlots)
+CONNECTIONS_KEY: Final = web.AppKey("client_connections", ClientConnections)
 LINGERING_KEY: Final = web.AppKey[set[asyncio.Task[None]]]("lingering_prefills")
 STATS_KEY: Final = web.RequestKey("stats", RequestStats)
 METRICS_KEY: Final = web.AppKey("metrics", Metrics)
@@ -1806,7 +2092,8 @@ def create_app(config: ProxyConfig) -> web.Application:
     app[FLEET_KEY] = fleet = Fleet(config)
     app[LIFECYCLE_KEY] = lifecycle = Lifecycle()
     app[SLOTS_KEY] = UpstreamSlots(config.max_connections)
-    app[METRICS_KEY] = Metrics(fleet, lifecycle)
+    app[CONNECTIONS_KEY] = connections = ClientConnections(config.max_client_connections)
+    app[METRICS_KEY] = Metrics(fleet, lifecycle, connections)
     # Order matters: cleanup runs in reverse, so discovery stops before the pool closes.
     app.cleanup_ctx.extend((client_session_ctx, lingering_prefills_ctx, discovery_ctx, systemd_ctx))
     app.router.add_get("/health", handle_health)
@@ -1976,6 +2263,38 @@ def build_parser() -> argparse.ArgumentParser:
         "their legs are cancelled; a second signal exits at once",
     )
     parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        help="seconds a client has to send a request's head, from connecting or from the "
+        "head's first byte; then 408 and the connection is closed",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT,
+        help="seconds a client has to send a request body, plus 1 s per --body-min-rate bytes "
+        "received; then 408 and the connection is closed",
+    )
+    parser.add_argument(
+        "--body-min-rate",
+        type=int,
+        default=DEFAULT_BODY_MIN_RATE,
+        help="bytes per second a large body earns its extra time at",
+    )
+    parser.add_argument(
+        "--max-client-connections",
+        type=int,
+        default=DEFAULT_MAX_CLIENT_CONNECTIONS,
+        help="open client connections per worker; more are answered 503 and closed",
+    )
+    parser.add_argument(
+        "--client-keepalive-timeout",
+        type=float,
+        default=DEFAULT_CLIENT_KEEPALIVE_TIMEOUT,
+        help="seconds an idle client connection is kept open",
+    )
+    parser.add_argument(
         "--loop",
         choices=("auto", "asyncio", "uvloop"),
         default="auto",
@@ -2070,6 +2389,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         protect_metrics=args.protect_metrics,
         shutdown_timeout=args.shutdown_timeout,
         workers=args.workers,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        body_min_rate=args.body_min_rate,
+        max_client_connections=args.max_client_connections,
+        client_keepalive_timeout=args.client_keepalive_timeout,
     )
 
 
@@ -2084,10 +2408,12 @@ def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family = infos[0][0]
     reuse_port = count > 1
-    first = socket.create_server((host, port), family=family, backlog=1024, reuse_port=reuse_port)
+    first = socket.create_server(
+        (host, port), family=family, backlog=LISTEN_BACKLOG, reuse_port=reuse_port
+    )
     port = first.getsockname()[1]  # port 0: the others join the port the first one got
     return [first] + [
-        socket.create_server((host, port), family=family, backlog=1024, reuse_port=True)
+        socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG, reuse_port=True)
         for _ in range(count - 1)
     ]
 
@@ -2134,6 +2460,25 @@ def event_loop_factory(choice: str) -> LoopFactory | None:
         return None
     factory: LoopFactory = uvloop.new_event_loop
     return factory
+
+
+def ensure_file_descriptors(config: ProxyConfig) -> None:
+    """Raise the soft open-file limit (often 1024) to what the connection cap needs, as Go
+    programs do at start; each client stream also holds an upstream connection or two."""
+    needed = 3 * config.max_client_connections * config.workers + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft < needed:
+        log.warning(
+            "the open-file limit is %d but --max-client-connections %d needs about %d: "
+            "raise it (LimitNOFILE= in the unit, ulimit -n) or lower the cap",
+            *(soft, config.max_client_connections, needed),
+        )
 
 
 def run_serve(config: ProxyConfig, sock: socket.socket, loop_factory: LoopFactory | None) -> int:
@@ -2199,11 +2544,10 @@ async def serve(config: ProxyConfig, sock: socket.socket) -> int:
         app,
         handle_signals=False,
         handler_cancellation=True,  # a client gone cancels its handler, and so both legs
-        access_log=None,  # the proxy writes its own access line, with PD fields
         shutdown_timeout=config.shutdown_timeout,
     )
     await runner.setup()
-    await web.SockSite(runner, sock).start()
+    listener = await listen(runner, sock)
     sd_notify("READY=1", f"STATUS={readiness_status(app)}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -2224,8 +2568,9 @@ async def serve(config: ProxyConfig, sock: socket.socket) -> int:
     await stop.wait()
     app[LIFECYCLE_KEY].draining = True
     sd_notify("STOPPING=1", f"STATUS={readiness_status(app)}")
-    # Stops listening, waits for in-flight handlers up to the shutdown timeout, cancels the
-    # rest (their legs' connections close, so vLLM aborts them), then runs the cleanups.
+    listener.close()  # stop accepting
+    # Waits for in-flight handlers up to the shutdown timeout, cancels the rest (their legs'
+    # connections close, so vLLM aborts them), then runs the cleanups.
     await runner.cleanup()
     log.info("stopped")
     return 0
@@ -2242,6 +2587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     setup_logging(args.log_level, args.log_format)
+    ensure_file_descriptors(config)
     try:
         sockets = bind_listeners(config.host, config.port, config.workers)
     except OSError as error:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -74,6 +75,28 @@ class Cluster:
 StartCluster = Callable[..., Awaitable[Cluster]]
 
 
+class DaemonTestServer(TestServer):
+    """The app served as the daemon serves it: each connection a mooncake_proxy.ClientConnection
+    (head deadline, connection cap, the proxy's own answer to malformed requests)."""
+
+    listener: asyncio.Server | None = None
+
+    async def start_server(self, loop: Any = None, **kwargs: Any) -> None:
+        if self.runner:
+            return
+        self.runner = runner = web.AppRunner(self.app, handler_cancellation=True)
+        await runner.setup()
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.listener = await mp.listen(runner, sock)
+        self._root = URL(f"http://127.0.0.1:{self.port}")
+
+    async def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        await super().close()
+
+
 class UncancelledTestServer(TestServer):
     """A server that does not cancel the handler of a client that left, so the proxy finds out
     on its next write: what happens under load when the two events meet in one loop turn."""
@@ -126,7 +149,7 @@ def start_cluster(aiohttp_server: Any, aiohttp_client: Any) -> StartCluster:
         config.setdefault("discovery_interval", 0.02)
         proxy_config = mp.ProxyConfig(prefills=tuple(specs), decodes=tuple(decode_urls), **config)
         app = mp.create_app(proxy_config)
-        server = TestServer(app) if cancel_handlers else UncancelledTestServer(app)
+        server = DaemonTestServer(app) if cancel_handlers else UncancelledTestServer(app)
         client = await aiohttp_client(server)
         if wait_ready:
             await wait_ready_(client)
@@ -948,7 +971,12 @@ def close_raw() -> None:
 
 
 def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [r.__dict__["access"] for r in caplog.records if r.name == "mooncake_proxy.access"]
+    """The access lines of requests other than probes (which are DEBUG)."""
+    return [
+        r.__dict__["access"]
+        for r in caplog.records
+        if r.name == "mooncake_proxy.access" and r.levelno >= logging.INFO
+    ]
 
 
 CANCEL_HANDLERS = pytest.mark.parametrize(
@@ -1034,6 +1062,207 @@ async def test_malformed_bodies_get_a_400_and_the_proxy_keeps_serving(
     assert not cluster.prefills[0].requests and not cluster.decodes[0].requests
     good = await cluster.client.post(COMPLETIONS, json=completion())
     assert good.status == 200
+
+
+@dataclass
+class RawAnswer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+async def raw_exchange(
+    port: int, *parts: bytes, pause: float = 0.0, seconds: float = FAST
+) -> RawAnswer:
+    """Send bytes over a plain socket (``pause`` s between parts) while reading the answer,
+    until the proxy closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def send() -> None:
+        with contextlib.suppress(ConnectionError):
+            for part in parts:
+                writer.write(part)
+                await writer.drain()
+                await asyncio.sleep(pause)
+
+    sending = asyncio.create_task(send())
+    try:
+        async with asyncio.timeout(seconds):
+            raw = await reader.read()  # to EOF: the proxy must close the connection
+    finally:
+        sending.cancel()
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines)
+    return RawAnswer(int(status_line.split()[1]), headers, body)
+
+
+def request_head(path: str = COMPLETIONS, *extra: str, length: int | None = None) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: proxy", "Content-Type: application/json", *extra]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+SECRET_MARKER = "client-bytes-never-echoed"
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "reason"),
+    [
+        (
+            request_head(COMPLETIONS, f"X-Request-Id: {SECRET_MARKER}{'a' * 9000}"),
+            431,
+            "header_too_long",
+        ),
+        (
+            request_head(COMPLETIONS, *(f"X-{i}: {SECRET_MARKER}" for i in range(200))),
+            431,
+            "too_many_headers",
+        ),
+        (
+            request_head(COMPLETIONS, f"X-A: {SECRET_MARKER}").replace(b"\r\n", b"\n"),
+            400,
+            "bad_request_line",
+        ),
+        (request_head(COMPLETIONS, f"X-A: {SECRET_MARKER}\x00"), 400, "bad_header"),
+        (request_head(COMPLETIONS, "X-A: a", f"  {SECRET_MARKER}"), 400, "bad_header"),
+        (f"G@T /{SECRET_MARKER} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), 400, "bad_method"),
+        (
+            b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + SECRET_MARKER.encode(),
+            400,
+            "bad_method",
+        ),
+    ],
+    ids=["long-header", "many-headers", "bare-lf", "nul", "folded", "method", "tls"],
+)
+async def test_malformed_http_gets_the_proxys_own_answer_and_one_line(
+    start_cluster: StartCluster,
+    caplog: pytest.LogCaptureFixture,
+    raw: bytes,
+    status: int,
+    reason: str,
+) -> None:
+    caplog.set_level("DEBUG")
+    cluster = await start_cluster()
+    answer = await raw_exchange(cluster.client.server.port, raw)
+    assert answer.status == status
+    assert answer.headers["Content-Type"].startswith("application/json")
+    assert_openai_error(json.loads(answer.body), status)
+    assert SECRET_MARKER.encode() not in answer.body
+    lines = [r for r in caplog.records if r.name.startswith(("aiohttp", "mooncake_proxy"))]
+    assert not [r for r in lines if r.levelno >= logging.WARNING or r.exc_info]
+    assert not [r for r in lines if SECRET_MARKER in r.getMessage()]
+    (access,) = access_lines(caplog)
+    assert access["status"] == status and access["outcome"] == f"error:{reason}"
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_requests_total", route="unparsed", status=str(status))
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+
+
+async def test_a_request_head_that_trickles_in_gets_408_and_the_connection_closes(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="mooncake_proxy")
+    cluster = await start_cluster(header_timeout=0.5)
+    port = cluster.client.server.port
+    started = time.monotonic()
+    head = request_head(length=10)
+    trickle = [head[i : i + 1] for i in range(len(head))]  # slowloris: a byte every 0.1 s
+    answer = await raw_exchange(port, *trickle, pause=0.1)
+    assert answer.status == 408 and 0.4 < time.monotonic() - started < FAST
+    assert "--header-timeout" in json.loads(answer.body)["error"]["message"]
+    # A connection that never sends anything is closed the same way.
+    assert (await raw_exchange(port)).status == 408
+    assert [line["outcome"] for line in access_lines(caplog)] == ["error:header_timeout"] * 2
+    assert not cluster.prefills[0].requests and not cluster.decodes[0].requests
+
+
+async def test_keep_alive_idle_is_not_a_slow_head(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(header_timeout=0.3)
+    body = json.dumps(completion()).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", cluster.client.server.port)
+    try:
+        for _ in range(2):
+            writer.write(request_head(length=len(body)) + body)
+            head = await read_until(reader, b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            length = int(re.search(rb"Content-Length: (\d+)", head)[1])  # type: ignore[index]
+            rest = head.partition(b"\r\n\r\n")[2]
+            await reader.readexactly(length - len(rest))
+            await asyncio.sleep(0.6)  # idle between requests, longer than --header-timeout
+    finally:
+        writer.close()
+
+
+async def test_a_body_that_trickles_in_gets_408_and_holds_no_backend_slot(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(body_timeout=0.5, body_min_rate=1000, max_connections=2)
+    port = cluster.client.server.port
+    body = json.dumps(completion(prompt="x" * 500)).encode()
+    slow = asyncio.create_task(
+        raw_exchange(
+            port,
+            request_head(length=len(body)),
+            *(body[i : i + 10] for i in range(0, len(body), 10)),
+            pause=0.1,
+        )
+    )
+    await asyncio.sleep(0.2)
+    # The upstream cap is 2, one PD request's worth: the trickling client holds none of it.
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    answer = await slow
+    assert answer.status == 408
+    message = json.loads(answer.body)["error"]["message"]
+    assert "--body-timeout" in message and "--body-min-rate" in message
+    assert len(cluster.prefills[0].requests) == 1  # the good request only
+
+
+async def test_a_big_body_at_a_sane_rate_earns_the_time_it_needs(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(body_timeout=0.3, body_min_rate=50_000)
+    body = json.dumps(completion(prompt="y" * 60_000)).encode()
+    parts = [body[i : i + 10_000] for i in range(0, len(body), 10_000)]
+    reader, writer = await asyncio.open_connection("127.0.0.1", cluster.client.server.port)
+    try:
+        writer.write(request_head(length=len(body)))
+        for part in parts:  # 10 kB every 0.1 s: 100 kB/s, twice the minimum rate, for 0.7 s
+            writer.write(part)
+            await asyncio.sleep(0.1)
+        assert (await read_until(reader, b"\r\n")).startswith(b"HTTP/1.1 200")
+    finally:
+        writer.close()
+
+
+async def test_open_client_connections_are_capped(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="mooncake_proxy")
+    cluster = await start_cluster(max_client_connections=3, header_timeout=5)
+    port = cluster.client.server.port
+    connections = cluster.client.app[mp.CONNECTIONS_KEY]
+    # The test client's own keep-alive connection may be one of the three.
+    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3 - connections.open)]
+    await eventually(lambda: connections.open == 3)
+    answer = await raw_exchange(port, request_head(length=2) + b"{}")
+    assert answer.status == 503 and answer.headers["Retry-After"] == "1"
+    assert "--max-client-connections" in json.loads(answer.body)["error"]["message"]
+    assert len([r for r in caplog.records if "--max-client-connections" in r.getMessage()]) == 1
+    idle.pop()[1].close()
+    await eventually(lambda: connections.open == 2)
+    body = json.dumps(completion()).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request_head(length=len(body)) + body)
+    assert (await read_until(reader, b"\r\n")).startswith(b"HTTP/1.1 200")
+    writer.close()
+    for _, other in idle:
+        other.close()
+    assert connections.rejected == 1
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_client_connections_rejected_total") == 1
 
 
 async def test_json_with_another_content_type_is_still_served(start_cluster: StartCluster) -> None:
