@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import enum
 import functools
 import hmac
@@ -41,13 +42,24 @@ from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Any, ClassVar, Final, NoReturn, TypedDict, TypeVar
 
-import aiohttp
-from aiohttp import hdrs, web
-from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine, HttpProcessingError, LineTooLong
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-from yarl import URL
+try:
+    import aiohttp
+    from aiohttp import hdrs, web
+    from aiohttp.http_exceptions import (
+        BadHttpMethod,
+        BadStatusLine,
+        HttpProcessingError,
+        LineTooLong,
+    )
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+    from yarl import URL
+except ImportError as missing:  # one line instead of a traceback, saying what to do
+    sys.exit(
+        f"mooncake-proxy: error: the Python package {missing.name!r} is not installed; "
+        "install the proxy first: pip install . (or pip install -r requirements.txt)"
+    )
 
 log = logging.getLogger("mooncake_proxy")
 T = TypeVar("T")
@@ -70,6 +82,8 @@ FAST_DUMPS: Final = _fast_dumps()
 # Byte-stable identity that tools launching the proxy record as evidence (the seed's values).
 ID: Final = "inferlab-vllm-mooncake-proxy"
 VERSION: Final = 1
+# The package's own release (setup.cfg reads it from here).
+__version__ = "1.0.0"
 
 DEFAULT_HOST: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8000
@@ -181,6 +195,8 @@ class ProxyConfig:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     upstream_api_key: str | None = field(default=None, repr=False)
+    # Where the upstream key came from, for the startup line (never the key itself).
+    upstream_api_key_source: str = "--upstream-api-key"
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
@@ -223,9 +239,15 @@ class ProxyConfig:
             f"decode={self.decode_policy}; health every {self.health_interval:g} s "
             f"(timeout {self.health_timeout:g} s, out after {self.unhealthy_after}, back after "
             f"{self.healthy_after}); max retries {self.max_retries}; inbound key "
-            f"{'set' if self.api_key else 'not set'}; upstream key "
-            f"{'set' if self.upstream_api_key else 'not set'}"
+            f"{'set' if self.api_key else 'not set'}; {self.describe_upstream_key()}"
         )
+
+    def describe_upstream_key(self) -> str:
+        if self.upstream_api_key:
+            return f"upstream key from {self.upstream_api_key_source}"
+        if self.api_key:
+            return "no upstream key (clients' Authorization is for the proxy, not forwarded)"
+        return "no upstream key (clients' Authorization is forwarded)"
 
     def upstream_timeout(self, total: float | None) -> aiohttp.ClientTimeout:
         """A per-call timeout that keeps the connect limit (a ClientTimeout replaces, not adds)."""
@@ -236,6 +258,14 @@ class ProxyConfig:
             raise ConfigError("at least one --prefill URL is required")
         if not self.decodes:
             raise ConfigError("at least one --decode URL is required")
+        for flag, urls in (
+            ("--prefill", [p.url for p in self.prefills]),
+            ("--decode", self.decodes),
+        ):
+            if twice := [str(url) for url, count in collections.Counter(urls).items() if count > 1]:
+                raise ConfigError(f"{flag} {twice[0]} is given twice")
+        if self.protect_metrics and not self.api_key:
+            raise ConfigError("--protect-metrics needs --api-key: it is the key /metrics asks for")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: expected 0-65535")
         if self.max_request_bytes < 1:
@@ -607,6 +637,8 @@ class Backend:
         self.in_flight = 0
         # Set to check this instance now instead of at the next interval.
         self.recheck = asyncio.Event()
+        # Checks in a row that failed the same way: the checks back off while it lasts.
+        self.same_failures = 0
         # When the last check began and the last request on it succeeded (monotonic): a check
         # that times out while requests succeed is a sign of load, not of failure.
         self.checked_at = 0.0
@@ -635,7 +667,7 @@ class Backend:
 
     def refused(self, error: str) -> bool:
         """A live request could not connect: out at once, and checked again right away."""
-        self.passes = 0
+        self.passes = self.same_failures = 0
         self.last_error = error
         self.recheck.set()
         if not self.usable:
@@ -1042,10 +1074,24 @@ UNREACHABLE_ERRORS: Final = (
 )
 
 
+def failure_detail(error: BaseException) -> str:
+    """What went wrong, in words: aiohttp's connect errors mention ssl even for plain http."""
+    if isinstance(error, aiohttp.ClientConnectorError) and not isinstance(
+        error, aiohttp.ClientSSLError
+    ):
+        cause = error.os_error
+        if isinstance(cause, socket.gaierror) or not cause.errno:
+            reason = cause.strerror or str(cause) or type(cause).__name__
+        else:
+            reason = os.strerror(cause.errno)
+        return f"cannot connect to {error.host}:{error.port}: {reason}"
+    return str(error) or type(error).__name__
+
+
 def transport_error(stage: str, url: URL, error: BaseException) -> ProxyError:
     """The one place that turns a failure to reach an upstream into the client's error."""
     status = 504 if isinstance(error, TimeoutError) else 502
-    detail = str(error) or type(error).__name__
+    detail = failure_detail(error)
     if isinstance(error, UNREACHABLE_ERRORS):
         reason = "timeout" if status == 504 else "refused"
         return Unreachable(status, f"{stage} {url} unreachable: {detail}", reason=reason)
@@ -1444,15 +1490,22 @@ def watch_lingering_prefill(
 class CheckFailed(ValueError):
     """A health check or discovery failed; the message says why."""
 
-    def __init__(self, message: str, *, no_answer_in_time: bool = False) -> None:
+    def __init__(
+        self, message: str, *, no_answer_in_time: bool = False, unreachable: bool = False
+    ) -> None:
         super().__init__(message)
         # Connected, but the answer took longer than --health-timeout: maybe only busy.
         self.no_answer_in_time = no_answer_in_time
+        # Not reached at all (unresolvable, refused): while it lasts, checks back off. An
+        # instance that answers "not yet" is starting, and is checked at the quick pace.
+        self.unreachable = unreachable
 
 
 def check_error(stage: str, url: URL, error: BaseException) -> CheckFailed:
+    failure = transport_error(stage, url, error)
     slow = isinstance(error, TimeoutError) and not isinstance(error, aiohttp.ConnectionTimeoutError)
-    return CheckFailed(transport_error(stage, url, error).message, no_answer_in_time=slow)
+    unreachable = isinstance(failure, Unreachable)
+    return CheckFailed(failure.message, no_answer_in_time=slow, unreachable=unreachable)
 
 
 async def check_health(
@@ -1508,6 +1561,10 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
     except CheckFailed as failure:
         error = str(failure)
         repeated = error == backend.last_error
+        if failure.unreachable:
+            backend.same_failures = backend.same_failures + 1 if repeated else 1
+        else:
+            backend.same_failures = 0
         app[METRICS_KEY].check_failures.labels(backend.role, str(backend.url)).inc()
         if failure.no_answer_in_time and backend.usable and backend.last_success > previous_check:
             # Envoy's outlier detection weighs real outcomes: requests that keep succeeding
@@ -1525,6 +1582,7 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
         elif not repeated:
             log.warning("%s %s check failed: %s", backend.role, backend.url, error)
         return
+    backend.same_failures = 0
     if backend.slow:
         backend.slow = False
         log.info("%s %s answers its checks in time again", backend.role, backend.url)
@@ -1547,6 +1605,15 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
         log.info("%s %s is usable%s", backend.role, backend.url, extra)
 
 
+def check_interval(config: ProxyConfig, backend: Backend) -> float:
+    """Calm while usable; quick while out, doubling while it stays unreachable the same way
+    (an unresolvable host, a refused port) up to the usable instances' pace."""
+    if backend.usable:
+        return config.health_interval
+    slowest = max(config.health_interval, config.discovery_interval)
+    return min(config.discovery_interval * 2.0 ** max(backend.same_failures - 1, 0), slowest)
+
+
 async def watch_backend(app: web.Application, backend: Backend) -> None:
     """Check one instance forever: often while it is out of the rotation, calmly while in."""
     config = app[CONFIG_KEY]
@@ -1556,9 +1623,8 @@ async def watch_backend(app: web.Application, backend: Backend) -> None:
             await check_backend(app, backend)
         except Exception:  # a bug must not end the checks of this instance
             log.exception("checking %s %s failed", backend.role, backend.url)
-        interval = config.health_interval if backend.usable else config.discovery_interval
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(interval):
+            async with asyncio.timeout(check_interval(config, backend)):
                 await backend.recheck.wait()
 
 
@@ -2114,17 +2180,43 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
+    # argparse writes a "+" flag with two metavars as "URL [BOOTSTRAP ...]": one BOOTSTRAP at most.
+    def format_usage(self) -> str:
+        return super().format_usage().replace("[BOOTSTRAP ...]", "[BOOTSTRAP]")
+
+    def format_help(self) -> str:
+        return super().format_help().replace("[BOOTSTRAP ...]", "[BOOTSTRAP]")
+
+
+class PrintVersion(argparse.Action):
+    """The seed's identity on the first line, byte for byte (tools compare it); the package
+    release on the second."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **options: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **options)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
+        print(f"{ID} {VERSION}\nmooncake-proxy {__version__} (package release)")
+        parser.exit()
+
+
+def add_flag(parser: argparse.ArgumentParser, *names: str, **options: Any) -> None:
+    """add_argument, with the default in the help where there is one worth stating."""
+    if "help" in options and options.get("default") not in (None, [], False):
+        options["help"] += " (default: %(default)s)"
+    parser.add_argument(*names, **options)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
         prog="mooncake-proxy",
         description="Prefill/decode disaggregation proxy for vLLM's MooncakeConnector.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"{ID} {VERSION}")
-    parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
-    parser.add_argument(
+    add_flag(parser, "--version", action=PrintVersion, help="print the version and exit")
+    add_flag(parser, "--host", default=DEFAULT_HOST, help="address to listen on")
+    add_flag(parser, "--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    add_flag(
+        parser,
         "--prefill",
         nargs="+",
         action="append",
@@ -2134,7 +2226,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"server as a port on the same host, a full http://host:port, or 'none' for port "
         f"{DEFAULT_BOOTSTRAP_PORT}",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--decode",
         nargs="+",
         action="append",
@@ -2142,42 +2235,51 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="decode instance URL(s) (repeatable)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--upstream-api-key",
-        help="send 'Authorization: Bearer KEY' to vLLM instead of the client's own; "
-        "$OPENAI_API_KEY when not given (without either, the client's header is forwarded)",
+        metavar="KEY",
+        help="send 'Authorization: Bearer KEY' to vLLM instead of the client's own header "
+        f"(without it the client's is forwarded; ${ENV_PREFIX}UPSTREAM_API_KEY sets it too, "
+        "$OPENAI_API_KEY never does)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--max-request-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request body accepted; larger is answered 413",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--connect-timeout",
         type=float,
         default=DEFAULT_CONNECT_TIMEOUT,
         help="seconds to open a connection to an upstream",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--keepalive-timeout",
         type=float,
         default=DEFAULT_KEEPALIVE_TIMEOUT,
         help="seconds an idle upstream connection is kept; keep it below vLLM's 5 s",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--request-timeout",
         type=float,
         default=0.0,
         help="total seconds for one upstream request, stream included; 0 for none",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--prefill-timeout",
         type=float,
         default=DEFAULT_PREFILL_TIMEOUT,
         help="seconds the prefill leg may take before the request fails with 504; 0 for none",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--max-connections",
         type=int,
         default=0,
@@ -2185,46 +2287,53 @@ def build_parser() -> argparse.ArgumentParser:
         "(its prefill's until the prefill answered, its decode's until its stream ends); "
         "health checks have a pool of their own",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--pool-timeout",
         type=float,
         default=DEFAULT_POOL_TIMEOUT,
         help="seconds a request may wait for --max-connections to let it through; then 503",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--health-interval",
         type=float,
         default=DEFAULT_HEALTH_INTERVAL,
         help="seconds between checks of a usable instance (prefill: /health and its bootstrap "
         "/query, picking up new engine ids; decode: /health)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--discovery-interval",
         type=float,
         default=DEFAULT_DISCOVERY_INTERVAL,
         help="seconds between checks of an instance out of the rotation (not yet discovered, "
         "or down)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--health-timeout",
         type=float,
         default=DEFAULT_HEALTH_TIMEOUT,
         help="seconds one health check or bootstrap query may take",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--unhealthy-after",
         type=int,
         default=DEFAULT_UNHEALTHY_AFTER,
         help="failed checks in a row that take an instance out of the rotation (a refused "
         "connection on a live request takes it out at once)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--healthy-after",
         type=int,
         default=DEFAULT_HEALTHY_AFTER,
         help="good checks in a row that bring an instance back",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--max-retries",
         type=int,
         default=DEFAULT_MAX_RETRIES,
@@ -2232,89 +2341,101 @@ def build_parser() -> argparse.ArgumentParser:
         "(never after bytes reached the client, never for an upstream's own answer)",
     )
     policies = [policy.value for policy in Policy]
-    parser.add_argument(
+    add_flag(
+        parser,
         "--policy",
         choices=policies,
         default=Policy.LEAST_LOADED.value,
         help="how both stages pick a target: least_loaded (fewest requests in flight from "
         "this proxy, ties round robin) or round_robin",
     )
-    parser.add_argument(
-        "--prefill-policy", choices=policies, help="--policy for the prefill stage only"
+    add_flag(
+        parser, "--prefill-policy", choices=policies, help="--policy for the prefill stage only"
     )
-    parser.add_argument(
-        "--decode-policy", choices=policies, help="--policy for the decode stage only"
-    )
-    parser.add_argument(
+    add_flag(parser, "--decode-policy", choices=policies, help="--policy for the decode stage only")
+    add_flag(
+        parser,
         "--api-key",
+        metavar="KEY",
         help="require 'Authorization: Bearer KEY' on /v1/* (the client's header is then not "
         "forwarded to vLLM; --upstream-api-key is, if set)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--protect-metrics",
         action="store_true",
         help="require the --api-key on /metrics too (/health and /healthcheck stay open)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--shutdown-timeout",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT,
         help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before both "
         "their legs are cancelled; a second signal exits at once",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--header-timeout",
         type=float,
         default=DEFAULT_HEADER_TIMEOUT,
         help="seconds a client has to send a request's head, from connecting or from the "
         "head's first byte; then 408 and the connection is closed",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--body-timeout",
         type=float,
         default=DEFAULT_BODY_TIMEOUT,
         help="seconds a client has to send a request body, plus 1 s per --body-min-rate bytes "
         "received; then 408 and the connection is closed",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--body-min-rate",
         type=int,
         default=DEFAULT_BODY_MIN_RATE,
         help="bytes per second a large body earns its extra time at",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--max-client-connections",
         type=int,
         default=DEFAULT_MAX_CLIENT_CONNECTIONS,
         help="open client connections per worker; more are answered 503 and closed",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--client-keepalive-timeout",
         type=float,
         default=DEFAULT_CLIENT_KEEPALIVE_TIMEOUT,
         help="seconds an idle client connection is kept open",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--loop",
         choices=("auto", "asyncio", "uvloop"),
         default="auto",
         help="event loop: uvloop when installed (auto), or the stdlib's",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--workers",
         type=int,
         default=1,
         help="processes sharing the port through SO_REUSEPORT, each with its own connection "
         "pool and health checks; more than the cores available buys nothing",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--log-level",
         default="INFO",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         type=str.upper,
         help="logging threshold",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--log-format",
         default="text",
         choices=("text", "json"),
@@ -2330,27 +2451,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TRUE_WORDS: Final = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS: Final = frozenset({"0", "false", "no", "off", ""})
+
+
+def given_flags(argv: Sequence[str]) -> set[str]:
+    return {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+
+
 def env_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
-    """The flags set through MOONCAKE_PROXY_* variables and not given on the command line."""
-    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    """The flags set through MOONCAKE_PROXY_* variables and not given on the command line.
+
+    Raises ConfigError naming the variable for a value its flag would refuse, so the error
+    points at the environment file rather than at a flag nobody typed.
+    """
+    given = given_flags(argv)
     extra: list[str] = []
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help", "version"):
             continue
         flag = action.option_strings[-1]
-        value = os.environ.get(ENV_PREFIX + action.dest.upper())
+        name = ENV_PREFIX + action.dest.upper()
+        value = os.environ.get(name)
         if value is None or flag in given:
             continue
         if isinstance(action, argparse._StoreTrueAction):
-            if value.strip().lower() in ("1", "true", "yes", "on"):
+            word = value.strip().lower()
+            if word not in TRUE_WORDS | FALSE_WORDS:
+                raise ConfigError(f"{name}={value!r}: expected 1/true/yes/on or 0/false/no/off")
+            if word in TRUE_WORDS:
                 extra.append(flag)
         elif action.nargs == "+":
             entries = value.split(",") if action.dest == "prefill" else [value]
             for entry in entries:
                 extra += [flag, *entry.split()]
         else:
+            check_env_value(name, value, action)
             extra.append(f"{flag}={value}")
     return extra
+
+
+def check_env_value(name: str, value: str, action: argparse.Action) -> None:
+    try:
+        converted = action.type(value) if callable(action.type) else value
+    except (TypeError, ValueError):
+        kind = {int: "a whole number", float: "a number"}.get(action.type, "a valid value")  # type: ignore[call-overload]
+        raise ConfigError(f"{name}={value!r}: expected {kind}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise ConfigError(
+            f"{name}={value!r}: expected one of {', '.join(map(str, action.choices))}"
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -2368,8 +2518,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decodes=tuple(decodes),
         host=args.host,
         port=args.port,
-        # Read here, not as the flag's default, so that --help never prints a key.
-        upstream_api_key=args.upstream_api_key or os.environ.get("OPENAI_API_KEY") or None,
+        # Only ever from this flag or its variable: a shell's $OPENAI_API_KEY is the SDK's.
+        upstream_api_key=args.upstream_api_key or None,
         max_request_bytes=args.max_request_bytes,
         connect_timeout=args.connect_timeout,
         keepalive_timeout=args.keepalive_timeout,
@@ -2418,7 +2568,15 @@ def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
     ]
 
 
-class JsonFormatter(logging.Formatter):
+class UtcFormatter(logging.Formatter):
+    """Timestamps in UTC with their zone (ISO 8601), as /healthcheck gives them."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        moment = datetime.fromtimestamp(record.created, UTC)
+        return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class JsonFormatter(UtcFormatter):
     """One JSON object per line; access lines carry their fields as keys of their own."""
 
     def format(self, record: logging.LogRecord) -> str:
@@ -2426,6 +2584,7 @@ class JsonFormatter(logging.Formatter):
             "time": self.formatTime(record),
             "level": record.levelname,
             "logger": record.name,
+            "pid": record.process,  # which --workers process said it
             "message": record.getMessage(),
         }
         entry.update(getattr(record, "access", {}))
@@ -2439,7 +2598,10 @@ def setup_logging(level: str, log_format: str) -> None:
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        # The pid tells --workers processes apart: each logs its own health changes.
+        handler.setFormatter(
+            UtcFormatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+        )
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
@@ -2579,9 +2741,12 @@ async def serve(config: ProxyConfig, sock: socket.socket) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(env_argv(parser, argv) + argv)
     try:
+        args = parser.parse_args(env_argv(parser, argv) + argv)
         config = config_from_args(args)
+        if "--upstream-api-key" not in given_flags(argv):
+            source = f"${ENV_PREFIX}UPSTREAM_API_KEY"
+            config = dataclasses.replace(config, upstream_api_key_source=source)
         loop_factory = event_loop_factory(args.loop)
     except ConfigError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)

@@ -450,11 +450,95 @@ def test_port_in_use_exits_with_one_line() -> None:
 def test_version_and_help() -> None:
     assert mp.ID == "inferlab-vllm-mooncake-proxy" and mp.VERSION == 1
     version = run_cli("--version")
-    assert version.returncode == 0 and version.stdout.strip() == "inferlab-vllm-mooncake-proxy 1"
+    assert version.returncode == 0
+    # The seed's identity stays the first line, byte for byte; the package release follows.
+    assert version.stdout.splitlines() == [
+        "inferlab-vllm-mooncake-proxy 1",
+        f"mooncake-proxy {mp.__version__} (package release)",
+    ]
+    assert "version = attr: mooncake_proxy.__version__" in (HERE / "setup.cfg").read_text()
     help_text = run_cli("--help").stdout
     for action in mp.build_parser()._actions:
         for option in action.option_strings:
             assert option in help_text
+    assert "--prefill URL [BOOTSTRAP]\n" in help_text and "BOOTSTRAP ..." not in help_text
+    assert "(default: None)" not in help_text and "(default: [])" not in help_text
+    assert "(default: 127.0.0.1)" in help_text
+
+
+def test_a_missing_dependency_is_one_line_saying_what_to_install() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import runpy, sys; sys.modules['aiohttp'] = None; sys.argv = ['mooncake_proxy.py']; "
+            f"runpy.run_path({str(HERE / 'mooncake_proxy.py')!r}, run_name='__main__')",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "mooncake-proxy: error: the Python package 'aiohttp' is not installed; install the proxy "
+        "first: pip install . (or pip install -r requirements.txt)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (
+            [],
+            {"MOONCAKE_PROXY_MAX_RETRIES": "abc"},
+            "MOONCAKE_PROXY_MAX_RETRIES='abc': expected a whole number",
+        ),
+        (
+            [],
+            {"MOONCAKE_PROXY_HEALTH_TIMEOUT": "soon"},
+            "MOONCAKE_PROXY_HEALTH_TIMEOUT='soon': expected a number",
+        ),
+        (
+            [],
+            {"MOONCAKE_PROXY_POLICY": "random"},
+            "MOONCAKE_PROXY_POLICY='random': expected one of",
+        ),
+        (
+            ["--api-key", "k"],
+            {"MOONCAKE_PROXY_PROTECT_METRICS": "maybe"},
+            "MOONCAKE_PROXY_PROTECT_METRICS='maybe'",
+        ),
+        (["--protect-metrics"], {}, "--protect-metrics needs --api-key"),
+        (["--decode", "http://d:1"], {}, "--decode http://d:1 is given twice"),
+        (["--prefill", "http://p:1/", "9000"], {}, "--prefill http://p:1 is given twice"),
+    ],
+    ids=["int", "float", "choice", "bool", "protect-metrics", "decode-twice", "prefill-twice"],
+)
+def test_configuration_mistakes_are_one_line_naming_the_source(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
+    base = ["--prefill", "http://p:1", "--decode", "http://d:1"]
+    result = run_cli(*base, *argv, env={**os.environ, **env})
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("mooncake-proxy: error: ") and message in line, line
+
+
+def test_openai_api_key_is_never_the_upstream_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "the-sdk-key")
+    config = parse_cli("--prefill", "http://p:1", "--decode", "http://d:1")
+    assert config.upstream_api_key is None
+    assert "clients' Authorization is forwarded" in config.describe()
+    assert upstream_authorization_of(config, "Bearer client-key") == "Bearer client-key"
+    keyed = parse_cli(
+        "--prefill", "http://p:1", "--decode", "http://d:1", "--upstream-api-key", "vllm-key"
+    )  # fmt: skip
+    assert "upstream key from --upstream-api-key" in keyed.describe()
+    assert "vllm-key" not in keyed.describe()
+
+
+def upstream_authorization_of(config: mp.ProxyConfig, client_header: str) -> str | None:
+    return mp.upstream_authorization({"Authorization": client_header}, config)
 
 
 # --- readiness, discovery, health endpoints
@@ -878,6 +962,9 @@ async def test_decode_refused_is_a_502_naming_the_decode(start_cluster: StartClu
     assert response.status == 502
     assert_openai_error(payload, 502)
     assert dead in payload["error"]["message"] and "decode" in payload["error"]["message"]
+    # Said as it is: no "ssl:default" for a plain-http URL.
+    assert "Connection refused" in payload["error"]["message"]
+    assert "ssl" not in payload["error"]["message"]
     await eventually(lambda: cluster.prefills[0].running == 0)
     assert len(cluster.prefills[0].aborted) == 1
 
@@ -1419,7 +1506,7 @@ async def test_daemon_serves_a_stream_end_to_end(aiohttp_server: Any) -> None:
         "--prefill", prefill.api_url, str(bootstrap.port),
         "--decode", f"http://127.0.0.1:{decode_server.port}",
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "OPENAI_API_KEY": ""},
+        env=dict(os.environ),
     )  # fmt: skip
     try:
         async with aiohttp.ClientSession() as session, asyncio.timeout(15):
@@ -1664,6 +1751,28 @@ async def test_a_check_timing_out_while_requests_succeed_is_load_not_failure(
     # With no request succeeding, the same timeouts take it out as before.
     await eventually(lambda: not fleet.decodes[0].usable, FAST)
     assert any("left the rotation" in r.getMessage() for r in caplog.records)
+
+
+async def test_checks_of_an_unreachable_instance_back_off_up_to_the_health_interval(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(decodes=2, discovery_interval=0.02, health_interval=0.3)
+    config, fleet = cluster.config, fleet_of(cluster)
+    dead = fleet.decodes[0]
+    await cluster.kill(cluster.decodes[0])
+    dead.recheck.set()
+    await eventually(lambda: dead.same_failures >= 5)
+    # Refused the same way each time: 0.02, 0.04, 0.08, 0.16, then the usable pace of 0.3 s.
+    assert mp.check_interval(config, dead) == 0.3
+    assert mp.check_interval(config, fleet.decodes[1]) == 0.3  # usable
+    await cluster.start_again(cluster.decodes[0], new_engine_ids=False)
+    dead.recheck.set()  # as a refused request does: checked at once, not after the backoff
+    await eventually(lambda: dead.usable)
+    assert dead.same_failures == 0 and mp.check_interval(config, dead) == 0.3
+    # An instance that answers "not yet" is starting: it is polled at the quick pace.
+    starting = mp.DecodeInstance(URL("http://127.0.0.1:1"))
+    starting.same_failures = 0
+    assert mp.check_interval(config, starting) == 0.02
 
 
 async def test_an_instance_comes_back_after_enough_good_checks(start_cluster: StartCluster) -> None:
@@ -1978,7 +2087,7 @@ class ProxyProcess:
             "--prefill", prefill.api_url, str(bootstrap.port),
             "--decode", f"http://127.0.0.1:{decode_server.port}", *flags,
             stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "OPENAI_API_KEY": "", **(env or {})},
+            env={**os.environ, **(env or {})},
         )  # fmt: skip
         proxy = cls(process, port)
         async with aiohttp.ClientSession() as session, asyncio.timeout(15):
@@ -1995,6 +2104,47 @@ class ProxyProcess:
             self.process.terminate()
         _, stderr = await self.process.communicate()
         return stderr.decode()
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        (
+            {"OPENAI_API_KEY": "the-sdk-key"},
+            "no upstream key (clients' Authorization is forwarded)",
+        ),
+        (
+            {"OPENAI_API_KEY": "the-sdk-key", "MOONCAKE_PROXY_UPSTREAM_API_KEY": "vllm-key"},
+            "upstream key from $MOONCAKE_PROXY_UPSTREAM_API_KEY",
+        ),
+    ],
+    ids=["openai-key-ignored", "from-environment"],
+)
+async def test_the_upstream_key_comes_only_from_its_own_setting_and_says_whence(
+    aiohttp_server: Any, env: dict[str, str], said: str
+) -> None:
+    proxy, decode = await ProxyProcess.start(aiohttp_server, env=env)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{proxy.base}/v1/completions",
+            json=completion(),
+            headers={"Authorization": "Bearer client-key"},
+        ) as response,
+    ):
+        assert response.status == 200
+    log = await proxy.stop()
+    (leg,) = decode.requests
+    expected = (
+        "Bearer vllm-key" if "MOONCAKE_PROXY_UPSTREAM_API_KEY" in env else "Bearer client-key"
+    )
+    assert leg.headers["Authorization"] == expected
+    assert said in log and "the-sdk-key" not in log and "vllm-key" not in log
+    # Text lines: a UTC timestamp with its zone, and the pid that wrote them.
+    for line in log.splitlines():
+        assert re.match(
+            r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z [A-Z]+ mooncake_proxy[.a-z]*\[\d+\]: ", line
+        ), line
 
 
 async def test_sigterm_lets_a_stream_finish_then_exits_0(aiohttp_server: Any) -> None:
@@ -2084,6 +2234,8 @@ async def test_json_logs_and_no_key_in_any_log_line(aiohttp_server: Any) -> None
     )
     assert "s3cret" not in log
     assert any("inbound key set" in e["message"] for e in entries)
+    assert {e["pid"] for e in entries} == {proxy.process.pid}
+    assert all(e["time"].endswith("Z") for e in entries)
 
 
 def test_the_example_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
