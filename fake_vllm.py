@@ -37,6 +37,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 MODEL = "fake-model"
+# The identity the proxy's /healthcheck reports (mooncake_proxy.ID, not imported here so the
+# fakes stay independent of the module they test).
+PROXY_ID = "inferlab-vllm-mooncake-proxy"
 # The marker that makes the first sampled token EOS, unless the request says ignore_eos.
 EOS_MARKER = "<eos-first>"
 VOCAB = (
@@ -505,6 +508,37 @@ async def start_fake(fake: FakeVllm, runners: list[web.AppRunner]) -> RunningFak
     return RunningFake(fake, fake.api_url, bootstrap)
 
 
+DEMO_READY_TIMEOUT = 20.0
+DEMO_REQUEST_TIMEOUT = 30.0
+
+
+async def wait_for_proxy(
+    proxy: asyncio.subprocess.Process, session: aiohttp.ClientSession, base: str
+) -> str | None:
+    """Until the proxy this demo started is ready; else what went wrong.
+
+    Readiness is asked of /healthcheck and must come from that very process (its id and pid):
+    another server on the port (vLLM's default is 8000 too) must not pass for it.
+    """
+    exited = asyncio.ensure_future(proxy.wait())
+    deadline = time.monotonic() + DEMO_READY_TIMEOUT
+    try:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                probe = aiohttp.ClientTimeout(total=1)
+                async with session.get(f"{base}/healthcheck", timeout=probe) as health:
+                    state = await health.json(content_type=None)
+                    ours = isinstance(state, dict) and state.get("pid") == proxy.pid
+                    if ours and state.get("id") == PROXY_ID and state.get("ready"):
+                        return None
+            await asyncio.wait([exited], timeout=0.1)
+            if exited.done():
+                return f"the proxy exited with code {proxy.returncode} (its error is above)"
+        return f"the proxy was not ready within {DEMO_READY_TIMEOUT:g} s"
+    finally:
+        exited.cancel()
+
+
 async def demo(once: bool, port: int) -> int:
     runners: list[web.AppRunner] = []
     cluster = [
@@ -525,18 +559,12 @@ async def demo(once: bool, port: int) -> int:
     proxy = await asyncio.create_subprocess_exec(*argv)
     base = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as session:
-            for _ in range(100):
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"{base}/health") as health:
-                        if health.status == 200:
-                            break
-                if proxy.returncode is not None:
-                    return proxy.returncode or 1
-                await asyncio.sleep(0.1)
-            else:
-                print("the proxy did not become ready", file=sys.stderr)
-                return 1
+        # Every wait is bounded, and a client-side timeout covers each request.
+        timeout = aiohttp.ClientTimeout(total=DEMO_REQUEST_TIMEOUT)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            if problem := await wait_for_proxy(proxy, session, base):
+                print(f"demo: {problem}", file=sys.stderr)
+                return proxy.returncode or 1
             request = {
                 "model": MODEL,
                 "prompt": "Explain prefill/decode disaggregation",
@@ -544,11 +572,18 @@ async def demo(once: bool, port: int) -> int:
                 "stream": True,
             }
             print(f"\nPOST {base}/v1/completions (streamed):\n", flush=True)
-            async with session.post(f"{base}/v1/completions", json=request) as answer:
-                async for line in answer.content:
-                    if line.startswith(b"data: {"):
-                        chunk = json.loads(line[6:])
-                        print(chunk["choices"][0]["text"], end="", flush=True)
+            try:
+                async with session.post(f"{base}/v1/completions", json=request) as answer:
+                    if answer.status != 200:
+                        print(f"demo: the proxy answered {answer.status}: {await answer.text()}")
+                        return 1
+                    async for line in answer.content:
+                        if line.startswith(b"data: {"):
+                            chunk = json.loads(line[6:])
+                            print(chunk["choices"][0]["text"], end="", flush=True)
+            except (aiohttp.ClientError, TimeoutError) as failure:
+                print(f"\ndemo: the request failed: {failure!r}", file=sys.stderr)
+                return 1
             print("\n\nrequest id:", answer.headers.get("X-Request-Id"))
             if once:
                 return 0

@@ -2627,8 +2627,11 @@ def event_loop_factory(choice: str) -> LoopFactory | None:
 def ensure_file_descriptors(config: ProxyConfig) -> None:
     """Raise the soft open-file limit (often 1024) to what the connection cap needs, as Go
     programs do at start; each client stream also holds an upstream connection or two."""
-    needed = 3 * config.max_client_connections * config.workers + 64
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 3 * config.max_client_connections + 64  # per process: each worker has its own
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except OSError:  # a seccomp filter may forbid it: then the limit is the operator's to set
+        return
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return
     target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)

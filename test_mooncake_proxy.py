@@ -1534,6 +1534,44 @@ async def test_daemon_serves_a_stream_end_to_end(aiohttp_server: Any) -> None:
     assert "is usable: 2 DP rank(s)" in log and "Traceback" not in log
 
 
+# --- make demo
+
+
+async def run_demo(port: int) -> tuple[int, str, float]:
+    started = time.monotonic()
+    demo = await asyncio.create_subprocess_exec(
+        *(sys.executable, str(HERE / "fake_vllm.py"), "--once", "--port", str(port)),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, stderr = await asyncio.wait_for(demo.communicate(), 60)
+    assert demo.returncode is not None
+    return demo.returncode, stderr.decode(), time.monotonic() - started
+
+
+async def test_the_demo_fails_clearly_when_another_server_answers_on_its_port(
+    aiohttp_server: Any,
+) -> None:
+    async def everything_is_fine(request: web.Request) -> web.Response:
+        return web.json_response({"ready": True, "status": "ok"})  # vLLM's port is 8000 too
+
+    impostor = web.Application()
+    impostor.router.add_route("*", "/{tail:.*}", everything_is_fine)
+    server = await serve(aiohttp_server, impostor)
+    code, stderr, took = await run_demo(server.port)
+    assert code != 0 and took < 30
+    assert "cannot listen" in stderr and "the proxy exited with code" in stderr
+
+
+async def test_the_demo_fails_clearly_when_a_silent_listener_holds_its_port() -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # accepts into the backlog, never answers
+        code, stderr, took = await run_demo(silent.getsockname()[1])
+    assert code != 0 and took < 30
+    assert "cannot listen" in stderr and "the proxy exited with code" in stderr
+
+
 # --- a live fleet: health, re-discovery, failover, load-aware routing
 
 
@@ -2236,6 +2274,19 @@ async def test_json_logs_and_no_key_in_any_log_line(aiohttp_server: Any) -> None
     assert any("inbound key set" in e["message"] for e in entries)
     assert {e["pid"] for e in entries} == {proxy.process.pid}
     assert all(e["time"].endswith("Z") for e in entries)
+
+
+def test_the_unit_and_the_readme_install_it_the_same_way() -> None:
+    unit = (HERE / "deploy" / "mooncake-proxy.service").read_text()
+    readme = (HERE / "README.md").read_text()
+    assert "Documentation=file:///opt/mooncake-proxy/README.md" in unit
+    for step in (
+        "install -m 644 README.md /opt/mooncake-proxy/README.md",
+        "install -m 600 deploy/mooncake-proxy.env /etc/mooncake-proxy.env",
+        "install -m 644 deploy/mooncake-proxy.service /etc/systemd/system/",
+    ):
+        assert step in unit and step in readme, step
+    assert "cp deploy" not in unit + readme
 
 
 def test_the_example_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
