@@ -446,7 +446,7 @@ class Bench:
         wait_http(self.prefill_url + "/health")
         wait_http(self.decode_url + "/health")
 
-    def start_proxy(self, workers: int = 1) -> Target:
+    def start_proxy(self, workers: int = 1, env: dict[str, str] | None = None) -> Target:
         port = free_port()
         argv = [
             sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port),
@@ -455,7 +455,7 @@ class Bench:
         ]  # fmt: skip
         if workers > 1:
             argv += ["--workers", str(workers)]
-        process = self.spawn(argv)
+        process = self.spawn(argv, env={**os.environ, **(env or {})})
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health")
         return Target(
@@ -578,6 +578,52 @@ class Bench:
             "kib_per_stream": (held - base) / max(opened, 1),
         }
 
+    def large_body_memory(self, mib: int, stdlib_json: bool = False) -> dict[str, Any]:
+        """Peak memory one request with a ``mib`` MiB prompt costs a fresh proxy, as a
+        multiple of its body (VmHWM after it, over VmRSS before it)."""
+        env = None
+        if stdlib_json:  # hide orjson from the proxy: the stdlib fallback
+            hidden = Path(tempfile.mkdtemp())
+            (hidden / "orjson.py").write_text("raise ImportError('hidden by the benchmark')\n")
+            env = {"PYTHONPATH": str(hidden)}
+        proxy = self.start_proxy(env=env)
+        assert proxy.pid is not None
+        url = f"{proxy.url}/v1/completions"
+        post_json(url, b'{"prompt": "warm up", "max_tokens": 1}')
+        time.sleep(0.3)
+        before = proc_status_kib(proxy.pid, "VmRSS")
+        body = json.dumps({"model": "bench", "prompt": "x" * (mib << 20), "max_tokens": 4})
+        started = time.monotonic()
+        post_json(url, body.encode())
+        took = time.monotonic() - started
+        peak = proc_status_kib(proxy.pid, "VmHWM")
+        self.stop(proxy)
+        size_kib = len(body) / 1024
+        return {
+            "mib": mib,
+            "json": "stdlib" if stdlib_json else "orjson",
+            "rss_before_mib": before / 1024,
+            "peak_mib": peak / 1024,
+            "peak_per_body": (peak - before) / size_kib,
+            "seconds": took,
+        }
+
+
+def proc_status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def post_json(url: str, body: bytes) -> bytes:
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer: bytes = response.read()
+        return answer
+
 
 def format_row(r: Result) -> str:
     cpu = f"{r.cpu_ms_per_request:7.3f}" if r.cpu_ms_per_request is not None else "      -"
@@ -626,6 +672,12 @@ def bench_main(args: argparse.Namespace) -> int:
         summary["idle"] = bench.idle_memory(proxy, 500 if quick else 2000, 2.0 if quick else 4.0)
         print(f"idle streams: {summary['idle']}", flush=True)
         bench.stop(proxy)
+        # Peak memory of one large request, in multiples of its body.
+        summary["large_body"] = [bench.large_body_memory(16 if quick else 64)]
+        if not quick:
+            summary["large_body"].append(bench.large_body_memory(64, stdlib_json=True))
+        for row in summary["large_body"]:
+            print(f"large body: {row}", flush=True)
         if not quick or args.workers:
             for workers in (1, 2):
                 target = bench.start_proxy(workers)
@@ -703,6 +755,14 @@ def summarize(results: list[Result], summary: dict[str, Any]) -> str:
     if big_proxy and big_both:
         added = big_proxy.e2e_p50_ms - big_both.e2e_p50_ms
         add("1 MiB prompt, added e2e p50 (ms)", added, "<= 3", added <= 3)
+    for row in summary.get("large_body", []):
+        add(
+            f"peak memory per {row['mib']} MiB body ({row['json']} encoding)",
+            row["peak_per_body"],
+            "~3x (<= 3.2)" if row["json"] == "orjson" else "-",
+            row["peak_per_body"] <= 3.2 if row["json"] == "orjson" else None,
+            "{:.2f}x",
+        )
     w1 = find(scenario="workers=1")
     w2 = find(scenario="workers=2")
     if w1 and w2:
