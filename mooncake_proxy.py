@@ -1831,33 +1831,32 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
 @web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every failure leaves as an OpenAI-style error body, never as a traceback."""
+    stats = request[STATS_KEY]
+    allow = None
     try:
         response: web.StreamResponse = await handler(request)
         return response
     except ProxyError as error:
-        stats = request[STATS_KEY]
-        stats.outcome = f"error:{error.reason}"
-        headers = {}
-        if stats.request_id != "-":
-            headers[REQUEST_ID_HEADER] = stats.request_id
         log.info("%s %s -> %d: %s", request.method, stats.path, error.status, error.message)
-        response = error.response(headers)
-        if not request.content.is_eof():
-            response.force_close()  # a body left unread (413, 408): the connection ends here
-        return response
-    except web.HTTPException as http_error:
+        failure = error
+    except web.HTTPException as http_error:  # aiohttp's own 404 and 405
         if http_error.status < 400:
             raise
-        message = f"{request.method} {request.path}: {http_error.reason}"
-        request[STATS_KEY].outcome = "error:http"
-        response = ProxyError(http_error.status, message).response()
-        if allow := http_error.headers.get(hdrs.ALLOW):
-            response.headers[hdrs.ALLOW] = allow
-        return response
+        message = f"{request.method} {stats.path}: {http_error.reason}"
+        failure = ProxyError(http_error.status, message, reason="http")
+        allow = http_error.headers.get(hdrs.ALLOW)
     except Exception:
-        log.exception("unexpected error while handling %s %s", request.method, request.path)
-        request[STATS_KEY].outcome = "error:internal"
-        return ProxyError(500, "internal error in mooncake-proxy; see its log").response()
+        log.exception("unexpected error while handling %s %s", request.method, stats.path)
+        failure = ProxyError(
+            500, "internal error in mooncake-proxy; see its log", reason="internal"
+        )
+    stats.outcome = f"error:{failure.reason}"
+    response = failure.response({REQUEST_ID_HEADER: stats.request_id})
+    if allow:
+        response.headers[hdrs.ALLOW] = allow
+    if not request.content.is_eof():
+        response.force_close()  # a body left unread (413, 408): the connection ends here
+    return response
 
 
 # --- client connections

@@ -624,6 +624,22 @@ async def test_unknown_routes_and_methods_get_openai_errors(start_cluster: Start
     assert "POST" in wrong.headers["Allow"]
 
 
+async def test_unmatched_requests_are_logged_with_an_id_and_their_path(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="mooncake_proxy.access")
+    cluster = await start_cluster()
+    missing = await cluster.client.get("/v1/nothing?x=1", headers={"X-Request-Id": "mine"})
+    wrong = await cluster.client.get(COMPLETIONS)
+    first, second = access_lines(caplog)
+    assert first["route"] == "unmatched" and first["path"] == "/v1/nothing?x=1"
+    assert first["request_id"].startswith("mine-") and first["status"] == 404
+    assert missing.headers["X-Request-Id"] == first["request_id"]
+    assert second["path"] == COMPLETIONS and second["status"] == 405
+    assert second["request_id"] == wrong.headers["X-Request-Id"] != "-"
+    assert "GET /v1/nothing?x=1 404" in caplog.records[-2].getMessage()
+
+
 # --- the PD flow
 
 
