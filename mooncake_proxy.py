@@ -2076,55 +2076,6 @@ class Lifecycle:
 LIFECYCLE_KEY: Final = web.AppKey("lifecycle", Lifecycle)
 
 
-def sd_notify(*lines: str) -> bool:
-    """Tell systemd (Type=notify) how the daemon is doing; a no-op outside systemd.
-
-    The protocol is one datagram of ``KEY=value`` lines on the unix socket in $NOTIFY_SOCKET
-    (``@`` at its start means the abstract namespace).
-    """
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return False
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-            notify.connect(address)
-            notify.sendall("\n".join(lines).encode())
-    except OSError as error:
-        log.warning("cannot notify systemd at %s: %s", os.environ["NOTIFY_SOCKET"], error)
-        return False
-    return True
-
-
-def readiness_status(app: web.Application) -> str:
-    fleet = app[FLEET_KEY]
-    usable_decodes = sum(d.usable for d in fleet.decodes)
-    state = "draining" if app[LIFECYCLE_KEY].draining else "ready" if fleet.ready else "not ready"
-    return (
-        f"{state}: {fleet.engine_count} prefill engine(s), "
-        f"{usable_decodes}/{len(fleet.decodes)} decode(s) usable"
-    )
-
-
-async def report_to_systemd(app: web.Application) -> None:
-    """STATUS= on every change of readiness, and WATCHDOG=1 when the unit sets a watchdog."""
-    watchdog_usec = int(os.environ.get("WATCHDOG_USEC") or 0)
-    watchdog_pid = os.environ.get("WATCHDOG_PID")
-    if watchdog_pid and int(watchdog_pid) != os.getpid():
-        watchdog_usec = 0  # meant for another process
-    period = min(1.0, watchdog_usec / 2e6) if watchdog_usec else 1.0
-    reported = ""
-    while True:
-        lines = ["WATCHDOG=1"] if watchdog_usec else []
-        if (status := readiness_status(app)) != reported:
-            lines.append(f"STATUS={status}")
-            reported = status
-        if lines:
-            sd_notify(*lines)
-        await asyncio.sleep(period)
-
-
 def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
     # Uncapped: --max-connections is counted by UpstreamSlots, before a leg starts.
     connector = aiohttp.TCPConnector(
@@ -2200,6 +2151,252 @@ def create_app(config: ProxyConfig) -> web.Application:
     for path in COMPLETION_PATHS:
         app.router.add_post(path, handle_completion)
     return app
+
+
+# --- process
+
+
+def sd_notify(*lines: str) -> bool:
+    """Tell systemd (Type=notify) how the daemon is doing; a no-op outside systemd.
+
+    The protocol is one datagram of ``KEY=value`` lines on the unix socket in $NOTIFY_SOCKET
+    (``@`` at its start means the abstract namespace).
+    """
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+            notify.connect(address)
+            notify.sendall("\n".join(lines).encode())
+    except OSError as error:
+        log.warning("cannot notify systemd at %s: %s", os.environ["NOTIFY_SOCKET"], error)
+        return False
+    return True
+
+
+def readiness_status(app: web.Application) -> str:
+    fleet = app[FLEET_KEY]
+    usable_decodes = sum(d.usable for d in fleet.decodes)
+    state = "draining" if app[LIFECYCLE_KEY].draining else "ready" if fleet.ready else "not ready"
+    return (
+        f"{state}: {fleet.engine_count} prefill engine(s), "
+        f"{usable_decodes}/{len(fleet.decodes)} decode(s) usable"
+    )
+
+
+async def report_to_systemd(app: web.Application) -> None:
+    """STATUS= on every change of readiness, and WATCHDOG=1 when the unit sets a watchdog."""
+    watchdog_usec = int(os.environ.get("WATCHDOG_USEC") or 0)
+    watchdog_pid = os.environ.get("WATCHDOG_PID")
+    if watchdog_pid and int(watchdog_pid) != os.getpid():
+        watchdog_usec = 0  # meant for another process
+    period = min(1.0, watchdog_usec / 2e6) if watchdog_usec else 1.0
+    reported = ""
+    while True:
+        lines = ["WATCHDOG=1"] if watchdog_usec else []
+        if (status := readiness_status(app)) != reported:
+            lines.append(f"STATUS={status}")
+            reported = status
+        if lines:
+            sd_notify(*lines)
+        await asyncio.sleep(period)
+
+
+def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
+    """Bind before the app starts, so a taken port fails at once and nothing else runs.
+
+    With several workers each gets a socket of its own on the same port (SO_REUSEPORT): the
+    kernel spreads new connections over them.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if family == socket.AF_INET and not host.replace(".", "").isdigit():
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family = infos[0][0]
+    reuse_port = count > 1
+    first = socket.create_server(
+        (host, port), family=family, backlog=LISTEN_BACKLOG, reuse_port=reuse_port
+    )
+    port = first.getsockname()[1]  # port 0: the others join the port the first one got
+    return [first] + [
+        socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG, reuse_port=True)
+        for _ in range(count - 1)
+    ]
+
+
+class UtcFormatter(logging.Formatter):
+    """Timestamps in UTC with their zone (ISO 8601), as /healthcheck gives them."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        moment = datetime.fromtimestamp(record.created, UTC)
+        return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class JsonFormatter(UtcFormatter):
+    """One JSON object per line; access lines carry their fields as keys of their own."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "pid": record.process,  # which --workers process said it
+            "message": record.getMessage(),
+        }
+        entry.update(getattr(record, "access", {}))
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: str, log_format: str) -> None:
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        # The pid tells --workers processes apart: each logs its own health changes.
+        handler.setFormatter(
+            UtcFormatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+        )
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+
+
+def event_loop_factory(choice: str) -> LoopFactory | None:
+    """uvloop when it is installed and not declined; None means asyncio's own loop."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ConfigError(
+                "--loop uvloop: uvloop is not installed (pip install uvloop)"
+            ) from None
+        return None
+    factory: LoopFactory = uvloop.new_event_loop
+    return factory
+
+
+def ensure_file_descriptors(config: ProxyConfig) -> None:
+    """Raise the soft open-file limit (often 1024) to what the connection cap needs, as Go
+    programs do at start; each client stream also holds an upstream connection or two."""
+    needed = 3 * config.max_client_connections + 64  # per process: each worker has its own
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except OSError:  # a seccomp filter may forbid it: then the limit is the operator's to set
+        return
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft < needed:
+        log.warning(
+            "the open-file limit is %d but --max-client-connections %d needs about %d: "
+            "raise it (LimitNOFILE= in the unit, ulimit -n) or lower the cap",
+            *(soft, config.max_client_connections, needed),
+        )
+
+
+def run_serve(config: ProxyConfig, sock: socket.socket, loop_factory: LoopFactory | None) -> int:
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(serve(config, sock))
+
+
+def run_workers(
+    config: ProxyConfig, sockets: list[socket.socket], loop_factory: LoopFactory | None
+) -> int:
+    """Fork one serving process per socket and supervise them; only this one talks to systemd.
+
+    SIGTERM/SIGINT are passed on, so each worker drains its own requests; a second signal is
+    passed on too and makes them exit at once.
+    """
+    children: dict[int, int] = {}
+    for index, sock in enumerate(sockets):
+        pid = os.fork()
+        if pid == 0:  # a worker: serve on its own socket, never notify systemd itself
+            for other in sockets[:index] + sockets[index + 1 :]:
+                other.close()
+            os.environ.pop("NOTIFY_SOCKET", None)
+            code = 1
+            try:
+                code = run_serve(config, sock, loop_factory)
+            finally:
+                os._exit(code)
+        children[pid] = index
+    for sock in sockets:
+        sock.close()
+
+    def pass_on(signum: int, _: object) -> None:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    signal.signal(signal.SIGTERM, pass_on)
+    signal.signal(signal.SIGINT, pass_on)
+    sd_notify("READY=1", f"STATUS=serving with {len(children)} workers")
+    watchdog_usec = int(os.environ.get("WATCHDOG_USEC") or 0)
+    worst = 0
+    while children:
+        with contextlib.suppress(ChildProcessError, InterruptedError):
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid:
+                children.pop(pid, None)
+                code = os.waitstatus_to_exitcode(status)
+                worst = max(worst, abs(code))
+                if code:
+                    log.warning("worker %d exited with %d", pid, code)
+                continue
+        if watchdog_usec:
+            sd_notify("WATCHDOG=1")
+        time.sleep(0.1)
+    sd_notify("STOPPING=1")
+    return worst
+
+
+async def serve(config: ProxyConfig, sock: socket.socket) -> int:
+    """Serve until SIGTERM/SIGINT, then drain: stop accepting, let streams finish, exit 0."""
+    app = create_app(config)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        handler_cancellation=True,  # a client gone cancels its handler, and so both legs
+        shutdown_timeout=config.shutdown_timeout,
+    )
+    await runner.setup()
+    listener = await listen(runner, sock)
+    sd_notify("READY=1", f"STATUS={readiness_status(app)}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting at once", signal.Signals(signum).name)
+            os._exit(128 + signum)
+        log.info(
+            "%s: draining; in-flight requests have %g s to finish",
+            signal.Signals(signum).name,
+            config.shutdown_timeout,
+        )
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await stop.wait()
+    app[LIFECYCLE_KEY].draining = True
+    sd_notify("STOPPING=1", f"STATUS={readiness_status(app)}")
+    listener.close()  # stop accepting
+    # Waits for in-flight handlers up to the shutdown timeout, cancels the rest (their legs'
+    # connections close, so vLLM aborts them), then runs the cleanups.
+    await runner.cleanup()
+    log.info("stopped")
+    return 0
 
 
 # --- command line
@@ -2576,200 +2773,6 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_client_connections=args.max_client_connections,
         client_keepalive_timeout=args.client_keepalive_timeout,
     )
-
-
-def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
-    """Bind before the app starts, so a taken port fails at once and nothing else runs.
-
-    With several workers each gets a socket of its own on the same port (SO_REUSEPORT): the
-    kernel spreads new connections over them.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if family == socket.AF_INET and not host.replace(".", "").isdigit():
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family = infos[0][0]
-    reuse_port = count > 1
-    first = socket.create_server(
-        (host, port), family=family, backlog=LISTEN_BACKLOG, reuse_port=reuse_port
-    )
-    port = first.getsockname()[1]  # port 0: the others join the port the first one got
-    return [first] + [
-        socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG, reuse_port=True)
-        for _ in range(count - 1)
-    ]
-
-
-class UtcFormatter(logging.Formatter):
-    """Timestamps in UTC with their zone (ISO 8601), as /healthcheck gives them."""
-
-    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        moment = datetime.fromtimestamp(record.created, UTC)
-        return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-class JsonFormatter(UtcFormatter):
-    """One JSON object per line; access lines carry their fields as keys of their own."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "time": self.formatTime(record),
-            "level": record.levelname,
-            "logger": record.name,
-            "pid": record.process,  # which --workers process said it
-            "message": record.getMessage(),
-        }
-        entry.update(getattr(record, "access", {}))
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def setup_logging(level: str, log_format: str) -> None:
-    handler = logging.StreamHandler()
-    if log_format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        # The pid tells --workers processes apart: each logs its own health changes.
-        handler.setFormatter(
-            UtcFormatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
-        )
-    logging.basicConfig(level=level, handlers=[handler], force=True)
-
-
-LoopFactory = Callable[[], asyncio.AbstractEventLoop]
-
-
-def event_loop_factory(choice: str) -> LoopFactory | None:
-    """uvloop when it is installed and not declined; None means asyncio's own loop."""
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise ConfigError(
-                "--loop uvloop: uvloop is not installed (pip install uvloop)"
-            ) from None
-        return None
-    factory: LoopFactory = uvloop.new_event_loop
-    return factory
-
-
-def ensure_file_descriptors(config: ProxyConfig) -> None:
-    """Raise the soft open-file limit (often 1024) to what the connection cap needs, as Go
-    programs do at start; each client stream also holds an upstream connection or two."""
-    needed = 3 * config.max_client_connections + 64  # per process: each worker has its own
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except OSError:  # a seccomp filter may forbid it: then the limit is the operator's to set
-        return
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    with contextlib.suppress(ValueError, OSError):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        soft = target
-    if soft < needed:
-        log.warning(
-            "the open-file limit is %d but --max-client-connections %d needs about %d: "
-            "raise it (LimitNOFILE= in the unit, ulimit -n) or lower the cap",
-            *(soft, config.max_client_connections, needed),
-        )
-
-
-def run_serve(config: ProxyConfig, sock: socket.socket, loop_factory: LoopFactory | None) -> int:
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(serve(config, sock))
-
-
-def run_workers(
-    config: ProxyConfig, sockets: list[socket.socket], loop_factory: LoopFactory | None
-) -> int:
-    """Fork one serving process per socket and supervise them; only this one talks to systemd.
-
-    SIGTERM/SIGINT are passed on, so each worker drains its own requests; a second signal is
-    passed on too and makes them exit at once.
-    """
-    children: dict[int, int] = {}
-    for index, sock in enumerate(sockets):
-        pid = os.fork()
-        if pid == 0:  # a worker: serve on its own socket, never notify systemd itself
-            for other in sockets[:index] + sockets[index + 1 :]:
-                other.close()
-            os.environ.pop("NOTIFY_SOCKET", None)
-            code = 1
-            try:
-                code = run_serve(config, sock, loop_factory)
-            finally:
-                os._exit(code)
-        children[pid] = index
-    for sock in sockets:
-        sock.close()
-
-    def pass_on(signum: int, _: object) -> None:
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-
-    signal.signal(signal.SIGTERM, pass_on)
-    signal.signal(signal.SIGINT, pass_on)
-    sd_notify("READY=1", f"STATUS=serving with {len(children)} workers")
-    watchdog_usec = int(os.environ.get("WATCHDOG_USEC") or 0)
-    worst = 0
-    while children:
-        with contextlib.suppress(ChildProcessError, InterruptedError):
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid:
-                children.pop(pid, None)
-                code = os.waitstatus_to_exitcode(status)
-                worst = max(worst, abs(code))
-                if code:
-                    log.warning("worker %d exited with %d", pid, code)
-                continue
-        if watchdog_usec:
-            sd_notify("WATCHDOG=1")
-        time.sleep(0.1)
-    sd_notify("STOPPING=1")
-    return worst
-
-
-async def serve(config: ProxyConfig, sock: socket.socket) -> int:
-    """Serve until SIGTERM/SIGINT, then drain: stop accepting, let streams finish, exit 0."""
-    app = create_app(config)
-    runner = web.AppRunner(
-        app,
-        handle_signals=False,
-        handler_cancellation=True,  # a client gone cancels its handler, and so both legs
-        shutdown_timeout=config.shutdown_timeout,
-    )
-    await runner.setup()
-    listener = await listen(runner, sock)
-    sd_notify("READY=1", f"STATUS={readiness_status(app)}")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        if stop.is_set():
-            log.warning("second %s: exiting at once", signal.Signals(signum).name)
-            os._exit(128 + signum)
-        log.info(
-            "%s: draining; in-flight requests have %g s to finish",
-            signal.Signals(signum).name,
-            config.shutdown_timeout,
-        )
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    await stop.wait()
-    app[LIFECYCLE_KEY].draining = True
-    sd_notify("STOPPING=1", f"STATUS={readiness_status(app)}")
-    listener.close()  # stop accepting
-    # Waits for in-flight handlers up to the shutdown timeout, cancels the rest (their legs'
-    # connections close, so vLLM aborts them), then runs the cleanups.
-    await runner.cleanup()
-    log.info("stopped")
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
