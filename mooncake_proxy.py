@@ -86,40 +86,8 @@ VERSION: Final = 1
 # The package's own release (setup.cfg reads it from here).
 __version__ = "1.0.0"
 
-DEFAULT_HOST: Final = "127.0.0.1"
-DEFAULT_PORT: Final = 8000
 # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default: one bootstrap server per prefill instance.
 DEFAULT_BOOTSTRAP_PORT: Final = 8998
-# Long prompts and base64 images make big bodies; 100 MiB still stops a runaway upload.
-DEFAULT_MAX_REQUEST_BYTES: Final = 100 * 1024 * 1024
-DEFAULT_CONNECT_TIMEOUT: Final = 5.0
-# How long a request may wait for a connection under --max-connections (httpx's default too).
-DEFAULT_POOL_TIMEOUT: Final = 5.0
-# vLLM (uvicorn) closes idle keep-alive connections after 5 s; reusing one it already closed
-# fails the request, so the pool must forget idle connections before vLLM does.
-DEFAULT_KEEPALIVE_TIMEOUT: Final = 4.0
-# Past vLLM's default VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT the decode gives up on the KV anyway.
-DEFAULT_PREFILL_TIMEOUT: Final = 480.0
-# A usable instance is checked every health interval; one out of the rotation (not yet
-# discovered, or down) every discovery interval, so that it is back soon after it is.
-DEFAULT_HEALTH_INTERVAL: Final = 5.0
-DEFAULT_DISCOVERY_INTERVAL: Final = 1.0
-# Long enough that a busy vLLM still answers /health in time: busy is not unhealthy.
-DEFAULT_HEALTH_TIMEOUT: Final = 3.0
-DEFAULT_UNHEALTHY_AFTER: Final = 2
-DEFAULT_HEALTHY_AFTER: Final = 1
-DEFAULT_MAX_RETRIES: Final = 2
-# Clients on a network: a request head must arrive within HEADER_TIMEOUT (slowloris), a body
-# within BODY_TIMEOUT plus a second per BODY_MIN_RATE bytes (Apache's mod_reqtimeout rule),
-# and open connections are capped so that idle or slow clients cannot use up file descriptors.
-DEFAULT_HEADER_TIMEOUT: Final = 10.0
-DEFAULT_BODY_TIMEOUT: Final = 30.0
-DEFAULT_BODY_MIN_RATE: Final = 64 * 1024
-DEFAULT_MAX_CLIENT_CONNECTIONS: Final = 4096
-# nginx's keepalive_timeout: longer than the idle timeouts of common load balancers (60 s).
-DEFAULT_CLIENT_KEEPALIVE_TIMEOUT: Final = 75.0
-# How long in-flight streams may run on after SIGTERM; the unit's TimeoutStopSec is longer.
-DEFAULT_SHUTDOWN_TIMEOUT: Final = 30.0
 LISTEN_BACKLOG: Final = 1024
 # Every flag can also be set as MOONCAKE_PROXY_<FLAG> (systemd EnvironmentFile); flags win.
 ENV_PREFIX: Final = "MOONCAKE_PROXY_"
@@ -164,7 +132,7 @@ CLIENT_REQUEST_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
 class ConfigError(ValueError):
-    """A flag's value is unusable; the message names the flag and the value."""
+    """A setting's value is unusable; the message names the flag or variable and the value."""
 
 
 class Policy(enum.StrEnum):
@@ -187,57 +155,356 @@ class PrefillSpec:
         return str(self.bootstrap)
 
 
+# Parsers turn what a flag or variable said into a setting's value; their ValueError says
+# what was expected, and the loader adds where the value came from.
+
+
+def parse_backend_url(text: str) -> URL:
+    """An upstream base URL, normalised to ``scheme://host:port`` with no trailing slash."""
+    expected = f"{text!r}: expected http(s)://host:port"
+    try:
+        url = URL(text)
+        port = url.explicit_port
+    except ValueError as error:
+        raise ValueError(f"{expected} ({error})") from None
+    if url.scheme not in ("http", "https") or not url.host or port is None:
+        raise ValueError(expected)
+    if url.path not in ("", "/") or url.query_string or url.fragment or url.user:
+        raise ValueError(f"{expected}, with no path, query or credentials")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{expected} (port {port} is out of range)")
+    return URL.build(scheme=url.scheme, host=url.host, port=port)
+
+
+def parse_bootstrap(url: URL, value: str | None) -> URL:
+    """The bootstrap server of a prefill: a port on its host, a full URL, or 8998 by default."""
+    if value is None or value.lower() == "none":
+        return URL.build(scheme="http", host=url.raw_host or "", port=DEFAULT_BOOTSTRAP_PORT)
+    if value.isdigit():
+        if not 1 <= int(value) <= 65535:
+            raise ValueError(f"{url} {value}: bootstrap port must be 1-65535")
+        return URL.build(scheme="http", host=url.raw_host or "", port=int(value))
+    return parse_backend_url(value)
+
+
+def parse_prefills(groups: Sequence[Sequence[str]]) -> tuple[PrefillSpec, ...]:
+    specs = []
+    for group in groups:
+        if len(group) > 2:
+            raise ValueError(f"takes URL [BOOTSTRAP], got {' '.join(group)!r}")
+        url = parse_backend_url(group[0])
+        specs.append(PrefillSpec(url, parse_bootstrap(url, group[1] if len(group) > 1 else None)))
+    return tuple(specs)
+
+
+def parse_decodes(groups: Sequence[Sequence[str]]) -> tuple[URL, ...]:
+    return tuple(parse_backend_url(text) for group in groups for text in group)
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("expected a whole number") from None
+        if value < minimum:
+            raise ValueError(f"expected a whole number of {minimum} or more")
+        return value
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    """A positive number of seconds."""
+    if (value := seconds_or_none(text)) is None:
+        raise ValueError("expected a number of seconds above 0")
+    return value
+
+
+def seconds_or_none(text: str) -> float | None:
+    """A number of seconds, where 0 means no limit."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise ValueError("expected a number of seconds (0 for none)")
+    return value or None
+
+
+def port_number(text: str) -> int:
+    if not 0 <= (value := at_least(0)(text)) <= 65535:
+        raise ValueError("expected a port, 0-65535")
+    return value
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def parse_policy(text: str) -> Policy:
+    return Policy(one_of(*Policy)(text))
+
+
+def parse_log_level(text: str) -> str:
+    return one_of("DEBUG", "INFO", "WARNING", "ERROR")(text.upper())
+
+
+def text_value(text: str) -> str:
+    return text
+
+
+TRUE_WORDS: Final = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS: Final = frozenset({"0", "false", "no", "off", ""})
+
+
+def switch(given: str | bool) -> bool:
+    """A flag that is given or not; from the environment, a word that says which."""
+    if isinstance(given, bool):
+        return given
+    if (word := given.strip().lower()) not in TRUE_WORDS | FALSE_WORDS:
+        raise ValueError("expected 1/true/yes/on or 0/false/no/off")
+    return word in TRUE_WORDS
+
+
+def setting(
+    default: Any,
+    description: str,
+    parse: Callable[[Any], Any],
+    *,
+    flag: str | None = None,
+    metavar: str | tuple[str, str] | None = None,
+    repeat: str | None = None,
+    secret: bool = False,
+) -> Any:
+    """A ProxyConfig field that is also a flag (``--field-name``, or ``flag``) and an
+    environment variable (MOONCAKE_PROXY_FIELD_NAME), all declared here, once.
+
+    ``repeat`` is for flags given several times with several values each: "entries" takes them
+    from the variable as comma-separated groups of words, "words" as one group.
+    """
+    meta = {"help": description, "parse": parse, "flag": flag, "metavar": metavar, "repeat": repeat}
+    return field(default=default, repr=not secret, metadata=meta)
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
-    """Everything the daemon needs, validated once by the command line."""
+    """Everything the daemon needs. Each field that has a flag says so beside it; the command
+    line and the environment are read from these declarations (load_config)."""
 
-    prefills: tuple[PrefillSpec, ...]
-    decodes: tuple[URL, ...]
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    upstream_api_key: str | None = field(default=None, repr=False)
+    prefills: tuple[PrefillSpec, ...] = setting(
+        (),
+        "a prefill instance (repeatable): its OpenAI URL, then optionally its bootstrap server "
+        f"as a port on the same host, a full http://host:port, or 'none' for port "
+        f"{DEFAULT_BOOTSTRAP_PORT}",
+        parse_prefills,
+        flag="--prefill",
+        metavar=("URL", "BOOTSTRAP"),  # argparse writes it "URL [BOOTSTRAP ...]": see below
+        repeat="entries",
+    )
+    decodes: tuple[URL, ...] = setting(
+        (), "decode instance URL(s) (repeatable)", parse_decodes, flag="--decode", repeat="words"
+    )
+    host: str = setting("127.0.0.1", "address to listen on", text_value)
+    port: int = setting(8000, "port to listen on", port_number)
+    upstream_api_key: str | None = setting(
+        None,
+        "send 'Authorization: Bearer KEY' to vLLM instead of the client's own header (without "
+        f"it the client's is forwarded; ${ENV_PREFIX}UPSTREAM_API_KEY sets it too, "
+        "$OPENAI_API_KEY never does)",
+        text_value,
+        metavar="KEY",
+        secret=True,
+    )
     # Where the upstream key came from, for the startup line (never the key itself).
     upstream_api_key_source: str = "--upstream-api-key"
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
-    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
+    # Long prompts and base64 images make big bodies; 100 MiB still stops a runaway upload.
+    max_request_bytes: int = setting(
+        100 * 1024 * 1024, "largest request body accepted; larger is answered 413", at_least(1)
+    )
+    connect_timeout: float = setting(5.0, "seconds to open a connection to an upstream", seconds)
+    # vLLM (uvicorn) closes idle keep-alive connections after 5 s; reusing one it already
+    # closed fails the request, so the pool must forget idle connections before vLLM does.
+    keepalive_timeout: float = setting(
+        4.0, "seconds an idle upstream connection is kept; keep it below vLLM's 5 s", seconds
+    )
     # None: a stream may last as long as the decode keeps producing tokens.
-    request_timeout: float | None = None
-    prefill_timeout: float | None = DEFAULT_PREFILL_TIMEOUT
-    # 0: no cap. Counts upstream connections in use: a PD request takes two at once (its
-    # prefill's until the prefill answered, its decode's until the stream ends).
-    max_connections: int = 0
-    pool_timeout: float = DEFAULT_POOL_TIMEOUT
-    health_interval: float = DEFAULT_HEALTH_INTERVAL
-    discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL
-    health_timeout: float = DEFAULT_HEALTH_TIMEOUT
-    unhealthy_after: int = DEFAULT_UNHEALTHY_AFTER
-    healthy_after: int = DEFAULT_HEALTHY_AFTER
-    # Retries of a leg that could not connect, per client request, before it fails.
-    max_retries: int = DEFAULT_MAX_RETRIES
-    prefill_policy: Policy = Policy.LEAST_LOADED
-    decode_policy: Policy = Policy.LEAST_LOADED
-    # Inbound: clients must send "Authorization: Bearer <api_key>" to /v1/* when it is set.
-    api_key: str | None = field(default=None, repr=False)
-    protect_metrics: bool = False
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
-    # Processes sharing the port (SO_REUSEPORT), each with its own pool and discovery.
-    workers: int = 1
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT
-    body_timeout: float = DEFAULT_BODY_TIMEOUT
-    body_min_rate: int = DEFAULT_BODY_MIN_RATE
-    # Per worker process; each stream also holds an upstream connection, so about 3 file
-    # descriptors each are needed.
-    max_client_connections: int = DEFAULT_MAX_CLIENT_CONNECTIONS
-    client_keepalive_timeout: float = DEFAULT_CLIENT_KEEPALIVE_TIMEOUT
+    request_timeout: float | None = setting(
+        None,
+        "total seconds for one upstream request, stream included; 0 for none",
+        seconds_or_none,
+    )
+    # Past vLLM's default VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT the decode gives up on the KV.
+    prefill_timeout: float | None = setting(
+        480.0,
+        "seconds the prefill leg may take before the request fails with 504; 0 for none",
+        seconds_or_none,
+    )
+    max_connections: int = setting(
+        0,
+        "cap on upstream connections in use at once, 0 for none: a PD request takes two (its "
+        "prefill's until the prefill answered, its decode's until its stream ends); health "
+        "checks have a pool of their own",
+        at_least(0),
+    )
+    # httpx's default for the same wait.
+    pool_timeout: float = setting(
+        5.0, "seconds a request may wait for --max-connections to let it through; then 503", seconds
+    )
+    # A usable instance is checked every health interval; one out of the rotation (not yet
+    # discovered, or down) every discovery interval, so that it is back soon after it is.
+    health_interval: float = setting(
+        5.0,
+        "seconds between checks of a usable instance (prefill: /health and its bootstrap "
+        "/query, picking up new engine ids; decode: /health)",
+        seconds,
+    )
+    discovery_interval: float = setting(
+        1.0,
+        "seconds between checks of an instance out of the rotation (not yet discovered, or "
+        "down); doubled up to --health-interval while it stays unreachable the same way",
+        seconds,
+    )
+    # Long enough that a busy vLLM still answers /health in time: busy is not unhealthy.
+    health_timeout: float = setting(
+        3.0, "seconds one health check or bootstrap query may take", seconds
+    )
+    unhealthy_after: int = setting(
+        2,
+        "failed checks in a row that take an instance out of the rotation (a refused "
+        "connection on a live request takes it out at once)",
+        at_least(1),
+    )
+    healthy_after: int = setting(1, "good checks in a row that bring an instance back", at_least(1))
+    max_retries: int = setting(
+        2,
+        "per request, how many times a leg that could not connect is tried elsewhere (never "
+        "after bytes reached the client, never for an upstream's own answer)",
+        at_least(0),
+    )
+    policy: Policy = setting(
+        Policy.LEAST_LOADED,
+        "how both stages pick a target: least_loaded (fewest requests in flight from this "
+        "proxy, ties round robin) or round_robin",
+        parse_policy,
+        metavar="{round_robin,least_loaded}",
+    )
+    # None: as --policy.
+    prefill_policy: Policy | None = setting(
+        None,
+        "--policy for the prefill stage only",
+        parse_policy,
+        metavar="{round_robin,least_loaded}",
+    )
+    decode_policy: Policy | None = setting(
+        None,
+        "--policy for the decode stage only",
+        parse_policy,
+        metavar="{round_robin,least_loaded}",
+    )
+    api_key: str | None = setting(
+        None,
+        "require 'Authorization: Bearer KEY' on /v1/* (the client's header is then not "
+        "forwarded to vLLM; --upstream-api-key is, if set)",
+        text_value,
+        metavar="KEY",
+        secret=True,
+    )
+    protect_metrics: bool = setting(
+        False, "require the --api-key on /metrics too (/health and /healthcheck stay open)", switch
+    )
+    # The unit's TimeoutStopSec is longer.
+    shutdown_timeout: float = setting(
+        30.0,
+        "on SIGTERM/SIGINT, seconds in-flight requests may take to finish before both their "
+        "legs are cancelled; a second signal exits at once",
+        seconds,
+    )
+    # Clients on a network: a head must arrive within --header-timeout (slowloris), a body
+    # within --body-timeout plus a second per --body-min-rate bytes (Apache's mod_reqtimeout
+    # rule), and open connections are capped so that idle or slow clients cannot use up file
+    # descriptors (about 3 per stream: the client's, the decode's, the prefill's).
+    header_timeout: float = setting(
+        10.0,
+        "seconds a client has to send a request's head, from connecting or from the head's "
+        "first byte; then 408 and the connection is closed",
+        seconds,
+    )
+    body_timeout: float = setting(
+        30.0,
+        "seconds a client has to send a request body, plus 1 s per --body-min-rate bytes "
+        "received; then 408 and the connection is closed",
+        seconds,
+    )
+    body_min_rate: int = setting(
+        64 * 1024, "bytes per second a large body earns its extra time at", at_least(1)
+    )
+    max_client_connections: int = setting(
+        4096, "open client connections per worker; more are answered 503 and closed", at_least(1)
+    )
+    # nginx's keepalive_timeout: longer than the idle timeouts of common load balancers (60 s).
+    client_keepalive_timeout: float = setting(
+        75.0, "seconds an idle client connection is kept open", seconds
+    )
+    loop: str = setting(
+        "auto",
+        "event loop: uvloop when installed (auto), or the stdlib's",
+        one_of("auto", "asyncio", "uvloop"),
+        metavar="{auto,asyncio,uvloop}",
+    )
+    # Processes sharing the port (SO_REUSEPORT), each with its own pools and checks.
+    workers: int = setting(
+        1,
+        "processes sharing the port through SO_REUSEPORT, each with its own connection pool "
+        "and health checks; more than the cores available buys nothing",
+        at_least(1),
+    )
+    log_level: str = setting(
+        "INFO",
+        "logging threshold",
+        parse_log_level,
+        metavar="{DEBUG,INFO,WARNING,ERROR}",
+    )
+    log_format: str = setting(
+        "text",
+        "json: one object per line, for log shippers",
+        one_of("text", "json"),
+        metavar="{text,json}",
+    )
+
+    def __post_init__(self) -> None:
+        # What no single value can say wrong on its own (parse_* check each value).
+        if not self.prefills:
+            raise ConfigError("at least one --prefill URL is required")
+        if not self.decodes:
+            raise ConfigError("at least one --decode URL is required")
+        for flag, urls in (
+            ("--prefill", [p.url for p in self.prefills]),
+            ("--decode", self.decodes),
+        ):
+            if twice := [str(url) for url, count in collections.Counter(urls).items() if count > 1]:
+                raise ConfigError(f"{flag} {twice[0]} is given twice")
+        if self.protect_metrics and not self.api_key:
+            raise ConfigError("--protect-metrics needs --api-key: it is the key /metrics asks for")
+
+    @property
+    def policies(self) -> tuple[Policy, Policy]:
+        """The prefill stage's policy and the decode stage's."""
+        return self.prefill_policy or self.policy, self.decode_policy or self.policy
 
     def describe(self) -> str:
         """The configuration for the startup log line: everything but the secrets."""
         prefills = ", ".join(f"{p.url} (bootstrap {p.bootstrap_addr})" for p in self.prefills)
         decodes = ", ".join(str(url) for url in self.decodes)
+        prefill_policy, decode_policy = self.policies
         return (
-            f"prefill {prefills}; decode {decodes}; policy prefill={self.prefill_policy} "
-            f"decode={self.decode_policy}; health every {self.health_interval:g} s "
+            f"prefill {prefills}; decode {decodes}; policy prefill={prefill_policy} "
+            f"decode={decode_policy}; health every {self.health_interval:g} s "
             f"(timeout {self.health_timeout:g} s, out after {self.unhealthy_after}, back after "
             f"{self.healthy_after}); max retries {self.max_retries}; inbound key "
             f"{'set' if self.api_key else 'not set'}; {self.describe_upstream_key()}"
@@ -254,83 +521,95 @@ class ProxyConfig:
         """A per-call timeout that keeps the connect limit (a ClientTimeout replaces, not adds)."""
         return client_timeout(total, self.connect_timeout)
 
-    def __post_init__(self) -> None:
-        if not self.prefills:
-            raise ConfigError("at least one --prefill URL is required")
-        if not self.decodes:
-            raise ConfigError("at least one --decode URL is required")
-        for flag, urls in (
-            ("--prefill", [p.url for p in self.prefills]),
-            ("--decode", self.decodes),
-        ):
-            if twice := [str(url) for url, count in collections.Counter(urls).items() if count > 1]:
-                raise ConfigError(f"{flag} {twice[0]} is given twice")
-        if self.protect_metrics and not self.api_key:
-            raise ConfigError("--protect-metrics needs --api-key: it is the key /metrics asks for")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port {self.port}: expected 0-65535")
-        if self.max_request_bytes < 1:
-            raise ConfigError("--max-request-bytes must be at least 1")
-        if self.max_connections < 0:
-            raise ConfigError("--max-connections must be 0 (no cap) or more")
-        if self.workers < 1:
-            raise ConfigError("--workers must be at least 1")
-        if self.max_client_connections < 1:
-            raise ConfigError("--max-client-connections must be at least 1")
-        if self.body_min_rate < 1:
-            raise ConfigError("--body-min-rate must be at least 1 byte per second")
-        if self.max_retries < 0:
-            raise ConfigError("--max-retries must be 0 or more")
-        if self.unhealthy_after < 1 or self.healthy_after < 1:
-            raise ConfigError("--unhealthy-after and --healthy-after must be at least 1")
-        for flag, value in (
-            ("--connect-timeout", self.connect_timeout),
-            ("--pool-timeout", self.pool_timeout),
-            ("--keepalive-timeout", self.keepalive_timeout),
-            ("--health-interval", self.health_interval),
-            ("--discovery-interval", self.discovery_interval),
-            ("--health-timeout", self.health_timeout),
-            ("--shutdown-timeout", self.shutdown_timeout),
-            ("--header-timeout", self.header_timeout),
-            ("--body-timeout", self.body_timeout),
-            ("--client-keepalive-timeout", self.client_keepalive_timeout),
-        ):
-            if not value > 0:
-                raise ConfigError(f"{flag} must be a positive number of seconds")
-
 
 @functools.cache
 def client_timeout(total: float | None, connect: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=total, sock_connect=connect)  # made once, not per request
 
 
-def parse_backend_url(text: str, flag: str) -> URL:
-    """An upstream base URL, normalised to ``scheme://host:port`` with no trailing slash."""
-    expected = f"{flag} {text!r}: expected http(s)://host:port"
-    try:
-        url = URL(text)
-        port = url.explicit_port
-    except ValueError as error:
-        raise ConfigError(f"{expected} ({error})") from None
-    if url.scheme not in ("http", "https") or not url.host or port is None:
-        raise ConfigError(expected)
-    if url.path not in ("", "/") or url.query_string or url.fragment or url.user:
-        raise ConfigError(f"{expected}, with no path, query or credentials")
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"{expected} (port {port} is out of range)")
-    return URL.build(scheme=url.scheme, host=url.host, port=port)
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """A ProxyConfig field seen from the command line and the environment."""
+
+    name: str
+    default: Any
+    help: str
+    parse: Callable[[Any], Any]
+    flag: str
+    env: str
+    metavar: str | tuple[str, str] | None
+    repeat: str | None
+
+    @classmethod
+    def of(cls, declared: dataclasses.Field[Any]) -> Setting:
+        meta = declared.metadata
+        flag = meta["flag"] or "--" + declared.name.replace("_", "-")
+        env = ENV_PREFIX + flag[2:].replace("-", "_").upper()
+        return cls(
+            declared.name, declared.default, meta["help"], meta["parse"], flag, env,
+            meta["metavar"], meta["repeat"],
+        )  # fmt: skip
+
+    @property
+    def is_switch(self) -> bool:
+        return self.parse is switch
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        shown = self.default.value if isinstance(self.default, enum.Enum) else self.default
+        help_text = self.help
+        if shown not in (None, (), False):
+            help_text += f" (default: {shown})"
+        options: dict[str, Any] = {"dest": self.name, "default": argparse.SUPPRESS}
+        if self.is_switch:
+            options["action"] = "store_true"
+        elif self.repeat:
+            options.update(action="append", nargs="+", metavar=self.metavar or "URL")
+        else:
+            options["metavar"] = self.metavar or self.name.upper()
+        # argparse would read "%" as the start of a format: the help is text, not a template.
+        parser.add_argument(self.flag, help=help_text.replace("%", "%%"), **options)
+
+    def from_environment(self, text: str) -> Any:
+        if self.repeat == "entries":
+            return [entry.split() for entry in text.split(",") if entry.strip()]
+        if self.repeat == "words":
+            return [text.split()]
+        return text
 
 
-def parse_bootstrap(url: URL, value: str | None) -> URL:
-    """The bootstrap server of a prefill: a port on its host, a full URL, or 8998 by default."""
-    if value is None or value.lower() == "none":
-        return URL.build(scheme="http", host=url.raw_host or "", port=DEFAULT_BOOTSTRAP_PORT)
-    if value.isdigit():
-        port = int(value)
-        if not 1 <= port <= 65535:
-            raise ConfigError(f"--prefill {url} {value}: bootstrap port must be 1-65535")
-        return URL.build(scheme="http", host=url.raw_host or "", port=port)
-    return parse_backend_url(value, f"--prefill {url} BOOTSTRAP")
+SETTINGS: Final = tuple(
+    Setting.of(declared) for declared in dataclasses.fields(ProxyConfig) if declared.metadata
+)
+
+
+def load_config(
+    parser: argparse.ArgumentParser, argv: Sequence[str], environ: Mapping[str, str]
+) -> ProxyConfig:
+    """The configuration from the command line, then the environment, then the defaults.
+
+    Raises ConfigError naming the flag or the variable a bad value came from.
+    """
+    given = vars(parser.parse_args(argv))
+    values: dict[str, Any] = {}
+    for option in SETTINGS:
+        if option.name in given:
+            raw, source = given[option.name], option.flag
+            where = source if option.repeat else f"{source} {raw!r}"
+        elif option.env in environ:
+            raw, source = option.from_environment(environ[option.env]), f"${option.env}"
+            where = option.env if option.repeat else f"{option.env}={environ[option.env]!r}"
+        else:
+            continue
+        try:
+            values[option.name] = option.parse(raw)
+        except ValueError as error:
+            # A repeated flag's parser names the entry it refused; a single value is named here.
+            raise ConfigError(
+                f"{where} {error}" if option.repeat else f"{where}: {error}"
+            ) from None
+        if option.name == "upstream_api_key":
+            values["upstream_api_key_source"] = source
+    return ProxyConfig(**values)
 
 
 # --- errors
@@ -763,8 +1042,7 @@ class Fleet:
     def __init__(self, config: ProxyConfig) -> None:
         self.prefills = tuple(PrefillInstance(spec) for spec in config.prefills)
         self.decodes = tuple(DecodeInstance(url) for url in config.decodes)
-        self.prefill_policy = config.prefill_policy
-        self.decode_policy = config.decode_policy
+        self.prefill_policy, self.decode_policy = config.policies
         # Usable targets in configuration order; prefill engines are every (instance, DP rank)
         # pair, the seed's rotation. Rebuilt on every change, read without locks.
         self._engines: tuple[PrefillEngine, ...] = ()
@@ -2428,367 +2706,32 @@ class PrintVersion(argparse.Action):
         parser.exit()
 
 
-def add_flag(parser: argparse.ArgumentParser, *names: str, **options: Any) -> None:
-    """add_argument, with the default in the help where there is one worth stating."""
-    if "help" in options and options.get("default") not in (None, [], False):
-        options["help"] += " (default: %(default)s)"
-    parser.add_argument(*names, **options)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
         prog="mooncake-proxy",
         description="Prefill/decode disaggregation proxy for vLLM's MooncakeConnector.",
+        epilog=(
+            f"Every flag can also be given as an environment variable {ENV_PREFIX}<FLAG> "
+            f"(e.g. {ENV_PREFIX}MAX_RETRIES=3, {ENV_PREFIX}PROTECT_METRICS=1); a flag on the "
+            f"command line wins. Repeated flags take several values: {ENV_PREFIX}PREFILL="
+            "'http://10.0.0.1:8100 8998, http://10.0.0.2:8100' (entries separated by commas), "
+            f"{ENV_PREFIX}DECODE='http://10.0.0.3:8200 http://10.0.0.4:8200'."
+        ),
     )
-    add_flag(parser, "--version", action=PrintVersion, help="print the version and exit")
-    add_flag(parser, "--host", default=DEFAULT_HOST, help="address to listen on")
-    add_flag(parser, "--port", type=int, default=DEFAULT_PORT, help="port to listen on")
-    add_flag(
-        parser,
-        "--prefill",
-        nargs="+",
-        action="append",
-        default=[],
-        metavar=("URL", "BOOTSTRAP"),
-        help="a prefill instance (repeatable): its OpenAI URL, then optionally its bootstrap "
-        f"server as a port on the same host, a full http://host:port, or 'none' for port "
-        f"{DEFAULT_BOOTSTRAP_PORT}",
-    )
-    add_flag(
-        parser,
-        "--decode",
-        nargs="+",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="decode instance URL(s) (repeatable)",
-    )
-    add_flag(
-        parser,
-        "--upstream-api-key",
-        metavar="KEY",
-        help="send 'Authorization: Bearer KEY' to vLLM instead of the client's own header "
-        f"(without it the client's is forwarded; ${ENV_PREFIX}UPSTREAM_API_KEY sets it too, "
-        "$OPENAI_API_KEY never does)",
-    )
-    add_flag(
-        parser,
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="largest request body accepted; larger is answered 413",
-    )
-    add_flag(
-        parser,
-        "--connect-timeout",
-        type=float,
-        default=DEFAULT_CONNECT_TIMEOUT,
-        help="seconds to open a connection to an upstream",
-    )
-    add_flag(
-        parser,
-        "--keepalive-timeout",
-        type=float,
-        default=DEFAULT_KEEPALIVE_TIMEOUT,
-        help="seconds an idle upstream connection is kept; keep it below vLLM's 5 s",
-    )
-    add_flag(
-        parser,
-        "--request-timeout",
-        type=float,
-        default=0.0,
-        help="total seconds for one upstream request, stream included; 0 for none",
-    )
-    add_flag(
-        parser,
-        "--prefill-timeout",
-        type=float,
-        default=DEFAULT_PREFILL_TIMEOUT,
-        help="seconds the prefill leg may take before the request fails with 504; 0 for none",
-    )
-    add_flag(
-        parser,
-        "--max-connections",
-        type=int,
-        default=0,
-        help="cap on upstream connections in use at once, 0 for none: a PD request takes two "
-        "(its prefill's until the prefill answered, its decode's until its stream ends); "
-        "health checks have a pool of their own",
-    )
-    add_flag(
-        parser,
-        "--pool-timeout",
-        type=float,
-        default=DEFAULT_POOL_TIMEOUT,
-        help="seconds a request may wait for --max-connections to let it through; then 503",
-    )
-    add_flag(
-        parser,
-        "--health-interval",
-        type=float,
-        default=DEFAULT_HEALTH_INTERVAL,
-        help="seconds between checks of a usable instance (prefill: /health and its bootstrap "
-        "/query, picking up new engine ids; decode: /health)",
-    )
-    add_flag(
-        parser,
-        "--discovery-interval",
-        type=float,
-        default=DEFAULT_DISCOVERY_INTERVAL,
-        help="seconds between checks of an instance out of the rotation (not yet discovered, "
-        "or down)",
-    )
-    add_flag(
-        parser,
-        "--health-timeout",
-        type=float,
-        default=DEFAULT_HEALTH_TIMEOUT,
-        help="seconds one health check or bootstrap query may take",
-    )
-    add_flag(
-        parser,
-        "--unhealthy-after",
-        type=int,
-        default=DEFAULT_UNHEALTHY_AFTER,
-        help="failed checks in a row that take an instance out of the rotation (a refused "
-        "connection on a live request takes it out at once)",
-    )
-    add_flag(
-        parser,
-        "--healthy-after",
-        type=int,
-        default=DEFAULT_HEALTHY_AFTER,
-        help="good checks in a row that bring an instance back",
-    )
-    add_flag(
-        parser,
-        "--max-retries",
-        type=int,
-        default=DEFAULT_MAX_RETRIES,
-        help="per request, how many times a leg that could not connect is tried elsewhere "
-        "(never after bytes reached the client, never for an upstream's own answer)",
-    )
-    policies = [policy.value for policy in Policy]
-    add_flag(
-        parser,
-        "--policy",
-        choices=policies,
-        default=Policy.LEAST_LOADED.value,
-        help="how both stages pick a target: least_loaded (fewest requests in flight from "
-        "this proxy, ties round robin) or round_robin",
-    )
-    add_flag(
-        parser, "--prefill-policy", choices=policies, help="--policy for the prefill stage only"
-    )
-    add_flag(parser, "--decode-policy", choices=policies, help="--policy for the decode stage only")
-    add_flag(
-        parser,
-        "--api-key",
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* (the client's header is then not "
-        "forwarded to vLLM; --upstream-api-key is, if set)",
-    )
-    add_flag(
-        parser,
-        "--protect-metrics",
-        action="store_true",
-        help="require the --api-key on /metrics too (/health and /healthcheck stay open)",
-    )
-    add_flag(
-        parser,
-        "--shutdown-timeout",
-        type=float,
-        default=DEFAULT_SHUTDOWN_TIMEOUT,
-        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before both "
-        "their legs are cancelled; a second signal exits at once",
-    )
-    add_flag(
-        parser,
-        "--header-timeout",
-        type=float,
-        default=DEFAULT_HEADER_TIMEOUT,
-        help="seconds a client has to send a request's head, from connecting or from the "
-        "head's first byte; then 408 and the connection is closed",
-    )
-    add_flag(
-        parser,
-        "--body-timeout",
-        type=float,
-        default=DEFAULT_BODY_TIMEOUT,
-        help="seconds a client has to send a request body, plus 1 s per --body-min-rate bytes "
-        "received; then 408 and the connection is closed",
-    )
-    add_flag(
-        parser,
-        "--body-min-rate",
-        type=int,
-        default=DEFAULT_BODY_MIN_RATE,
-        help="bytes per second a large body earns its extra time at",
-    )
-    add_flag(
-        parser,
-        "--max-client-connections",
-        type=int,
-        default=DEFAULT_MAX_CLIENT_CONNECTIONS,
-        help="open client connections per worker; more are answered 503 and closed",
-    )
-    add_flag(
-        parser,
-        "--client-keepalive-timeout",
-        type=float,
-        default=DEFAULT_CLIENT_KEEPALIVE_TIMEOUT,
-        help="seconds an idle client connection is kept open",
-    )
-    add_flag(
-        parser,
-        "--loop",
-        choices=("auto", "asyncio", "uvloop"),
-        default="auto",
-        help="event loop: uvloop when installed (auto), or the stdlib's",
-    )
-    add_flag(
-        parser,
-        "--workers",
-        type=int,
-        default=1,
-        help="processes sharing the port through SO_REUSEPORT, each with its own connection "
-        "pool and health checks; more than the cores available buys nothing",
-    )
-    add_flag(
-        parser,
-        "--log-level",
-        default="INFO",
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        type=str.upper,
-        help="logging threshold",
-    )
-    add_flag(
-        parser,
-        "--log-format",
-        default="text",
-        choices=("text", "json"),
-        help="json: one object per line, for log shippers",
-    )
-    parser.epilog = (
-        f"Every flag can also be given as an environment variable {ENV_PREFIX}<FLAG> "
-        f"(e.g. {ENV_PREFIX}MAX_RETRIES=3, {ENV_PREFIX}PROTECT_METRICS=1); a flag on the "
-        f"command line wins. Repeated flags take several values: {ENV_PREFIX}PREFILL="
-        "'http://10.0.0.1:8100 8998, http://10.0.0.2:8100' (entries separated by commas), "
-        f"{ENV_PREFIX}DECODE='http://10.0.0.3:8200 http://10.0.0.4:8200'."
-    )
+    parser.add_argument("--version", action=PrintVersion, help="print the version and exit")
+    for option in SETTINGS:
+        option.add_to(parser)
     return parser
-
-
-TRUE_WORDS: Final = frozenset({"1", "true", "yes", "on"})
-FALSE_WORDS: Final = frozenset({"0", "false", "no", "off", ""})
-
-
-def given_flags(argv: Sequence[str]) -> set[str]:
-    return {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
-
-
-def env_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
-    """The flags set through MOONCAKE_PROXY_* variables and not given on the command line.
-
-    Raises ConfigError naming the variable for a value its flag would refuse, so the error
-    points at the environment file rather than at a flag nobody typed.
-    """
-    given = given_flags(argv)
-    extra: list[str] = []
-    for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", "version"):
-            continue
-        flag = action.option_strings[-1]
-        name = ENV_PREFIX + action.dest.upper()
-        value = os.environ.get(name)
-        if value is None or flag in given:
-            continue
-        if isinstance(action, argparse._StoreTrueAction):
-            word = value.strip().lower()
-            if word not in TRUE_WORDS | FALSE_WORDS:
-                raise ConfigError(f"{name}={value!r}: expected 1/true/yes/on or 0/false/no/off")
-            if word in TRUE_WORDS:
-                extra.append(flag)
-        elif action.nargs == "+":
-            entries = value.split(",") if action.dest == "prefill" else [value]
-            for entry in entries:
-                extra += [flag, *entry.split()]
-        else:
-            check_env_value(name, value, action)
-            extra.append(f"{flag}={value}")
-    return extra
-
-
-def check_env_value(name: str, value: str, action: argparse.Action) -> None:
-    try:
-        converted = action.type(value) if callable(action.type) else value
-    except (TypeError, ValueError):
-        kind = {int: "a whole number", float: "a number"}.get(action.type, "a valid value")  # type: ignore[call-overload]
-        raise ConfigError(f"{name}={value!r}: expected {kind}") from None
-    if action.choices is not None and converted not in action.choices:
-        raise ConfigError(
-            f"{name}={value!r}: expected one of {', '.join(map(str, action.choices))}"
-        )
-
-
-def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    prefills = []
-    for values in args.prefill:
-        if len(values) > 2:
-            raise ConfigError(f"--prefill takes URL [BOOTSTRAP], got {' '.join(values)}")
-        url = parse_backend_url(values[0], "--prefill")
-        prefills.append(
-            PrefillSpec(url, parse_bootstrap(url, values[1] if len(values) > 1 else None))
-        )
-    decodes = [parse_backend_url(text, "--decode") for group in args.decode for text in group]
-    return ProxyConfig(
-        prefills=tuple(prefills),
-        decodes=tuple(decodes),
-        host=args.host,
-        port=args.port,
-        # Only ever from this flag or its variable: a shell's $OPENAI_API_KEY is the SDK's.
-        upstream_api_key=args.upstream_api_key or None,
-        max_request_bytes=args.max_request_bytes,
-        connect_timeout=args.connect_timeout,
-        keepalive_timeout=args.keepalive_timeout,
-        request_timeout=args.request_timeout or None,
-        prefill_timeout=args.prefill_timeout or None,
-        max_connections=args.max_connections,
-        pool_timeout=args.pool_timeout,
-        health_interval=args.health_interval,
-        discovery_interval=args.discovery_interval,
-        health_timeout=args.health_timeout,
-        unhealthy_after=args.unhealthy_after,
-        healthy_after=args.healthy_after,
-        max_retries=args.max_retries,
-        prefill_policy=Policy(args.prefill_policy or args.policy),
-        decode_policy=Policy(args.decode_policy or args.policy),
-        api_key=args.api_key or None,
-        protect_metrics=args.protect_metrics,
-        shutdown_timeout=args.shutdown_timeout,
-        workers=args.workers,
-        header_timeout=args.header_timeout,
-        body_timeout=args.body_timeout,
-        body_min_rate=args.body_min_rate,
-        max_client_connections=args.max_client_connections,
-        client_keepalive_timeout=args.client_keepalive_timeout,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(env_argv(parser, argv) + argv)
-        config = config_from_args(args)
-        if "--upstream-api-key" not in given_flags(argv):
-            source = f"${ENV_PREFIX}UPSTREAM_API_KEY"
-            config = dataclasses.replace(config, upstream_api_key_source=source)
-        loop_factory = event_loop_factory(args.loop)
+        config = load_config(parser, sys.argv[1:] if argv is None else argv, os.environ)
+        loop_factory = event_loop_factory(config.loop)
     except ConfigError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
-    setup_logging(args.log_level, args.log_format)
+        parser.error(str(error))  # one line, exit status 2
+    setup_logging(config.log_level, config.log_format)
     ensure_file_descriptors(config)
     try:
         sockets = bind_listeners(config.host, config.port, config.workers)

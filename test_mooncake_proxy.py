@@ -358,7 +358,7 @@ def test_round_robin_visits_every_prefill_rank_in_order_then_wraps() -> None:
 
 
 def parse_cli(*argv: str) -> mp.ProxyConfig:
-    return mp.config_from_args(mp.build_parser().parse_args(list(argv)))
+    return mp.load_config(mp.build_parser(), argv, {})
 
 
 def test_cli_accepts_every_form_of_vllms_example_proxy() -> None:
@@ -458,9 +458,12 @@ def test_version_and_help() -> None:
     ]
     assert "version = attr: mooncake_proxy.__version__" in (HERE / "setup.cfg").read_text()
     help_text = run_cli("--help").stdout
-    for action in mp.build_parser()._actions:
-        for option in action.option_strings:
-            assert option in help_text
+    # Each setting is declared once, on its field: its flag, help and variable come from there.
+    fields = {f.name for f in dataclasses.fields(mp.ProxyConfig)}
+    assert {option.name for option in mp.SETTINGS} == fields - {"upstream_api_key_source"}
+    for option in mp.SETTINGS:
+        assert f"  {option.flag} " in help_text and option.help
+        assert option.env == "MOONCAKE_PROXY_" + option.flag[2:].replace("-", "_").upper()
     assert "--prefill URL [BOOTSTRAP]\n" in help_text and "BOOTSTRAP ..." not in help_text
     assert "(default: None)" not in help_text and "(default: [])" not in help_text
     assert "(default: 127.0.0.1)" in help_text
@@ -2114,9 +2117,8 @@ def test_every_flag_can_come_from_the_environment_and_flags_win(
     monkeypatch.setenv("MOONCAKE_PROXY_PROTECT_METRICS", "yes")
     monkeypatch.setenv("MOONCAKE_PROXY_API_KEY", "from-env")
     monkeypatch.setenv("MOONCAKE_PROXY_PORT", "9000")
-    parser = mp.build_parser()
     argv = ["--port", "9100", "--decode", "http://d3:1"]
-    config = mp.config_from_args(parser.parse_args(mp.env_argv(parser, argv) + argv))
+    config = mp.load_config(mp.build_parser(), argv, os.environ)
     assert [(str(p.url), p.bootstrap_addr) for p in config.prefills] == [
         ("http://a:8100", "http://a:8999"),
         ("http://b:8100", "http://b:8998"),
