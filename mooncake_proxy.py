@@ -36,7 +36,15 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
@@ -702,6 +710,43 @@ class ProxyError(Exception):
         return b"data: " + json.dumps(self.payload()).encode() + b"\n\ndata: [DONE]\n\n"
 
 
+# --- state
+
+
+@dataclass(eq=False)
+class ProxyState:
+    """Everything one serving process holds, under one AppKey: its configuration, its fleet
+    and the limits, pools and counters shared by every request."""
+
+    config: ProxyConfig
+    fleet: Fleet = field(init=False)
+    slots: UpstreamSlots = field(init=False)
+    connections: ClientConnections = field(init=False)
+    metrics: Metrics = field(init=False)
+    # Set by the first SIGTERM/SIGINT: in-flight requests finish, new ones get 503.
+    draining: bool = False
+    # Opened with the app and closed with it (pools_ctx): one for the legs of client
+    # requests, one for health checks and discovery, which never queue behind clients.
+    session: aiohttp.ClientSession = field(init=False)
+    health_session: aiohttp.ClientSession = field(init=False)
+    # Prefill legs that outlived their decode, kept until they answer.
+    lingering: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.fleet = Fleet(self.config)
+        self.slots = UpstreamSlots(self.config.max_connections)
+        self.connections = ClientConnections(self.config.max_client_connections)
+        self.metrics = Metrics(self)
+
+    @property
+    def serving(self) -> bool:
+        """PD requests are taken: a prefill engine and a decode usable, and not draining."""
+        return self.fleet.ready and not self.draining
+
+
+STATE_KEY: Final = web.AppKey("state", ProxyState)
+
+
 # --- metrics and access log
 
 LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -745,12 +790,16 @@ class RequestStats:
         }
 
 
+# Per request: what its access line and metrics will say.
+STATS_KEY: Final = web.RequestKey("stats", RequestStats)
+
+
 class Metrics:
     """Prometheus metrics. Gauges are read from the fleet when scraped, so the request path
     pays only for a few counter and histogram updates; labels are routes, statuses, stages
     and instances from the configuration, never request data."""
 
-    def __init__(self, fleet: Fleet, lifecycle: Lifecycle, connections: ClientConnections) -> None:
+    def __init__(self, state: ProxyState) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
             "mooncake_proxy_requests",
@@ -802,7 +851,7 @@ class Metrics:
             ["role", "instance"],
             registry=registry,
         )
-        registry.register(FleetCollector(fleet, lifecycle, connections))
+        registry.register(FleetCollector(state))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -811,15 +860,13 @@ class Metrics:
 class FleetCollector(Collector):
     """Gauges of the fleet's state, computed at scrape time."""
 
-    def __init__(self, fleet: Fleet, lifecycle: Lifecycle, connections: ClientConnections) -> None:
-        self.fleet = fleet
-        self.lifecycle = lifecycle
-        self.connections = connections
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
 
     def collect(self) -> Iterator[Metric]:
-        fleet = self.fleet
+        fleet, connections = self.state.fleet, self.state.connections
         ready = GaugeMetricFamily("mooncake_proxy_ready", "1 while PD requests are served.")
-        ready.add_metric([], float(fleet.ready and not self.lifecycle.draining))
+        ready.add_metric([], float(self.state.serving))
         usable = GaugeMetricFamily(
             "mooncake_proxy_instance_usable",
             "1 while an instance is in the rotation.",
@@ -847,12 +894,12 @@ class FleetCollector(Collector):
             "mooncake_proxy_client_connections",
             "Client connections open (counted by the daemon's listener).",
         )
-        open_connections.add_metric([], self.connections.open)
+        open_connections.add_metric([], connections.open)
         rejected = CounterMetricFamily(
             "mooncake_proxy_client_connections_rejected",
             "Client connections answered 503 and closed: --max-client-connections were open.",
         )
-        rejected.add_metric([], self.connections.rejected)
+        rejected.add_metric([], connections.rejected)
         yield from (ready, usable, prefill, decode, open_connections, rejected)
 
 
@@ -870,7 +917,7 @@ def loggable_path(request: web.BaseRequest) -> str:
 
 def record_request(app: web.Application, stats: RequestStats, status: int) -> None:
     now = time.monotonic()
-    metrics = app[METRICS_KEY]
+    metrics = app[STATE_KEY].metrics
     metrics.requests.labels(stats.route, str(status)).inc()
     probe = stats.route in PROBE_ROUTES
     if not probe:
@@ -1625,19 +1672,20 @@ async def run_pd_request(
     be reached is retried on another decode inside the decode leg.
     """
     app = request.app
-    config, fleet = app[CONFIG_KEY], app[FLEET_KEY]
+    state = app[STATE_KEY]
+    config, fleet = state.config, state.fleet
     ex = Exchange(
         request=request,
         config=config,
         fleet=fleet,
-        session=app[SESSION_KEY],
-        slots=app[SLOTS_KEY],
+        session=state.session,
+        slots=state.slots,
         path=request.path,
         headers=upstream_headers(request.headers, request_id, config),
         response=RelayResponse(),
         retries_left=config.max_retries,
         stats=request[STATS_KEY],
-        metrics=app[METRICS_KEY],
+        metrics=state.metrics,
     )
     tried: set[PrefillInstance] = set()
     failure: ProxyError | None = None
@@ -1783,7 +1831,7 @@ def watch_lingering_prefill(
     app: web.Application, task: asyncio.Task[None], request_id: str
 ) -> None:
     """Keep a prefill that outlived its decode until it answers, and log how it ended."""
-    lingering = app[LINGERING_KEY]
+    lingering = app[STATE_KEY].lingering
     lingering.add(task)
 
     def finished(done: asyncio.Task[None]) -> None:
@@ -1860,7 +1908,8 @@ async def query_engine_ids(
 
 async def check_backend(app: web.Application, backend: Backend) -> None:
     """One health check; moves the backend in or out of the rotation and says so once."""
-    config, fleet, session = app[CONFIG_KEY], app[FLEET_KEY], app[HEALTH_SESSION_KEY]
+    state = app[STATE_KEY]
+    config, fleet, session = state.config, state.fleet, state.health_session
     limits = config.upstream_timeout(config.health_timeout)
     previous_check, backend.checked_at = backend.checked_at, time.monotonic()
     try:
@@ -1875,7 +1924,7 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
             backend.same_failures = backend.same_failures + 1 if repeated else 1
         else:
             backend.same_failures = 0
-        app[METRICS_KEY].check_failures.labels(backend.role, str(backend.url)).inc()
+        state.metrics.check_failures.labels(backend.role, str(backend.url)).inc()
         if failure.no_answer_in_time and backend.usable and backend.last_success > previous_check:
             # Envoy's outlier detection weighs real outcomes: requests that keep succeeding
             # outvote a probe that timed out. A refusal, a 5xx or silence still count.
@@ -1898,7 +1947,7 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
         log.info("%s %s answers its checks in time again", backend.role, backend.url)
     if isinstance(backend, PrefillInstance) and engine_ids != backend.engine_ids:
         if backend.engines:
-            app[METRICS_KEY].engine_id_changes.labels(str(backend.url)).inc()
+            state.metrics.engine_id_changes.labels(str(backend.url)).inc()
             log.warning(
                 "prefill %s engine ids changed (restarted?): %s -> %s",
                 *(backend.url, ", ".join(backend.engine_ids), ", ".join(engine_ids)),
@@ -1926,7 +1975,7 @@ def check_interval(config: ProxyConfig, backend: Backend) -> float:
 
 async def watch_backend(app: web.Application, backend: Backend) -> None:
     """Check one instance forever: often while it is out of the rotation, calmly while in."""
-    config = app[CONFIG_KEY]
+    config = app[STATE_KEY].config
     while True:
         backend.recheck.clear()
         try:
@@ -1939,7 +1988,7 @@ async def watch_backend(app: web.Application, backend: Backend) -> None:
 
 
 async def watch_fleet(app: web.Application) -> None:
-    fleet = app[FLEET_KEY]
+    fleet = app[STATE_KEY].fleet
     # Side by side, each with its own timeout: one slow or dead host never delays the others.
     await asyncio.gather(
         *(watch_backend(app, backend) for backend in (*fleet.prefills, *fleet.decodes))
@@ -1950,8 +1999,9 @@ async def watch_fleet(app: web.Application) -> None:
 
 
 def require_ready(request: web.Request) -> Fleet:
-    fleet = request.app[FLEET_KEY]
-    if request.app[LIFECYCLE_KEY].draining:
+    state = request.app[STATE_KEY]
+    fleet = state.fleet
+    if state.draining:
         raise ProxyError(503, "proxy is draining: it is shutting down")
     if not fleet.ready:
         missing = "prefill engine" if not fleet.engine_count else "decode instance"
@@ -1966,7 +2016,7 @@ async def read_body(request: web.Request) -> bytearray:
     upload at a sane rate gets the time it needs while a trickle is cut off. Read here and not
     with request.read(), which would keep a second copy for the whole request.
     """
-    config = request.app[CONFIG_KEY]
+    config = request.app[STATE_KEY].config
     limit = config.max_request_bytes
     if request.content_length is not None and request.content_length > limit:
         raise ProxyError(413, f"request body of {request.content_length} bytes exceeds {limit}")
@@ -2005,14 +2055,15 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
 
 async def handle_models(request: web.Request) -> web.Response:
     fleet = require_ready(request)
-    config, session = request.app[CONFIG_KEY], request.app[SESSION_KEY]
+    state = request.app[STATE_KEY]
+    config, session = state.config, state.session
     decode = fleet.claim_decode()
     fleet.release_decode(decode)  # a quick read: not worth counting as load
     url = decode.routes["/v1/models"]
     headers = {}
     if authorization := upstream_authorization(request.headers, config):
         headers[hdrs.AUTHORIZATION] = authorization
-    slots = request.app[SLOTS_KEY]
+    slots = state.slots
     try:
         await slots.acquire(1, config.pool_timeout)
     except TimeoutError:
@@ -2031,12 +2082,13 @@ async def handle_models(request: web.Request) -> web.Response:
         slots.release(1)
 
 
-def healthcheck_payload(fleet: Fleet, draining: bool) -> dict[str, Any]:
+def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
+    fleet = state.fleet
     return {
         "id": ID,
         "version": VERSION,
-        "ready": fleet.ready and not draining,
-        "draining": draining,
+        "ready": state.serving,
+        "draining": state.draining,
         "pid": os.getpid(),  # which --workers process answered
         "prefill_instances": len(fleet.prefills),
         "decode_instances": len(fleet.decodes),
@@ -2046,17 +2098,17 @@ def healthcheck_payload(fleet: Fleet, draining: bool) -> dict[str, Any]:
 
 
 async def handle_healthcheck(request: web.Request) -> web.Response:
-    payload = healthcheck_payload(request.app[FLEET_KEY], request.app[LIFECYCLE_KEY].draining)
+    payload = healthcheck_payload(request.app[STATE_KEY])
     return web.json_response(payload, status=200 if payload["ready"] else 503)
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    ready = request.app[FLEET_KEY].ready and not request.app[LIFECYCLE_KEY].draining
+    ready = request.app[STATE_KEY].serving
     return web.Response(status=200 if ready else 503)
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
-    response = web.Response(body=request.app[METRICS_KEY].exposition())
+    response = web.Response(body=request.app[STATE_KEY].metrics.exposition())
     response.headers[hdrs.CONTENT_TYPE] = "text/plain; version=0.0.4; charset=utf-8"
     return response
 
@@ -2083,7 +2135,7 @@ async def access_middleware(request: web.Request, handler: Any) -> web.StreamRes
         # 499 (nginx's "client closed request") only if the client left before the answer began.
         status = stats.status_sent or status
         stats.outcome = "client_gone"
-        request.app[METRICS_KEY].errors.labels("client", "client_gone").inc()
+        request.app[STATE_KEY].metrics.errors.labels("client", "client_gone").inc()
         raise
     finally:
         record_request(request.app, stats, status)
@@ -2094,7 +2146,7 @@ async def access_middleware(request: web.Request, handler: Any) -> web.StreamRes
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """With --api-key, /v1/* (and /metrics with --protect-metrics) need the bearer key."""
-    config = request.app[CONFIG_KEY]
+    config = request.app[STATE_KEY].config
     if config.api_key and (
         request.path.startswith("/v1/") or (config.protect_metrics and request.path == "/metrics")
     ):
@@ -2234,7 +2286,7 @@ class ClientConnection(web.RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        connections = self.app[CONNECTIONS_KEY]
+        connections = self.app[STATE_KEY].connections
         if not connections.admit():
             message = (
                 f"too many open client connections (--max-client-connections {connections.limit})"
@@ -2247,7 +2299,7 @@ class ClientConnection(web.RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._admitted:
             self._admitted = False
-            self.app[CONNECTIONS_KEY].release()
+            self.app[STATE_KEY].connections.release()
         self.head_received()
         super().connection_lost(exc)
 
@@ -2284,12 +2336,12 @@ class ClientConnection(web.RequestHandler):
         return response
 
     def _start_head_deadline(self) -> None:
-        timeout = self.app[CONFIG_KEY].header_timeout
+        timeout = self.app[STATE_KEY].config.header_timeout
         self._head_deadline = asyncio.get_running_loop().call_later(timeout, self._head_timed_out)
 
     def _head_timed_out(self) -> None:
         self._head_deadline = None
-        timeout = self.app[CONFIG_KEY].header_timeout
+        timeout = self.app[STATE_KEY].config.header_timeout
         message = f"request head not received within {timeout:g} s (--header-timeout)"
         error = ProxyError(408, message, reason="header_timeout")
         self._record(error)
@@ -2315,7 +2367,7 @@ async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
     """Serve a set-up runner's app on a bound socket, each connection a ClientConnection."""
     app, server = runner.app, runner.server
     assert server is not None, "the runner is set up first"
-    config = app[CONFIG_KEY]
+    config = app[STATE_KEY].config
     loop = asyncio.get_running_loop()
 
     def connection() -> ClientConnection:
@@ -2332,26 +2384,6 @@ async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
 
 
 # --- application
-
-CONFIG_KEY: Final = web.AppKey("config", ProxyConfig)
-FLEET_KEY: Final = web.AppKey("fleet", Fleet)
-SESSION_KEY: Final = web.AppKey("session", aiohttp.ClientSession)
-HEALTH_SESSION_KEY: Final = web.AppKey("health_session", aiohttp.ClientSession)
-SLOTS_KEY: Final = web.AppKey("upstream_slots", UpstreamSlots)
-CONNECTIONS_KEY: Final = web.AppKey("client_connections", ClientConnections)
-LINGERING_KEY: Final = web.AppKey[set[asyncio.Task[None]]]("lingering_prefills")
-STATS_KEY: Final = web.RequestKey("stats", RequestStats)
-METRICS_KEY: Final = web.AppKey("metrics", Metrics)
-
-
-class Lifecycle:
-    """The daemon's phase: serving, or draining after the first SIGTERM/SIGINT."""
-
-    def __init__(self) -> None:
-        self.draining = False
-
-
-LIFECYCLE_KEY: Final = web.AppKey("lifecycle", Lifecycle)
 
 
 def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
@@ -2371,38 +2403,36 @@ def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
     )
 
 
-async def client_session_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Two connection pools for the app's lifetime: one for the legs of client requests, one
-    for health checks and discovery, so that checks never queue behind client traffic."""
-    config = app[CONFIG_KEY]
-    app[SESSION_KEY] = session = upstream_session(config)
-    app[HEALTH_SESSION_KEY] = health_session = upstream_session(config)
+async def pools_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The two connection pools, for the app's lifetime."""
+    state = app[STATE_KEY]
+    state.session = upstream_session(state.config)
+    state.health_session = upstream_session(state.config)
     yield
-    await asyncio.gather(session.close(), health_session.close())
+    await asyncio.gather(state.session.close(), state.health_session.close())
 
 
-async def discovery_ctx(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(watch_fleet(app))
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+def background(
+    run: Callable[[web.Application], Coroutine[Any, Any, None]],
+    *,
+    when: Callable[[], bool] = lambda: True,
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup context that runs ``run(app)`` as a task while the app runs (if ``when()``)."""
 
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(run(app)) if when() else None
+        yield
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
-async def systemd_ctx(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(report_to_systemd(app)) if os.environ.get("NOTIFY_SOCKET") else None
-    yield
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    return ctx
 
 
 async def lingering_prefills_ctx(app: web.Application) -> AsyncIterator[None]:
-    lingering: set[asyncio.Task[None]] = set()
-    app[LINGERING_KEY] = lingering
     yield
-    tasks = list(lingering)
+    tasks = list(app[STATE_KEY].lingering)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -2414,14 +2444,16 @@ def create_app(config: ProxyConfig) -> web.Application:
         # Bodies are checked against --max-request-bytes in read_body, with a clear 413.
         client_max_size=config.max_request_bytes,
     )
-    app[CONFIG_KEY] = config
-    app[FLEET_KEY] = fleet = Fleet(config)
-    app[LIFECYCLE_KEY] = lifecycle = Lifecycle()
-    app[SLOTS_KEY] = UpstreamSlots(config.max_connections)
-    app[CONNECTIONS_KEY] = connections = ClientConnections(config.max_client_connections)
-    app[METRICS_KEY] = Metrics(fleet, lifecycle, connections)
-    # Order matters: cleanup runs in reverse, so discovery stops before the pool closes.
-    app.cleanup_ctx.extend((client_session_ctx, lingering_prefills_ctx, discovery_ctx, systemd_ctx))
+    app[STATE_KEY] = ProxyState(config)
+    # Order matters: cleanup runs in reverse, so discovery stops before the pools close.
+    app.cleanup_ctx.extend(
+        (
+            pools_ctx,
+            lingering_prefills_ctx,
+            background(watch_fleet),
+            background(report_to_systemd, when=lambda: bool(os.environ.get("NOTIFY_SOCKET"))),
+        )
+    )
     app.router.add_get("/health", handle_health)
     app.router.add_get("/healthcheck", handle_healthcheck)
     app.router.add_get("/metrics", handle_metrics)
@@ -2456,11 +2488,12 @@ def sd_notify(*lines: str) -> bool:
 
 
 def readiness_status(app: web.Application) -> str:
-    fleet = app[FLEET_KEY]
+    state = app[STATE_KEY]
+    fleet = state.fleet
     usable_decodes = sum(d.usable for d in fleet.decodes)
-    state = "draining" if app[LIFECYCLE_KEY].draining else "ready" if fleet.ready else "not ready"
+    phase = "draining" if state.draining else "ready" if state.serving else "not ready"
     return (
-        f"{state}: {fleet.engine_count} prefill engine(s), "
+        f"{phase}: {fleet.engine_count} prefill engine(s), "
         f"{usable_decodes}/{len(fleet.decodes)} decode(s) usable"
     )
 
@@ -2667,7 +2700,7 @@ async def serve(config: ProxyConfig, sock: socket.socket) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     await stop.wait()
-    app[LIFECYCLE_KEY].draining = True
+    app[STATE_KEY].draining = True
     sd_notify("STOPPING=1", f"STATUS={readiness_status(app)}")
     listener.close()  # stop accepting
     # Waits for in-flight handlers up to the shutdown timeout, cancels the rest (their legs'

@@ -160,7 +160,7 @@ def start_cluster(aiohttp_server: Any, aiohttp_client: Any) -> StartCluster:
 
 async def wait_ready_(client: TestClient[web.Request, web.Application]) -> None:
     """Until every configured instance is in the rotation (readiness needs only one each)."""
-    fleet = client.app[mp.FLEET_KEY]
+    fleet = client.app[mp.STATE_KEY].fleet
     async with asyncio.timeout(FAST):
         while (await client.get("/health")).status != 200 or not all(
             backend.usable for backend in (*fleet.prefills, *fleet.decodes)
@@ -589,7 +589,7 @@ async def test_a_prefill_down_at_start_does_not_block_the_others(
     cluster = await start_cluster(
         prefill_dp=(1, 1), wait_ready=False, each_prefill=({"health_status": 503},)
     )
-    await eventually(lambda: cluster.client.app[mp.FLEET_KEY].ready)
+    await eventually(lambda: cluster.client.app[mp.STATE_KEY].fleet.ready)
     payload = await (await cluster.client.get("/healthcheck")).json()
     stuck, found = payload["prefill"]
     assert not stuck["usable"] and "503" in stuck["last_error"]
@@ -1017,7 +1017,7 @@ async def test_decode_dropping_a_plain_body_is_not_passed_off_as_complete(
     app = web.Application()
     app.router.add_post(COMPLETIONS, half_body)
     server = await serve(aiohttp_server, app)
-    fleet = cluster.client.app[mp.FLEET_KEY]
+    fleet = cluster.client.app[mp.STATE_KEY].fleet
     fleet.decodes[0].routes = mp.route_urls(URL(f"http://127.0.0.1:{server.port}"))
     async with asyncio.timeout(FAST):
         response = await cluster.client.post(COMPLETIONS, json=completion())
@@ -1349,7 +1349,7 @@ async def test_open_client_connections_are_capped(
     caplog.set_level("WARNING", logger="mooncake_proxy")
     cluster = await start_cluster(max_client_connections=3, header_timeout=5)
     port = cluster.client.server.port
-    connections = cluster.client.app[mp.CONNECTIONS_KEY]
+    connections = cluster.client.app[mp.STATE_KEY].connections
     # The test client's own keep-alive connection may be one of the three.
     idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3 - connections.open)]
     await eventually(lambda: connections.open == 3)
@@ -1483,7 +1483,7 @@ async def test_a_capped_pool_never_takes_healthy_instances_out(
     for stream in streams:
         response = await stream
         assert sse_events(await response.read())[-1] == "[DONE]"
-    assert cluster.client.app[mp.SLOTS_KEY].in_use == 0
+    assert cluster.client.app[mp.STATE_KEY].slots.in_use == 0
     assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
     samples = await scrape(cluster)
     assert sample(samples, "mooncake_proxy_requests_total", route=COMPLETIONS, status="503") == 1
@@ -1608,7 +1608,7 @@ async def test_the_demo_fails_clearly_when_a_silent_listener_holds_its_port() ->
 
 
 def fleet_of(cluster: Cluster) -> mp.Fleet:
-    return cluster.client.app[mp.FLEET_KEY]
+    return cluster.client.app[mp.STATE_KEY].fleet
 
 
 async def test_restarted_prefill_is_served_with_its_new_engine_ids(
@@ -2067,7 +2067,7 @@ async def test_client_gone_is_counted_and_logged(
 
 async def test_draining_answers_probes_503(start_cluster: StartCluster) -> None:
     cluster = await start_cluster()
-    cluster.client.app[mp.LIFECYCLE_KEY].draining = True
+    cluster.client.app[mp.STATE_KEY].draining = True
     assert (await cluster.client.get("/health")).status == 503
     health = await cluster.client.get("/healthcheck")
     assert health.status == 503
