@@ -1126,7 +1126,7 @@ class Fleet:
     # Picks claim their target at once, before any await, so that concurrent arrivals see
     # each other's load; every claim is released when its leg ends.
 
-    def claim_prefill(self, avoid: Collection[PrefillInstance] = ()) -> PrefillEngine:
+    def claim_prefill(self, avoid: Collection[Backend] = ()) -> PrefillEngine:
         engines = self._engines
         if avoid:
             engines = tuple(e for e in engines if e.instance not in avoid)
@@ -1143,7 +1143,7 @@ class Fleet:
             del self.engine_load[engine.engine_id]
         engine.instance.in_flight -= 1
 
-    def claim_decode(self, avoid: Collection[DecodeInstance] = ()) -> DecodeInstance:
+    def claim_decode(self, avoid: Collection[Backend] = ()) -> DecodeInstance:
         decodes = self._decodes
         if avoid:
             decodes = tuple(d for d in decodes if d not in avoid)
@@ -1420,7 +1420,14 @@ def leg_data(payload: bytes) -> bytes | LegBody:
 
 
 class Unreachable(ProxyError):
-    """A leg never reached its upstream: safe to try elsewhere, and a sign the host is down."""
+    """A leg never reached its upstream: safe to try elsewhere, and a sign the host is down.
+
+    ``backend`` is the instance that could not be reached; None once no try is left.
+    """
+
+    def __init__(self, *args: Any, backend: Backend | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.backend = backend
 
 
 # Refused or reset connections and connect timeouts; not a slow answer, not an HTTP status.
@@ -1445,16 +1452,30 @@ def failure_detail(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
-def transport_error(stage: str, url: URL, error: BaseException) -> ProxyError:
+def transport_error(
+    stage: str, url: URL, error: BaseException, backend: Backend | None = None
+) -> ProxyError:
     """The one place that turns a failure to reach an upstream into the client's error."""
     status = 504 if isinstance(error, TimeoutError) else 502
     detail = failure_detail(error)
     if isinstance(error, UNREACHABLE_ERRORS):
         reason = "timeout" if status == 504 else "refused"
-        return Unreachable(status, f"{stage} {url} unreachable: {detail}", reason=reason)
+        message = f"{stage} {url} unreachable: {detail}"
+        return Unreachable(status, message, reason=reason, backend=backend)
     if isinstance(error, TimeoutError):
         return ProxyError(status, f"{stage} {url} timed out", reason="timeout")
     return ProxyError(status, f"{stage} {url} failed: {detail}", reason="broken")
+
+
+def upstream_failure(
+    stage: str, upstream: aiohttp.ClientResponse, body: bytes, suspect: Backend
+) -> ProxyError:
+    """An upstream's own error answer, passed on as it came. A 5xx has ``suspect`` checked at
+    once: vLLM answers a decode that names a stale engine id with an immediate 500."""
+    if upstream.status >= 500:
+        suspect.recheck.set()
+    ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "")
+    return ProxyError.from_upstream(stage, upstream.url, upstream.status, body, ctype)
 
 
 def prefill_finish_problem(body: bytes) -> str | None:
@@ -1476,71 +1497,6 @@ def prefill_finish_problem(body: bytes) -> str | None:
     return None
 
 
-@dataclass(eq=False)
-class Exchange:
-    """One client request on its way through the PD flow, shared by its legs and retries."""
-
-    request: web.Request
-    config: ProxyConfig
-    fleet: Fleet
-    session: aiohttp.ClientSession
-    slots: UpstreamSlots
-    path: str
-    headers: dict[str, str]  # for both legs; each attempt sets its own X-Request-Id
-    response: web.StreamResponse
-    retries_left: int
-    stats: RequestStats
-    metrics: Metrics
-    failures: list[str] = field(default_factory=list)
-
-    def retry_after(self, stage: str, failure: ProxyError) -> bool:
-        """Record a leg that could not connect; True if it may be tried again elsewhere."""
-        self.failures.append(failure.message)
-        self.metrics.errors.labels(stage, failure.reason).inc()
-        if self.retries_left <= 0:
-            return False
-        self.retries_left -= 1
-        self.metrics.retries.labels(stage).inc()
-        return True
-
-    def exhausted(self, failure: ProxyError) -> ProxyError:
-        if len(self.failures) <= 1:
-            return failure
-        tried = "; ".join(self.failures)
-        return ProxyError(failure.status, f"{len(self.failures)} attempts failed: {tried}")
-
-
-async def send_prefill(ex: Exchange, engine: PrefillEngine, payload: bytes) -> None:
-    """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
-    url = engine.instance.routes[ex.path]
-    where = f"prefill rank {engine.dp_rank}"
-    headers = {**ex.headers, DP_RANK_HEADER: str(engine.dp_rank)}
-    started = time.monotonic()
-    try:
-        async with ex.session.post(
-            url,
-            data=leg_data(payload),
-            headers=headers,
-            timeout=ex.config.upstream_timeout(ex.config.prefill_timeout),
-        ) as upstream:
-            # Read to the end so the connection goes back to the pool.
-            body = await upstream.read()
-            status = upstream.status
-            ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "")
-    except (aiohttp.ClientError, TimeoutError) as error:
-        raise transport_error(where, url, error) from None
-    finally:
-        finished = time.monotonic()
-        ex.metrics.prefill_duration.observe(finished - started)
-    if not 200 <= status < 300:
-        if status >= 500:
-            engine.instance.recheck.set()
-        raise ProxyError.from_upstream(where, url, status, body, ctype)
-    if problem := prefill_finish_problem(body):
-        raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
-    engine.instance.last_success = finished
-
-
 class RelayResponse(web.StreamResponse):
     """The client's response: its headers leave together with the first body bytes.
 
@@ -1551,295 +1507,364 @@ class RelayResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-class DecodeStreamBroken(ProxyError):
-    """The decode failed after its answer began; only an in-band error can still be sent."""
-
-
 class ClientGone(Exception):
     """Writing to the client failed: it closed its connection before its answer was whole."""
 
 
-@dataclass(eq=False)
-class DecodeClaim:
-    """The decode instance one attempt holds a claim on; it changes when the leg moves."""
-
-    decode: DecodeInstance
-
-
-async def open_decode(
-    ex: Exchange, claim: DecodeClaim, payload: bytes, headers: Mapping[str, str]
-) -> aiohttp.ClientResponse:
-    """Send the decode leg, moving to another decode while they cannot be reached.
-
-    The prefill's KV waits for whoever pulls its ``transfer_id``, so the same body can go to
-    any decode.
-    """
-    tried: set[DecodeInstance] = set()
-    while True:
-        decode = claim.decode
-        url = decode.routes[ex.path]
-        try:
-            return await ex.session.post(url, data=leg_data(payload), headers=headers)
-        except (aiohttp.ClientError, TimeoutError) as error:
-            failure = transport_error("decode", url, error)
-            if not isinstance(failure, Unreachable):
-                raise failure from None
-        ex.fleet.refused(decode, failure.message)
-        tried.add(decode)
-        if not ex.retry_after("decode", failure):
-            raise ex.exhausted(failure)
-        try:
-            next_decode = ex.fleet.claim_decode(avoid=tried)
-        except ProxyError:
-            raise ex.exhausted(failure) from None
-        ex.fleet.release_decode(decode)
-        claim.decode = next_decode
-        log.info("decode %s unreachable, trying %s", url, next_decode.url)
-
-
-async def relay_decode(
-    ex: Exchange, engine: PrefillEngine, claim: DecodeClaim, payload: bytes
-) -> None:
-    """The decode leg: pass its status, content type and bytes to the client as they come.
-
-    The client's headers are held until the decode's first body bytes: a streaming decode
-    sends 200 before its KV arrives, and until real bytes flow a prefill failure can still be
-    answered with the prefill's own status.
-    """
-    response = ex.response
-    upstream = await open_decode(ex, claim, payload, ex.headers)
-    url = upstream.url
-    stats = ex.stats
-    stats.decode = str(claim.decode.url)
-    try:
-        async with upstream:
-            if upstream.status >= 400:
-                if upstream.status >= 500:
-                    # A stale engine id answers 500 at once: check the prefill again now.
-                    engine.instance.recheck.set()
-                body = await upstream.read()
-                ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "")
-                raise ProxyError.from_upstream("decode", url, upstream.status, body, ctype)
-            claim.decode.last_success = time.monotonic()
-            response.set_status(upstream.status, upstream.reason)
-            response.headers[hdrs.CONTENT_TYPE] = upstream.headers.get(
-                hdrs.CONTENT_TYPE, "application/octet-stream"
-            )
-            if upstream.content_length is not None and not upstream.headers.get(
-                hdrs.TRANSFER_ENCODING
-            ):
-                # A whole answer of known size (not a stream): headers, body and end in one
-                # write instead of a chunked body and its terminator.
-                response.content_length = upstream.content_length
-            # iter_any yields whatever bytes arrived, as they arrived: no re-chunking.
-            async for chunk in upstream.content.iter_any():
-                if not response.prepared:
-                    await response.prepare(ex.request)
-                    stats.first_byte = time.monotonic()
-                    stats.status_sent = response.status
-                stats.bytes_out += len(chunk)
-                try:
-                    await response.write(chunk)
-                except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
-                    raise ClientGone from None
-    except (aiohttp.ClientError, TimeoutError) as error:
-        broken = transport_error("decode", url, error)
-        raise DecodeStreamBroken(broken.status, broken.message, reason="broken") from None
-    if not response.prepared:
-        await response.prepare(ex.request)
-    # A client that closed as soon as it read the last bytes had its whole answer.
-    with contextlib.suppress(ConnectionError):
-        await response.write_eof()
-
-
-def task_error(task: asyncio.Task[None]) -> BaseException | None:
+def leg_error(task: asyncio.Task[None]) -> BaseException | None:
+    """How a leg run as a task failed; None while it runs, or if it succeeded or was cancelled."""
     if not task.done() or task.cancelled():
         return None
     return task.exception()
 
 
-class RetryPrefill(Exception):
-    """The prefill was unreachable before anything reached the client: start the pair anew."""
+@contextlib.asynccontextmanager
+async def stopped_if_prefill_fails(prefill: asyncio.Task[None]) -> AsyncIterator[None]:
+    """Runs the decode leg (the block) while ``prefill`` runs beside it.
 
-
-async def run_pd_request(
-    request: web.Request, body: dict[str, Any], request_id: str, client_request_id: str | None
-) -> web.StreamResponse:
-    """One PD request: choose, rewrite, send both legs at once, answer from whichever decides.
-
-    A prefill that cannot be reached is retried on another prefill instance with a new
-    ``transfer_id`` (the decode that waited for the old one is cancelled); a decode that cannot
-    be reached is retried on another decode inside the decode leg.
+    A prefill that fails while the block runs means its KV will never come: the block is
+    cancelled at once rather than after vLLM's KV timeout, and the prefill's error leaves it in
+    place of whatever the decode did, as the root cause. The block runs in the handler's own
+    task (one task less per request); a client gone at the same time still wins.
     """
-    app = request.app
-    state = app[STATE_KEY]
-    config, fleet = state.config, state.fleet
-    ex = Exchange(
-        request=request,
-        config=config,
-        fleet=fleet,
-        session=state.session,
-        slots=state.slots,
-        path=request.path,
-        headers=upstream_headers(request.headers, request_id, config),
-        response=RelayResponse(),
-        retries_left=config.max_retries,
-        stats=request[STATS_KEY],
-        metrics=state.metrics,
-    )
-    tried: set[PrefillInstance] = set()
-    failure: ProxyError | None = None
-    while True:
-        try:
-            engine = fleet.claim_prefill(avoid=tried)
-        except ProxyError:
-            if failure is None:
-                raise
-            raise ex.exhausted(failure) from None  # no other prefill left to try
-        if failure is not None:
-            log.info("%s; retrying on %s as request %s", failure.message, engine.url, request_id)
-        try:
-            return await run_pd_attempt(ex, body, engine, request_id)
-        except RetryPrefill as retry:
-            (failure,) = retry.args
-            fleet.refused(engine.instance, failure.message)
-            tried.add(engine.instance)
-            if not ex.retry_after("prefill", failure):
-                raise ex.exhausted(failure) from None
-            request_id = mint_request_id(client_request_id)
-
-
-async def run_pd_attempt(
-    ex: Exchange, body: dict[str, Any], engine: PrefillEngine, request_id: str
-) -> web.StreamResponse:
-    """One try of the pair of legs, on a prefill engine already claimed.
-
-    The decode leg runs here, in the handler's own task (one task less per request); the
-    prefill leg runs beside it as a task that, if it fails while the decode still waits,
-    cancels this one: the KV will never come, so the decode stops now rather than after
-    vLLM's timeout.
-    """
-    fleet, response = ex.fleet, ex.response
-    transfer_id = transfer_id_for(request_id)
-    try:
-        prefill_payload = encode_json(prefill_body(body, transfer_id))
-        decode_payload = encode_json(decode_body(body, engine, transfer_id))
-        claim = DecodeClaim(fleet.claim_decode())
-    except BaseException:
-        fleet.release_prefill(engine)
-        raise
-    try:
-        await ex.slots.acquire(2, ex.config.pool_timeout)
-    except BaseException as error:
-        fleet.release_prefill(engine)
-        fleet.release_decode(claim.decode)
-        if isinstance(error, TimeoutError):
-            legs = f"prefill {engine.url} rank {engine.dp_rank} and decode {claim.decode.url}"
-            raise pool_exhausted(ex.config, legs) from None
-        raise
-    response.headers[REQUEST_ID_HEADER] = ex.headers[REQUEST_ID_HEADER] = request_id
-    ex.stats.request_id = request_id
-    ex.stats.prefill = f"{engine.url}#{engine.dp_rank}"
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug(
-            "request %s: prefill %s rank %d, decode %s",
-            *(request_id, engine.url, engine.dp_rank, claim.decode.url),
-        )
     handler = asyncio.current_task()
     assert handler is not None
-    relaying = True
+    running = True
 
-    def prefill_done(task: asyncio.Task[None]) -> None:
-        # A done callback runs even for a task cancelled before it started: claims never leak.
-        fleet.release_prefill(engine)
-        ex.slots.release(1)
-        if relaying and task_error(task) is not None:
+    def stop_the_decode(done: asyncio.Task[None]) -> None:
+        if running and leg_error(done) is not None:
             handler.cancel()
 
-    prefill = asyncio.create_task(send_prefill(ex, engine, prefill_payload))
-    prefill.add_done_callback(prefill_done)
-    del prefill_payload  # the task holds it as long as it is needed
-    handed_over = False
+    prefill.add_done_callback(stop_the_decode)
     try:
-        decode_error: ProxyError | None = None
-        cut_short = False
-        try:
-            await relay_decode(ex, engine, claim, decode_payload)
-        except asyncio.CancelledError:
-            if task_error(prefill) is None or handler.uncancel() > 0:
-                raise  # the client went away
-            cut_short = True
-        except ProxyError as failure:
-            decode_error = failure
-        except ClientGone:
-            # Seen on a write before aiohttp cancels the handler: the same as being cancelled.
-            ex.stats.outcome = "client_gone"
-            ex.metrics.errors.labels("client", "client_gone").inc()
-            return response
-        finally:
-            relaying = False
-            fleet.release_decode(claim.decode)
-            ex.slots.release(1)
-        prefill_error = task_error(prefill)
-        for stage, leg_error in (("prefill", prefill_error), ("decode", decode_error)):
-            if isinstance(leg_error, ProxyError) and not isinstance(leg_error, Unreachable):
-                ex.metrics.errors.labels(stage, leg_error.reason).inc()  # retries count their own
-        if cut_short or decode_error is not None:
-            # A failed prefill is the root cause of whatever the decode then did.
-            cause = prefill_error or decode_error
-            assert cause is not None
-            if isinstance(cause, Unreachable) and cause is prefill_error and not response.prepared:
-                raise RetryPrefill(cause)
-            return await fail_request(ex, cause)
-        if not prefill.done():
-            watch_lingering_prefill(ex.request.app, prefill, request_id)
-            handed_over = True
-        elif prefill_error is not None:
-            log.warning(
-                "request %s: prefill failed after decode finished: %s", request_id, prefill_error
-            )
-        return response
+        yield
+    except (asyncio.CancelledError, ProxyError) as error:
+        cause = leg_error(prefill)
+        if cause is None:
+            raise
+        if isinstance(error, asyncio.CancelledError) and handler.uncancel() > 0:
+            raise  # the client went away as well
+        raise cause from None
     finally:
-        # With the prefill still running here the client went away or the decode failed:
-        # closing its connection makes vLLM abort the request and free its slot.
-        if not handed_over and not prefill.done():
-            prefill.cancel()
-            await asyncio.gather(prefill, return_exceptions=True)
+        running = False
 
 
-async def fail_request(ex: Exchange, error: BaseException) -> web.StreamResponse:
-    request, response = ex.request, ex.response
-    if not isinstance(error, ProxyError):
-        raise error  # a bug, not an upstream failure: the middleware logs it
+# --- the PD flow
+
+
+async def run_pd_request(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """One PD request, as the README's "How a request flows" numbers its steps (1 is the
+    handler's: the body is parsed, the proxy is ready)."""
+    exchange = Exchange.of(request, body)
+    while True:
+        try:
+            async with (
+                exchange.attempt() as attempt,  # 2, 3: a prefill engine, a decode, the ids
+                stopped_if_prefill_fails(attempt.send_prefill()),  # 4; 6 if the prefill fails
+            ):
+                await attempt.relay_decode()  # 4, 5; and 7 while a decode is unreachable
+            return exchange.response
+        except ProxyError as failure:
+            if exchange.fail_over_prefill(failure):  # 7: another prefill, a new transfer_id
+                continue
+            return await exchange.fail(failure)  # 6: its own answer, or in band once streaming
+        except ClientGone:
+            return exchange.client_gone()
+
+
+@dataclass(eq=False)
+class Exchange:
+    """One client request on its way through the PD flow: what its attempts share."""
+
+    request: web.Request
+    state: ProxyState
+    body: dict[str, Any]
+    stats: RequestStats
+    headers: dict[str, str]  # for both legs; each attempt sets its own X-Request-Id
+    retries_left: int
+    response: RelayResponse = field(default_factory=RelayResponse)
+    attempts: int = 0
+    failures: list[Unreachable] = field(default_factory=list)
+    tried: set[Backend] = field(default_factory=set)  # instances found unreachable
+
+    @classmethod
+    def of(cls, request: web.Request, body: dict[str, Any]) -> Exchange:
+        state, stats = request.app[STATE_KEY], request[STATS_KEY]
+        headers = upstream_headers(request.headers, stats.request_id, state.config)
+        return cls(request, state, body, stats, headers, state.config.max_retries)
+
+    @contextlib.asynccontextmanager
+    async def attempt(self) -> AsyncIterator[Attempt]:
+        """One try: its claims and slots are released however it ends, and a prefill still
+        running is kept if the decode finished, else cancelled (vLLM then aborts it)."""
+        attempt = await self.begin_attempt()
+        try:
+            yield attempt
+        except BaseException:
+            await attempt.abandon_prefill()
+            raise
+        else:
+            attempt.hand_over_prefill()
+        finally:
+            self.state.fleet.release_decode(attempt.decode)
+            self.state.slots.release(1)
+
+    async def begin_attempt(self) -> Attempt:
+        """Claim a prefill engine, a decode and both legs' upstream connections; the first
+        attempt goes by the request's id, a retry by a new one (so a new ``transfer_id``)."""
+        fleet, config = self.state.fleet, self.state.config
+        try:
+            engine = fleet.claim_prefill(avoid=self.tried)
+        except ProxyError as nothing_left:
+            raise self.exhausted() if self.failures else nothing_left from None
+        try:
+            decode = fleet.claim_decode(avoid=self.tried)
+            await self.state.slots.acquire(2, config.pool_timeout)
+        except BaseException as error:
+            fleet.release_prefill(engine)
+            if isinstance(error, TimeoutError):
+                fleet.release_decode(decode)
+                legs = f"prefill {engine.url} rank {engine.dp_rank} and decode {decode.url}"
+                raise pool_exhausted(config, legs) from None
+            raise
+        self.attempts += 1
+        if self.attempts > 1:
+            self.stats.request_id = mint_request_id(self.request.headers.get(REQUEST_ID_HEADER))
+        request_id = self.response.headers[REQUEST_ID_HEADER] = self.stats.request_id
+        self.headers[REQUEST_ID_HEADER] = request_id
+        self.stats.prefill, self.stats.decode = f"{engine.url}#{engine.dp_rank}", str(decode.url)
+        if self.failures:
+            failure = self.failures[-1].message
+            log.info("%s; retrying on %s as request %s", failure, engine.url, request_id)
+        return Attempt(self, request_id, engine, decode)
+
+    def fail_over(self, stage: str, backend: Backend, failure: Unreachable) -> None:
+        """Step 7, for either leg: take the instance that could not be reached out of the
+        rotation and allow another try elsewhere; raises naming every try when none is left."""
+        self.failures.append(failure)
+        self.tried.add(backend)
+        self.state.fleet.refused(backend, failure.message)
+        self.state.metrics.errors.labels(stage, failure.reason).inc()
+        if self.retries_left <= 0:
+            raise self.exhausted()
+        self.retries_left -= 1
+        self.state.metrics.retries.labels(stage).inc()
+
+    def fail_over_prefill(self, failure: ProxyError) -> bool:
+        """True to start the pair again elsewhere: the prefill was unreachable, nothing sent."""
+        if self.response.prepared or not isinstance(failure, Unreachable):
+            return False
+        if not isinstance(failure.backend, PrefillInstance):
+            return False
+        self.fail_over("prefill", failure.backend, failure)
+        return True
+
+    def exhausted(self) -> Unreachable:
+        """The error of a request that ran out of tries: it names each, and is not retried."""
+        last = self.failures[-1]
+        message = last.message
+        if len(self.failures) > 1:
+            tried = "; ".join(failure.message for failure in self.failures)
+            message = f"{len(self.failures)} attempts failed: {tried}"
+        return Unreachable(last.status, message, reason=last.reason)
+
+    def count_failure(self, stage: str, failure: ProxyError) -> None:
+        if not isinstance(failure, Unreachable):  # fail_over counts those
+            self.state.metrics.errors.labels(stage, failure.reason).inc()
+
+    async def fail(self, error: ProxyError) -> web.StreamResponse:
+        """Answer with the error, or in band once the stream has started (step 6)."""
+        response = self.response
+        if not response.prepared:
+            raise error  # the error middleware answers with it
+        self.stats.outcome = f"stream_error:{error.reason}"
+        log.warning("stream already started, ending it with an error: %s", error.message)
+        if response.headers.get(hdrs.CONTENT_TYPE, "").startswith(SSE_CONTENT_TYPE):
+            frame = error.sse_frame()
+            self.stats.bytes_out += len(frame)
+            with contextlib.suppress(ConnectionError):
+                await response.write(frame)
+                await response.write_eof()
+        elif self.request.transport is not None:
+            # A plain body cut short must not look complete: drop the connection instead.
+            self.request.transport.close()
+        return response
+
+    def client_gone(self) -> web.StreamResponse:
+        # Found on a write before aiohttp cancelled the handler: the same as being cancelled.
+        self.stats.outcome = "client_gone"
+        self.state.metrics.errors.labels("client", "client_gone").inc()
+        return self.response
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One try of the pair of legs: the ids it goes by, the prefill engine and the decode it
+    holds claims on (the decode changes if one cannot be reached), and its prefill leg."""
+
+    exchange: Exchange
+    request_id: str
+    engine: PrefillEngine
+    decode: DecodeInstance
+    prefill: asyncio.Task[None] | None = None
+
+    @property
+    def transfer_id(self) -> str:
+        return transfer_id_for(self.request_id)
+
+    def send_prefill(self) -> asyncio.Task[None]:
+        """Step 4's prefill leg, as a task beside the decode; its claims go when it ends."""
+        exchange = self.exchange
+        payload = encode_json(prefill_body(exchange.body, self.transfer_id))
+        self.prefill = asyncio.create_task(send_prefill(exchange, self.engine, payload))
+        # A done callback runs even for a task cancelled before it started: claims never leak.
+        self.prefill.add_done_callback(self.prefill_ended)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "request %s: prefill %s rank %d, decode %s",
+                *(self.request_id, self.engine.url, self.engine.dp_rank, self.decode.url),
+            )
+        return self.prefill
+
+    def prefill_ended(self, _: object = None) -> None:
+        self.exchange.state.fleet.release_prefill(self.engine)
+        self.exchange.state.slots.release(1)
+
+    async def abandon_prefill(self) -> None:
+        """The client went away or the decode failed: closing the prefill's connection makes
+        vLLM abort the request and free its slot."""
+        if self.prefill is None:
+            self.prefill_ended()  # never sent (its body could not be encoded)
+        elif not self.prefill.done():
+            self.prefill.cancel()
+            await asyncio.gather(self.prefill, return_exceptions=True)
+
+    def hand_over_prefill(self) -> None:
+        """The decode finished: a prefill still running is kept until it answers."""
+        prefill = self.prefill
+        if prefill is None:
+            return
+        lingering = self.exchange.state.lingering
+        if prefill.done():
+            self.prefill_outlived(prefill)
+            return
+        lingering.add(prefill)
+        prefill.add_done_callback(lingering.discard)
+        prefill.add_done_callback(self.prefill_outlived)
+
+    def prefill_outlived(self, prefill: asyncio.Task[None]) -> None:
+        if (error := leg_error(prefill)) is not None:
+            log.warning(
+                "request %s: prefill failed after decode finished: %s", self.request_id, error
+            )
+
+    async def open_decode(self) -> aiohttp.ClientResponse:
+        """Send the decode leg, moving to another decode while they cannot be reached: the
+        prefill's KV waits for whoever pulls its ``transfer_id``, so any decode can."""
+        exchange = self.exchange
+        fleet, session = exchange.state.fleet, exchange.state.session
+        payload = encode_json(decode_body(exchange.body, self.engine, self.transfer_id))
+        while True:
+            url = self.decode.routes[exchange.request.path]
+            try:
+                return await session.post(url, data=leg_data(payload), headers=exchange.headers)
+            except (aiohttp.ClientError, TimeoutError) as error:
+                failure = transport_error("decode", url, error, self.decode)
+            if not isinstance(failure, Unreachable):
+                raise failure
+            exchange.fail_over("decode", self.decode, failure)
+            try:
+                decode = fleet.claim_decode(avoid=exchange.tried)
+            except ProxyError:
+                raise exchange.exhausted() from None
+            fleet.release_decode(self.decode)
+            log.info("decode %s unreachable, trying %s", url, decode.url)
+            self.decode, exchange.stats.decode = decode, str(decode.url)
+
+    async def relay_decode(self) -> None:
+        """Step 5: the decode's status, content type and bytes reach the client as they come.
+
+        The client's headers are held until the decode's first body bytes: a streaming decode
+        sends 200 before its KV arrives, and until real bytes flow a prefill failure can still
+        be answered with the prefill's own status.
+        """
+        exchange = self.exchange
+        try:
+            upstream = await self.open_decode()
+            async with upstream:
+                if upstream.status >= 400:
+                    body = await upstream.read()
+                    raise upstream_failure("decode", upstream, body, suspect=self.engine.instance)
+                self.decode.last_success = time.monotonic()
+                await relay_body(exchange, upstream)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            url = self.decode.routes[exchange.request.path]
+            failure = transport_error("decode", url, error)
+            exchange.count_failure("decode", failure)
+            raise ProxyError(failure.status, failure.message, reason="broken") from None
+        except ProxyError as failure:
+            exchange.count_failure("decode", failure)
+            raise
+
+
+async def relay_body(exchange: Exchange, upstream: aiohttp.ClientResponse) -> None:
+    """Pass an answer on byte for byte: no re-chunking, each piece as soon as it arrived."""
+    response, stats = exchange.response, exchange.stats
+    response.set_status(upstream.status, upstream.reason)
+    response.headers[hdrs.CONTENT_TYPE] = upstream.headers.get(
+        hdrs.CONTENT_TYPE, "application/octet-stream"
+    )
+    if upstream.content_length is not None and not upstream.headers.get(hdrs.TRANSFER_ENCODING):
+        # A whole answer of known size (not a stream): headers, body and end in one write
+        # instead of a chunked body and its terminator.
+        response.content_length = upstream.content_length
+    async for chunk in upstream.content.iter_any():
+        if not response.prepared:
+            await response.prepare(exchange.request)
+            stats.first_byte = time.monotonic()
+            stats.status_sent = response.status
+        stats.bytes_out += len(chunk)
+        try:
+            await response.write(chunk)
+        except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
+            raise ClientGone from None
     if not response.prepared:
-        raise error
-    ex.stats.outcome = f"stream_error:{error.reason}"
-    log.warning("stream already started, ending it with an error: %s", error.message)
-    if response.headers.get(hdrs.CONTENT_TYPE, "").startswith(SSE_CONTENT_TYPE):
-        frame = error.sse_frame()
-        ex.stats.bytes_out += len(frame)
-        with contextlib.suppress(ConnectionError):
-            await response.write(frame)
-            await response.write_eof()
-    elif request.transport is not None:
-        # A plain body cut short must not look complete: drop the connection instead.
-        request.transport.close()
-    return response
+        await response.prepare(exchange.request)
+    # A client that closed as soon as it read the last bytes had its whole answer.
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
 
 
-def watch_lingering_prefill(
-    app: web.Application, task: asyncio.Task[None], request_id: str
-) -> None:
-    """Keep a prefill that outlived its decode until it answers, and log how it ended."""
-    lingering = app[STATE_KEY].lingering
-    lingering.add(task)
-
-    def finished(done: asyncio.Task[None]) -> None:
-        lingering.discard(done)
-        if (error := task_error(done)) is not None:
-            log.warning("request %s: prefill failed after decode finished: %s", request_id, error)
-
-    task.add_done_callback(finished)
+async def send_prefill(exchange: Exchange, engine: PrefillEngine, payload: bytes) -> None:
+    """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
+    state = exchange.state
+    url = engine.instance.routes[exchange.request.path]
+    where = f"prefill rank {engine.dp_rank}"
+    headers = {**exchange.headers, DP_RANK_HEADER: str(engine.dp_rank)}
+    started = time.monotonic()
+    try:
+        async with state.session.post(
+            url,
+            data=leg_data(payload),
+            headers=headers,
+            timeout=state.config.upstream_timeout(state.config.prefill_timeout),
+        ) as upstream:
+            body = await upstream.read()  # to the end, so the connection goes back to the pool
+        if not 200 <= upstream.status < 300:
+            raise upstream_failure(where, upstream, body, suspect=engine.instance)
+        if problem := prefill_finish_problem(body):
+            raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
+    except (aiohttp.ClientError, TimeoutError) as error:
+        failure = transport_error(where, url, error, engine.instance)
+        exchange.count_failure("prefill", failure)
+        raise failure from None
+    except ProxyError as failure:
+        exchange.count_failure("prefill", failure)
+        raise
+    finally:
+        finished = time.monotonic()
+        state.metrics.prefill_duration.observe(finished - started)
+    engine.instance.last_success = finished
 
 
 # --- discovery and health
@@ -2043,14 +2068,11 @@ async def read_body(request: web.Request) -> bytearray:
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
-    client_request_id = request.headers.get(REQUEST_ID_HEADER)
-    stats = request[STATS_KEY]
-    request_id = stats.request_id
     require_ready(request)
     body = parse_request_json(await read_body(request))
     if isinstance(model := body.get("model"), str):
-        stats.model = model[:100]
-    return await run_pd_request(request, body, request_id, client_request_id)
+        request[STATS_KEY].model = model[:100]
+    return await run_pd_request(request, body)
 
 
 async def handle_models(request: web.Request) -> web.Response:
