@@ -60,6 +60,7 @@ try:
         HttpProcessingError,
         LineTooLong,
     )
+    from aiohttp.typedefs import Handler
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
     from prometheus_client.registry import Collector
@@ -683,10 +684,6 @@ class ProxyError(Exception):
             reason=f"http_{status}",
         )
 
-    @property
-    def error_type(self) -> str:
-        return error_type(self.status)
-
     def payload(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param)
 
@@ -801,55 +798,45 @@ class Metrics:
 
     def __init__(self, state: ProxyState) -> None:
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter(
-            "mooncake_proxy_requests",
-            "Client requests by route and final HTTP status.",
-            ["route", "status"],
-            registry=registry,
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"mooncake_proxy_{name}", doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, *labels: str) -> Histogram:
+            name = f"mooncake_proxy_{name}"
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=registry)
+
+        self.requests = counter(
+            "requests", "Client requests by route and final HTTP status.", "route", "status"
         )
-        self.errors = Counter(
-            "mooncake_proxy_errors",
+        self.errors = counter(
+            "errors",
             "Failed legs (stage prefill/decode) and clients gone (stage client), by reason.",
-            ["stage", "reason"],
-            registry=registry,
+            *("stage", "reason"),
         )
-        self.duration = Histogram(
-            "mooncake_proxy_request_duration_seconds",
-            "End-to-end time of a client request.",
-            ["route"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+        self.duration = histogram(
+            "request_duration_seconds", "End-to-end time of a client request.", "route"
         )
-        self.first_byte = Histogram(
-            "mooncake_proxy_time_to_first_byte_seconds",
+        self.first_byte = histogram(
+            "time_to_first_byte_seconds",
             "Time until the first response byte reached the client (time to first token).",
-            ["route"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+            "route",
         )
-        self.prefill_duration = Histogram(
-            "mooncake_proxy_prefill_duration_seconds",
-            "Time of the prefill leg, sent to answered.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+        self.prefill_duration = histogram(
+            "prefill_duration_seconds", "Time of the prefill leg, sent to answered."
         )
-        self.retries = Counter(
-            "mooncake_proxy_retries",
+        self.retries = counter(
+            "retries",
             "Legs tried again elsewhere because their upstream could not be reached.",
-            ["stage"],
-            registry=registry,
+            "stage",
         )
-        self.engine_id_changes = Counter(
-            "mooncake_proxy_engine_id_changes",
+        self.engine_id_changes = counter(
+            "engine_id_changes",
             "Times a prefill instance came back with other engine ids (a restart).",
-            ["instance"],
-            registry=registry,
+            "instance",
         )
-        self.check_failures = Counter(
-            "mooncake_proxy_check_failures",
-            "Failed health checks and discoveries.",
-            ["role", "instance"],
-            registry=registry,
+        self.check_failures = counter(
+            "check_failures", "Failed health checks and discoveries.", "role", "instance"
         )
         registry.register(FleetCollector(state))
 
@@ -992,8 +979,9 @@ class Backend:
         self.usable, self.since = False, time.time()
         return True
 
-    def refused(self, error: str) -> bool:
-        """A live request could not connect: out at once, and checked again right away."""
+    def connection_refused(self, error: str) -> bool:
+        """A live request could not connect: out at once, and checked again right away; True
+        if that took it out of the rotation."""
         self.passes = self.same_failures = 0
         self.last_error = error
         self.recheck.set()
@@ -1118,8 +1106,9 @@ class Fleet:
         )
         self.refresh()
 
-    def refused(self, backend: Backend, error: str) -> None:
-        if backend.refused(error):
+    def take_out(self, backend: Backend, error: str) -> None:
+        """A live request could not reach ``backend``: out of the rotation at once."""
+        if backend.connection_refused(error):
             log.warning("%s %s left the rotation: %s", backend.role, backend.url, error)
             self.refresh()
 
@@ -1643,7 +1632,7 @@ class Exchange:
         rotation and allow another try elsewhere; raises naming every try when none is left."""
         self.failures.append(failure)
         self.tried.add(backend)
-        self.state.fleet.refused(backend, failure.message)
+        self.state.fleet.take_out(backend, failure.message)
         self.state.metrics.errors.labels(stage, failure.reason).inc()
         if self.retries_left <= 0:
             raise self.exhausted()
@@ -1891,19 +1880,27 @@ def check_error(stage: str, url: URL, error: BaseException) -> CheckFailed:
     return CheckFailed(failure.message, no_answer_in_time=slow, unreachable=unreachable)
 
 
+async def get_checked(
+    session: aiohttp.ClientSession, stage: str, url: URL, limits: aiohttp.ClientTimeout
+) -> bytes:
+    """GET for a check: the body of a 2xx answer, else CheckFailed saying why not."""
+    try:
+        async with session.get(url, timeout=limits) as answer:
+            body = await answer.read()
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise check_error(stage, url, error) from None
+    if answer.status == 503 and stage == "bootstrap":
+        raise CheckFailed(f"bootstrap {url}: topology is not ready yet (503)")
+    if not 200 <= answer.status < 300:
+        raise CheckFailed(f"{stage} {url} answered {answer.status}")
+    return body
+
+
 async def check_health(
     session: aiohttp.ClientSession, backend: Backend, limits: aiohttp.ClientTimeout
 ) -> None:
     """vLLM's ``GET /health``: 2xx when its engine is alive; raises CheckFailed saying why not."""
-    url = backend.routes["/health"]
-    try:
-        async with session.get(url, timeout=limits) as health:
-            await health.read()
-            status = health.status
-    except (aiohttp.ClientError, TimeoutError) as error:
-        raise check_error("health check", url, error) from None
-    if not 200 <= status < 300:
-        raise CheckFailed(f"{url} answered {status}")
+    await get_checked(session, "health check", backend.routes["/health"], limits)
 
 
 async def query_engine_ids(
@@ -1912,16 +1909,7 @@ async def query_engine_ids(
     """Wait for the prefill API to be healthy, then read its engines from the bootstrap."""
     # Workers register before the API server listens: a healthy API means a full answer.
     await check_health(session, instance, limits)
-    try:
-        async with session.get(instance.query_url, timeout=limits) as query:
-            raw = await query.read()
-            status = query.status
-    except (aiohttp.ClientError, TimeoutError) as error:
-        raise check_error("bootstrap", instance.query_url, error) from None
-    if status == 503:
-        raise CheckFailed(f"bootstrap {instance.query_url}: topology is not ready yet (503)")
-    if not 200 <= status < 300:
-        raise CheckFailed(f"bootstrap {instance.query_url} answered {status}")
+    raw = await get_checked(session, "bootstrap", instance.query_url, limits)
     try:
         engine_ids = parse_engine_ids(json.loads(raw))
     except ValueError as error:
@@ -2136,7 +2124,7 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 
 @web.middleware
-async def access_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Outermost: one access line and the request metrics per request, however it ended."""
     stats = request[STATS_KEY] = RequestStats(
         request.method, route_label(request), loggable_path(request)
@@ -2166,7 +2154,7 @@ async def access_middleware(request: web.Request, handler: Any) -> web.StreamRes
 
 
 @web.middleware
-async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """With --api-key, /v1/* (and /metrics with --protect-metrics) need the bearer key."""
     config = request.app[STATE_KEY].config
     if config.api_key and (
@@ -2181,7 +2169,7 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure leaves as an OpenAI-style error body, never as a traceback."""
     stats = request[STATS_KEY]
     allow = None
