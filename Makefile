@@ -33,7 +33,7 @@ integration: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --strict mooncake_proxy.py
+	$(VENV)/bin/mypy --strict mooncake_proxy.py test_mooncake_proxy.py fake_vllm.py bench_mooncake_proxy.py
 
 check: lint test
 

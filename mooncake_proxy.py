@@ -193,7 +193,10 @@ def parse_bootstrap(url: URL, value: str | None) -> URL:
         if not 1 <= int(value) <= 65535:
             raise ValueError(f"{url} {value}: bootstrap port must be 1-65535")
         return URL.build(scheme="http", host=url.raw_host or "", port=int(value))
-    return parse_backend_url(value)
+    try:
+        return parse_backend_url(value)
+    except ValueError as error:
+        raise ValueError(f"{url} BOOTSTRAP {error}, a port, or 'none'") from None
 
 
 def parse_prefills(groups: Sequence[Sequence[str]]) -> tuple[PrefillSpec, ...]:
