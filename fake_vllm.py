@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import hashlib
 import json
@@ -120,6 +121,70 @@ def generate(prompt: Any, body: dict[str, Any]) -> Generation:
     return Generation(tokens, "length", len(text.split()))
 
 
+# The fakes' own tokenizer and cache geometry, deliberately unlike the proxy's 512-byte blocks:
+# a token is 4 bytes of the prompt as the fake serialises it, a KV block 16 tokens.
+TOKEN_BYTES = 4
+BLOCK_TOKENS = 16
+
+
+def prompt_tokens(prompt: Any) -> int:
+    return -(-len(prompt_text(prompt)) // TOKEN_BYTES)
+
+
+def prompt_text(prompt: Any) -> bytes:
+    """The prompt as this fake 'tokenises' it: a chat's messages in order, one per line."""
+    if isinstance(prompt, str):
+        return prompt.encode()
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        return b"".join(
+            json.dumps([m.get("role"), m.get("content")]).encode() + b"\n" for m in prompt
+        )
+    return json.dumps(prompt).encode()
+
+
+def kv_blocks(prompt: Any) -> list[bytes]:
+    """The chained hashes of the prompt's full KV blocks, as vLLM's prefix cache keys them."""
+    text, size = prompt_text(prompt), TOKEN_BYTES * BLOCK_TOKENS
+    chain, parent = [], b""
+    for start in range(0, len(text) - size + 1, size):
+        parent = hashlib.blake2b(parent + text[start : start + size], digest_size=16).digest()
+        chain.append(parent)
+    return chain
+
+
+@dataclass
+class EngineSim:
+    """One engine's (DP rank's) prefix cache and queue, and the counters vLLM exports."""
+
+    capacity: int  # KV blocks
+    cache: collections.OrderedDict[bytes, None] = field(default_factory=collections.OrderedDict)
+    busy: asyncio.Lock | None = None
+    running: int = 0
+    waiting: int = 0
+    queries: int = 0  # prompt tokens looked up (vllm:prefix_cache_queries)
+    hits: int = 0  # of those, found cached (vllm:prefix_cache_hits)
+    local_hit_tokens: int = 0  # decode: prompt tokens it had cached itself
+    transferred_tokens: int = 0  # decode: prompt tokens pulled from a prefill
+
+    def lookup(self, prompt: Any) -> tuple[list[bytes], int]:
+        """The prompt's blocks and how many leading ones are cached; counts the query."""
+        chain = kv_blocks(prompt)
+        cached = 0
+        while cached < len(chain) and chain[cached] in self.cache:
+            cached += 1
+        self.queries += prompt_tokens(prompt)
+        self.hits += cached * BLOCK_TOKENS
+        return chain, cached
+
+    def store(self, chain: list[bytes]) -> None:
+        """Cache the blocks; the least recently used go first, a chain's tail before its head."""
+        for block in reversed(chain):
+            self.cache[block] = None
+            self.cache.move_to_end(block)
+        while len(self.cache) > self.capacity:
+            self.cache.popitem(last=False)
+
+
 @dataclass
 class FakeVllm:
     """One fake vLLM server. ``role`` is "prefill" (kv_producer) or "decode" (kv_consumer)."""
@@ -141,6 +206,10 @@ class FakeVllm:
     health_status: int = 200
     health_delay: float = 0.0  # a busy server: /health answers, slowly
     drop_after: float | None = None  # accept a completion, then reset the connection
+    # A prefix cache per engine (0: none) and prefill compute time per uncached prompt token;
+    # a prefill engine computes one prompt at a time, the rest wait (as in vLLM's queue).
+    cache_blocks: int = 0
+    token_time: float = 0.0
     # Observations.
     requests: list[Recorded] = field(default_factory=list)
     sent: dict[str, bytearray] = field(default_factory=dict)  # request id -> bytes written
@@ -156,6 +225,18 @@ class FakeVllm:
     _held_kv: dict[str, tuple[str, str, int]] = field(default_factory=dict)
     _kv_ready: asyncio.Condition | None = None
     engine_prefix: str = field(default_factory=lambda: str(uuid.uuid4()))
+    sims: list[EngineSim] = field(default_factory=list)
+    metrics_status: int = 200  # 404: a server without /metrics
+    extra_waiting: int = 0  # added to every engine's vllm:num_requests_waiting
+
+    def sim(self, rank: int) -> EngineSim:
+        while len(self.sims) < self.dp_size:
+            self.sims.append(EngineSim(self.cache_blocks))
+        return self.sims[rank]
+
+    def prefix_hit_rate(self) -> float:
+        queries = sum(sim.queries for sim in self.sims)
+        return sum(sim.hits for sim in self.sims) / queries if queries else 0.0
 
     # --- identity
 
@@ -182,6 +263,7 @@ class FakeVllm:
         app.router.add_post("/v1/completions", self.handle_completion)
         app.router.add_post("/v1/chat/completions", self.handle_completion)
         app.router.add_get("/_fake/kv", self.handle_kv_pull)
+        app.router.add_get("/metrics", self.handle_metrics)
         app.cleanup_ctx.append(self._session_ctx)
         return app
 
@@ -201,6 +283,61 @@ class FakeVllm:
         self.health_count += 1
         await asyncio.sleep(self.health_delay)
         return web.Response(status=self.health_status)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        """vLLM's series, one per engine (the "engine" label is the DP rank)."""
+        if self.metrics_status != 200:
+            return web.Response(status=self.metrics_status)
+        lines = []
+        for rank in range(self.dp_size):
+            sim, labels = self.sim(rank), f'engine="{rank}",model_name="{MODEL}"'
+            running = sim.running if self.role == "prefill" else self.running
+            usage = len(sim.cache) / sim.capacity if sim.capacity else 0.0
+            lines += [
+                f"vllm:num_requests_running{{{labels}}} {float(running)}",
+                f"vllm:num_requests_waiting{{{labels}}} {float(sim.waiting + self.extra_waiting)}",
+                f"vllm:kv_cache_usage_perc{{{labels}}} {usage}",
+                f"vllm:prefix_cache_queries_total{{{labels}}} {float(sim.queries)}",
+                f"vllm:prefix_cache_hits_total{{{labels}}} {float(sim.hits)}",
+                f'vllm:prompt_tokens_by_source_total{{{labels},source="local_cache_hit"}} '
+                f"{float(sim.local_hit_tokens)}",
+                f'vllm:prompt_tokens_by_source_total{{{labels},source="external_kv_transfer"}} '
+                f"{float(sim.transferred_tokens)}",
+                f'vllm:cache_config_info{{block_size="{BLOCK_TOKENS}",engine="{rank}",'
+                f'kv_cache_size_tokens="{sim.capacity * BLOCK_TOKENS}",'
+                f'num_gpu_blocks="{sim.capacity * self.dp_size}"}} 1.0',
+            ]
+        return web.Response(text="\n".join(["# a fake vLLM", *lines, ""]))
+
+    async def compute_prefill(self, rank: int, prompt: Any) -> None:
+        """Queue for the engine, then spend time on the prompt tokens it has not cached."""
+        sim = self.sim(rank)
+        if sim.busy is None:
+            sim.busy = asyncio.Lock()
+        sim.waiting += 1
+        queued = True
+        try:
+            async with sim.busy:
+                sim.waiting, queued = sim.waiting - 1, False
+                sim.running += 1
+                try:
+                    chain, cached = sim.lookup(prompt)
+                    uncached = prompt_tokens(prompt) - cached * BLOCK_TOKENS
+                    await asyncio.sleep(uncached * self.token_time)
+                    sim.store(chain)
+                finally:
+                    sim.running -= 1
+        finally:
+            if queued:  # cancelled while waiting (the proxy closed the connection)
+                sim.waiting -= 1
+
+    def receive_kv(self, prompt: Any) -> None:
+        """A decode's prefix cache: it pulls only the blocks it lacks, and keeps them."""
+        sim = self.sim(0)
+        chain, cached = sim.lookup(prompt)
+        sim.local_hit_tokens += cached * BLOCK_TOKENS
+        sim.transferred_tokens += prompt_tokens(prompt) - cached * BLOCK_TOKENS
+        sim.store(chain)
 
     async def handle_models(self, request: web.Request) -> web.Response:
         if (denied := self.check_auth(request)) is not None:
@@ -282,6 +419,8 @@ class FakeVllm:
         params = body.get("kv_transfer_params") or {}
         if self.role == "prefill":
             await asyncio.sleep(self.delay)
+            if self.cache_blocks:
+                await self.compute_prefill(rank, prompt)
             if params.get("do_remote_decode") and generation.finish_reason == "length":
                 await self.hold_kv(self.engine_ids[rank], params, prompt, generation)
             return await self.answer(request, body, request_id, generation)
@@ -303,6 +442,8 @@ class FakeVllm:
                 await self.write(response, request_id, b": keep-alive\n\n")
         if worker is not None:
             failure = await self.pull_kv(worker, params, prompt)
+            if failure is None and self.cache_blocks:
+                self.receive_kv(prompt)
             if failure is not None:
                 if response is None:
                     return error(500, failure)

@@ -24,10 +24,13 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import heapq
 import hmac
 import itertools
 import json
 import logging
+import math
+import operator
 import os
 import re
 import resource
@@ -36,6 +39,7 @@ import socket
 import sys
 import time
 import uuid
+import zlib
 from collections.abc import (
     AsyncIterator,
     Callable,
@@ -147,8 +151,9 @@ class ConfigError(ValueError):
 class Policy(enum.StrEnum):
     """How a stage picks among its usable targets."""
 
-    ROUND_ROBIN = "round_robin"  # the seed's exact rotation
+    PREFIX_AWARE = "prefix_aware"  # where the prompt's prefix is, weighed against load
     LEAST_LOADED = "least_loaded"  # fewest requests this proxy has in flight there
+    ROUND_ROBIN = "round_robin"  # the seed's exact rotation
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +249,24 @@ def seconds_or_none(text: str) -> float | None:
     return value or None
 
 
+def weight(text: str) -> float:
+    """A non-negative number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("expected a number") from None
+    if not 0 <= value < math.inf:
+        raise ValueError("expected a number of 0 or more")
+    return value
+
+
+def factor(text: str) -> float:
+    """A number of 1 or more."""
+    if (value := weight(text)) < 1:
+        raise ValueError("expected a number of 1 or more")
+    return value
+
+
 def port_number(text: str) -> int:
     if not 0 <= (value := at_least(0)(text)) <= 65535:
         raise ValueError("expected a port, 0-65535")
@@ -257,6 +280,9 @@ def one_of(*choices: str) -> Callable[[str], str]:
         return text
 
     return parse
+
+
+POLICIES: Final = "{" + ",".join(Policy) + "}"
 
 
 def parse_policy(text: str) -> Policy:
@@ -400,24 +426,55 @@ class ProxyConfig:
         at_least(0),
     )
     policy: Policy = setting(
-        Policy.LEAST_LOADED,
-        "how both stages pick a target: least_loaded (fewest requests in flight from this "
-        "proxy, ties round robin) or round_robin",
+        Policy.PREFIX_AWARE,
+        "how both stages pick a target: prefix_aware (where the prompt's prefix is cached, "
+        "weighed against each engine's load from its /metrics), least_loaded (fewest requests "
+        "in flight from this proxy, ties round robin) or round_robin",
         parse_policy,
-        metavar="{round_robin,least_loaded}",
+        metavar=POLICIES,
     )
     # None: as --policy.
     prefill_policy: Policy | None = setting(
         None,
         "--policy for the prefill stage only",
         parse_policy,
-        metavar="{round_robin,least_loaded}",
+        metavar=POLICIES,
     )
     decode_policy: Policy | None = setting(
         None,
         "--policy for the decode stage only",
         parse_policy,
-        metavar="{round_robin,least_loaded}",
+        metavar=POLICIES,
+    )
+    load_interval: float = setting(
+        1.0,
+        "seconds between scrapes of each instance's /metrics (its running and waiting requests "
+        "and KV usage per engine) for prefix_aware",
+        seconds,
+    )
+    prefix_index_blocks: int = setting(
+        65536,
+        "prompt blocks (512 bytes each) remembered per engine at most, for prefix_aware; "
+        "fewer where an engine's /metrics says its KV cache holds fewer",
+        at_least(1),
+    )
+    balance_factor: float = setting(
+        1.25,
+        "a prompt no engine holds goes where a consistent hash of its first block says, unless "
+        "that engine has more than this times the mean load (then the next in the hash's order)",
+        factor,
+    )
+    prefill_load_weight: float = setting(
+        1.0,
+        "prefix_aware cost of one request on a prefill engine, in multiples of the work an "
+        "average prompt needs",
+        weight,
+    )
+    decode_load_weight: float = setting(
+        4.0,
+        "the same for a decode: its streams run long, and a cached prefix there only saves "
+        "the transfer",
+        weight,
     )
     api_key: str | None = setting(
         None,
@@ -737,6 +794,7 @@ class ProxyState:
         self.slots = UpstreamSlots(self.config.max_connections)
         self.connections = ClientConnections(self.config.max_client_connections)
         self.metrics = Metrics(self)
+        self.fleet.prefill_router.observe = self.fleet.decode_router.observe = self.metrics.routed
 
     @property
     def serving(self) -> bool:
@@ -841,10 +899,28 @@ class Metrics:
         self.check_failures = counter(
             "check_failures", "Failed health checks and discoveries.", "role", "instance"
         )
+        self.routing = counter(
+            "routing_decisions",
+            "Targets picked, by stage and reason (affinity, spill, cold, session, fallback, or "
+            "the policy's name for round_robin and least_loaded).",
+            *("stage", "reason"),
+        )
+        self.prefix_share = Histogram(
+            "mooncake_proxy_routing_prefix_share",
+            "Share of the prompt's blocks the chosen target was believed to hold (prefix_aware).",
+            ["stage"],
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+            registry=registry,
+        )
         registry.register(FleetCollector(state))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def routed(self, stage: str, choice: Choice, key: RouteKey | None) -> None:
+        self.routing.labels(stage, choice.reason).inc()
+        if key is not None and key.chain:
+            self.prefix_share.labels(stage).observe(choice.matched / len(key.chain))
 
 
 class FleetCollector(Collector):
@@ -876,7 +952,7 @@ class FleetCollector(Collector):
             usable.add_metric(["prefill", str(instance.url)], float(instance.usable))
             for engine in instance.engines:
                 labels = [str(instance.url), str(engine.dp_rank), engine.engine_id]
-                prefill.add_metric(labels, fleet.engine_load[engine.engine_id])
+                prefill.add_metric(labels, engine.in_flight)
         for backend in fleet.decodes:
             usable.add_metric(["decode", str(backend.url)], float(backend.usable))
             decode.add_metric([str(backend.url)], backend.in_flight)
@@ -929,9 +1005,261 @@ def record_request(app: web.Application, stats: RequestStats, status: int) -> No
 # --- backends and selection
 
 
+# Prompts are hashed in blocks of this many bytes: about 128 tokens at 4 bytes a token, vLLM's
+# block size on the CPU. A GPU's 16-token blocks are finer, but a few hundred bytes at the end
+# of a long shared prefix is all the coarser grain loses, and a 1 MiB prompt is then 2,048
+# blocks, hashed in well under a millisecond.
+ROUTING_BLOCK_BYTES: Final = 512
+SESSION_HEADER: Final = "X-Session-ID"
+MASK64: Final = (1 << 64) - 1
+# A target whose KV cache is this full is passed over while another is not: vLLM would
+# preempt (recompute) running requests to make room.
+KV_FULL: Final = 0.98
+
+
+@dataclass(frozen=True, slots=True)
+class RouteKey:
+    """What routing knows of one request: its prompt's blocks and where a first sight goes."""
+
+    length: int  # bytes of the prompt as routing reads it (prompt_bytes)
+    chain: list[int]  # per block, a hash of it and of every block before it
+    placement: int  # the same in every proxy process: the first block, or the session key
+    session: bool  # the client named a session (X-Session-ID, or the body's "user")
+
+
+def prompt_bytes(path: str, body: Mapping[str, Any]) -> bytes:
+    """The prompt as routing reads it: bytes whose prefixes match when the prompts' do.
+
+    A chat becomes one line per message (role, content, name, tool calls), so turn N+1 starts
+    with turn N; token ids become their digits; the model and the tools come first.
+    """
+    head = str(body.get("model", "")).encode() + b"\0"
+    if path.endswith("/chat/completions"):
+        if tools := body.get("tools"):
+            head += encode_json({"tools": tools}) + b"\n"
+        messages = body.get("messages")
+        lines = [message_line(m) for m in messages] if isinstance(messages, list) else []
+        return head + b"".join(lines)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch: it is placed by its first prompt
+    if isinstance(prompt, str):
+        return head + prompt.encode("utf-8", "surrogatepass")
+    if isinstance(prompt, list):
+        return head + ",".join(map(str, prompt)).encode()
+    return head
+
+
+def message_line(message: object) -> bytes:
+    if not isinstance(message, dict):
+        return encode_json({"message": message}) + b"\n"
+    fields = ("role", "content", "name", "tool_calls", "tool_call_id")
+    return encode_json({"m": [message.get(key) for key in fields]}) + b"\n"
+
+
+def block_chain(data: bytes) -> list[int]:
+    """A hash per full block, chained with every block before it (XOR of each block's hash
+    with its position). Python's hash() is C code seeded per process; each process keeps its
+    own index, so the values need not agree between processes."""
+    size, count = ROUTING_BLOCK_BYTES, len(data) // ROUTING_BLOCK_BYTES
+    blocks = map(
+        data.__getitem__, map(slice, range(0, count * size, size), itertools.count(size, size))
+    )
+    return list(itertools.accumulate(map(hash, zip(itertools.count(), blocks)), operator.xor))
+
+
+def route_key(path: str, body: Mapping[str, Any], session_id: str | None) -> RouteKey:
+    data = prompt_bytes(path, body)
+    if session_id:
+        placement = zlib.crc32(b"session\0" + session_id.encode("utf-8", "replace"))
+    else:
+        placement = zlib.crc32(data[:ROUTING_BLOCK_BYTES])
+    return RouteKey(len(data), block_chain(data), placement, bool(session_id))
+
+
+class PrefixIndex:
+    """The prompt blocks a target is believed to hold: those this process sent it, the least
+    recently sent evicted first, at most ``capacity`` (its KV cache, or --prefix-index-blocks).
+
+    A chain's blocks are stamped tail first, so its head outlives its tail, as in vLLM's own
+    eviction: the blocks held are a prefix of each chain, and matching is a binary search.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: dict[int, int] = {}  # chained hash -> when it was last sent
+        self.clock = 0
+
+    def match(self, chain: Sequence[int]) -> int:
+        """How many of the chain's leading blocks are held."""
+        low, high = 0, len(chain)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if chain[middle - 1] in self.blocks:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def add(self, chain: Sequence[int]) -> None:
+        start, self.clock = self.clock, self.clock + len(chain)
+        self.blocks.update(zip(chain, range(self.clock, start, -1), strict=True))
+        if len(self.blocks) > self.capacity + self.capacity // 8:  # evict in batches
+            newest = heapq.nlargest(self.capacity, self.blocks.items(), key=operator.itemgetter(1))
+            self.blocks = dict(newest)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+
+@dataclass(slots=True)
+class LoadView:
+    """A target's load as its own /metrics said at the last scrape, plus what this process
+    sent it since: every proxy process and replica reads the same engine, so they weigh alike."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    scraped_at: float = -math.inf  # monotonic
+    sent_since: int = 0
+    prefix_queries: float = 0.0  # a counter: when it goes back, the engine restarted
+
+    def requests(self, now: float, fresh_for: float, local: int) -> float:
+        """Requests on the target: scraped while fresh, else this process's own count."""
+        if now - self.scraped_at > fresh_for:
+            return local
+        return self.running + self.waiting + self.sent_since
+
+    def status(self, now: float) -> dict[str, Any]:
+        age = now - self.scraped_at
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_cache_usage": round(self.kv_usage, 4),
+            "sent_since_scrape": self.sent_since,
+            "age_s": round(age, 3) if age != math.inf else None,
+        }
+
+
+class Target:
+    """What a stage picks among: a prefill engine, or a decode instance."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name = name  # stable across restarts and proxy processes: its place in the hash
+        self.seed = zlib.crc32(name.encode())
+        self.index = PrefixIndex(capacity)
+        self.load = LoadView()
+
+    def routing_status(self, now: float) -> dict[str, Any]:
+        return {"load": self.load.status(now), "index_blocks": len(self.index.blocks)}
+
+
+def mix64(value: int) -> int:
+    """splitmix64's finaliser: every input bit moves every output bit."""
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & MASK64
+    return value ^ (value >> 31)
+
+
+def bounded_first(order: Sequence[int], loads: Sequence[float], balance: float) -> int:
+    """Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam): the first
+    target in the key's order whose load, with this request, stays within ``balance`` times
+    the mean (HAProxy's hash-balance-factor); the least loaded if none does."""
+    limit = math.ceil(balance * (sum(loads) + 1) / len(loads))
+    for i in order:
+        if loads[i] + 1 <= limit:
+            return i
+    return min(order, key=loads.__getitem__)
+
+
+@dataclass
+class Choice:
+    index: int
+    reason: str  # affinity, spill, cold, session, fallback or the policy's name
+    matched: int  # blocks of the prompt the target is believed to hold
+
+
+class Router:
+    """Picks one stage's target: prefix_aware (the cost below), least_loaded or round_robin.
+
+    prefix_aware: a prompt none of the targets holds goes where a bounded-load consistent
+    hash of its first block (or its session key) says, so every proxy process sends a new
+    prefix to the same engine; otherwise the target with the least
+        cost = load_weight x mean_uncached x requests + blocks of this prompt it lacks
+    wins, so a hot prefix spills to a second engine once the work queued on the first costs
+    more than computing the prompt again elsewhere.
+    """
+
+    def __init__(self, stage: str, load_weight: float, balance: float, fresh_for: float) -> None:
+        self.stage = stage
+        self.load_weight = load_weight
+        self.balance = balance
+        self.fresh_for = fresh_for
+        self.turn = itertools.count()
+        # Blocks a request has to compute, on average: what one more queued request weighs.
+        self.mean_uncached = 1.0
+        # Told of every decision (the metrics set it).
+        self.observe: Callable[[str, Choice, RouteKey | None], None] | None = None
+
+    def pick(
+        self,
+        targets: Sequence[TargetT],
+        policy: Policy,
+        key: RouteKey | None,
+        local: Callable[[TargetT], int],
+    ) -> Choice:
+        choice = self.choose(targets, policy, key, local)
+        if self.observe is not None:
+            self.observe(self.stage, choice, key)
+        return choice
+
+    def choose(
+        self,
+        targets: Sequence[TargetT],
+        policy: Policy,
+        key: RouteKey | None,
+        local: Callable[[TargetT], int],
+    ) -> Choice:
+        if policy is not Policy.PREFIX_AWARE:
+            return Choice(choose_index(targets, self.turn, policy, local), policy.value, 0)
+        now = time.monotonic()
+        loads = [t.load.requests(now, self.fresh_for, local(t)) for t in targets]
+        candidates = [i for i, t in enumerate(targets) if t.load.kv_usage < KV_FULL] or list(
+            range(len(targets))
+        )
+        if key is None:
+            return Choice(min(candidates, key=loads.__getitem__), "fallback", 0)
+        order = sorted(candidates, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
+        choice = self.by_cost(targets, key, loads, order)
+        target = targets[choice.index]
+        target.index.add(key.chain)
+        target.load.sent_since += 1
+        uncached = max(len(key.chain) - choice.matched, 1)
+        self.mean_uncached += (uncached - self.mean_uncached) / 32
+        return choice
+
+    def by_cost(
+        self, targets: Sequence[Target], key: RouteKey, loads: list[float], order: list[int]
+    ) -> Choice:
+        if key.session:
+            return Choice(bounded_first(order, loads, self.balance), "session", 0)
+        matches = {i: targets[i].index.match(key.chain) for i in order}
+        best = max(matches.values())
+        if best == 0:
+            return Choice(bounded_first(order, loads, self.balance), "cold", 0)
+        unit = self.load_weight * self.mean_uncached
+        rank = {i: place for place, i in enumerate(order)}
+        pick = min(order, key=lambda i: (unit * loads[i] + len(key.chain) - matches[i], rank[i]))
+        return Choice(pick, "affinity" if matches[pick] == best else "spill", matches[pick])
+
+
+TargetT = TypeVar("TargetT", bound=Target)
+
+
 def route_urls(base: URL) -> dict[str, URL]:
     # Built once per instance so the hot path never parses or joins a URL.
-    return {path: base.with_path(path) for path in (*COMPLETION_PATHS, "/v1/models", "/health")}
+    paths = (*COMPLETION_PATHS, "/v1/models", "/health", "/metrics")
+    return {path: base.with_path(path) for path in paths}
 
 
 class Backend:
@@ -961,6 +1289,8 @@ class Backend:
         self.checked_at = 0.0
         self.last_success = 0.0
         self.slow = False
+        # Why its /metrics gave no load (routing then counts this proxy's own requests).
+        self.load_error: str | None = None
 
     def check_passed(self, healthy_after: int) -> bool:
         """Count a good check; True if that brought the instance back into the rotation."""
@@ -1000,17 +1330,29 @@ class Backend:
             "since": datetime.fromtimestamp(self.since, UTC).isoformat(timespec="seconds"),
             "slow": self.slow,
             "last_error": self.last_error,
+            "load_error": self.load_error,
             "in_flight": self.in_flight,
         }
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillEngine:
-    """One data-parallel rank of a prefill instance: what a decode names as its KV source."""
+class PrefillEngine(Target):
+    """One data-parallel rank of a prefill instance: what a decode names as its KV source.
 
-    instance: PrefillInstance = field(compare=False, repr=False)
-    dp_rank: int
-    engine_id: str
+    A restart brings new engine ids and so new PrefillEngines: what the old ones were believed
+    to hold is gone with them.
+    """
+
+    def __init__(
+        self, instance: PrefillInstance, dp_rank: int, engine_id: str, capacity: int = 65536
+    ) -> None:
+        super().__init__(f"{instance.url}#{dp_rank}", capacity)
+        self.instance = instance
+        self.dp_rank = dp_rank
+        self.engine_id = engine_id
+        self.in_flight = 0
+
+    def __repr__(self) -> str:
+        return f"PrefillEngine({self.name}, {self.engine_id})"
 
     @property
     def url(self) -> URL:
@@ -1019,6 +1361,10 @@ class PrefillEngine:
     @property
     def bootstrap_addr(self) -> str:
         return self.instance.spec.bootstrap_addr
+
+    def status(self, now: float) -> dict[str, Any]:
+        state = {"dp_rank": self.dp_rank, "engine_id": self.engine_id, "in_flight": self.in_flight}
+        return state | self.routing_status(now)
 
 
 class PrefillInstance(Backend):
@@ -1038,38 +1384,47 @@ class PrefillInstance(Backend):
         return tuple(engine.engine_id for engine in self.engines)
 
     def status(self) -> dict[str, Any]:
+        now = time.monotonic()
         return {
             **super().status(),
             "bootstrap": self.spec.bootstrap_addr,
             "engine_ids": list(self.engine_ids),
+            "engines": [engine.status(now) for engine in self.engines],
         }
 
 
-class DecodeInstance(Backend):
-    """A decode server (vLLM ``kv_consumer``); it runs no bootstrap server."""
+class DecodeInstance(Backend, Target):
+    """A decode server (vLLM ``kv_consumer``); it runs no bootstrap server. Its prefix cache
+    keeps the prompts it received: a decode that holds a prefix pulls only the rest."""
 
     role = "decode"
 
+    def __init__(self, url: URL, capacity: int = 65536) -> None:
+        Backend.__init__(self, url)
+        Target.__init__(self, str(url), capacity)
 
-def choose(
+    def status(self) -> dict[str, Any]:
+        return super().status() | self.routing_status(time.monotonic())
+
+
+def choose_index(
     candidates: Sequence[T], turn: Iterator[int], policy: Policy, load: Callable[[T], int]
-) -> T:
+) -> int:
     """Round robin, or the least loaded with ties broken round robin.
 
     The rotation advances on every pick either way, so requests arriving together spread
     over equally loaded targets instead of piling onto the first.
     """
     count = len(candidates)
-    start = next(turn) % count
-    best = candidates[start]
+    best = next(turn) % count
     if policy is Policy.ROUND_ROBIN:
         return best
-    best_load = load(best)
+    best_load = load(candidates[best])
     for offset in range(1, count):
         if best_load == 0:
             break
-        candidate = candidates[(start + offset) % count]
-        if (candidate_load := load(candidate)) < best_load:
+        candidate = (best + offset) % count
+        if (candidate_load := load(candidates[candidate])) < best_load:
             best, best_load = candidate, candidate_load
     return best
 
@@ -1078,16 +1433,25 @@ class Fleet:
     """The configured instances, which of them are usable, and what is in flight on each."""
 
     def __init__(self, config: ProxyConfig) -> None:
+        self.index_blocks = config.prefix_index_blocks
         self.prefills = tuple(PrefillInstance(spec) for spec in config.prefills)
-        self.decodes = tuple(DecodeInstance(url) for url in config.decodes)
+        self.decodes = tuple(DecodeInstance(url, self.index_blocks) for url in config.decodes)
         self.prefill_policy, self.decode_policy = config.policies
         # Usable targets in configuration order; prefill engines are every (instance, DP rank)
         # pair, the seed's rotation. Rebuilt on every change, read without locks.
         self._engines: tuple[PrefillEngine, ...] = ()
         self._decodes: tuple[DecodeInstance, ...] = ()
-        self.engine_load: collections.Counter[str] = collections.Counter()
-        self._prefill_turn = itertools.count()
-        self._decode_turn = itertools.count()
+        fresh_for = 3 * config.load_interval  # a scrape older than this is not trusted
+        balance = config.balance_factor
+        self.prefill_router = Router("prefill", config.prefill_load_weight, balance, fresh_for)
+        self.decode_router = Router("decode", config.decode_load_weight, balance, fresh_for)
+        # Prompt bytes per token, learnt from the prefills' answers: sizes the indexes by the
+        # engines' KV capacity, which /metrics gives in tokens.
+        self.bytes_per_token = 4.0
+
+    @property
+    def routes_by_prefix(self) -> bool:
+        return Policy.PREFIX_AWARE in (self.prefill_policy, self.decode_policy)
 
     @property
     def ready(self) -> bool:
@@ -1105,7 +1469,8 @@ class Fleet:
 
     def set_engines(self, instance: PrefillInstance, engine_ids: Sequence[str]) -> None:
         instance.engines = tuple(
-            PrefillEngine(instance, rank, engine_id) for rank, engine_id in enumerate(engine_ids)
+            PrefillEngine(instance, rank, engine_id, self.index_blocks)
+            for rank, engine_id in enumerate(engine_ids)
         )
         self.refresh()
 
@@ -1118,42 +1483,48 @@ class Fleet:
     # Picks claim their target at once, before any await, so that concurrent arrivals see
     # each other's load; every claim is released when its leg ends.
 
-    def claim_prefill(self, avoid: Collection[Backend] = ()) -> PrefillEngine:
+    def claim_prefill(
+        self, avoid: Collection[Backend] = (), key: RouteKey | None = None
+    ) -> PrefillEngine:
         engines = self._engines
         if avoid:
             engines = tuple(e for e in engines if e.instance not in avoid)
         if not engines:
             raise ProxyError(503, "no usable prefill engine")
-        engine = choose(engines, self._prefill_turn, self.prefill_policy, self._engine_load)
-        self.engine_load[engine.engine_id] += 1
+        choice = self.prefill_router.pick(engines, self.prefill_policy, key, _in_flight)
+        engine = engines[choice.index]
+        engine.in_flight += 1
         engine.instance.in_flight += 1
         return engine
 
     def release_prefill(self, engine: PrefillEngine) -> None:
-        self.engine_load[engine.engine_id] -= 1
-        if self.engine_load[engine.engine_id] <= 0:
-            del self.engine_load[engine.engine_id]
+        engine.in_flight -= 1
         engine.instance.in_flight -= 1
 
-    def claim_decode(self, avoid: Collection[Backend] = ()) -> DecodeInstance:
+    def claim_decode(
+        self, avoid: Collection[Backend] = (), key: RouteKey | None = None
+    ) -> DecodeInstance:
         decodes = self._decodes
         if avoid:
             decodes = tuple(d for d in decodes if d not in avoid)
         if not decodes:
             raise ProxyError(503, "no usable decode instance")
-        decode = choose(decodes, self._decode_turn, self.decode_policy, _in_flight)
+        decode = decodes[
+            self.decode_router.pick(decodes, self.decode_policy, key, _in_flight).index
+        ]
         decode.in_flight += 1
         return decode
 
     def release_decode(self, decode: DecodeInstance) -> None:
         decode.in_flight -= 1
 
-    def _engine_load(self, engine: PrefillEngine) -> int:
-        return self.engine_load[engine.engine_id]
+    def learn_bytes_per_token(self, prompt_bytes: int, prompt_tokens: int) -> None:
+        if prompt_tokens > 0 and prompt_bytes > 0:
+            self.bytes_per_token += (prompt_bytes / prompt_tokens - self.bytes_per_token) / 16
 
 
-def _in_flight(backend: Backend) -> int:
-    return backend.in_flight
+def _in_flight(target: PrefillEngine | DecodeInstance) -> int:
+    return target.in_flight
 
 
 def parse_engine_ids(payload: object) -> tuple[str, ...]:
@@ -1470,23 +1841,26 @@ def upstream_failure(
     return ProxyError.from_upstream(stage, upstream.url, upstream.status, body, ctype)
 
 
-def prefill_finish_problem(body: bytes) -> str | None:
-    """Why a 2xx prefill answer means its KV will never reach the decode, or None if it will."""
+def prefill_outcome(body: bytes) -> tuple[str | None, int]:
+    """Why a 2xx prefill answer means its KV will never reach the decode (None if it will),
+    and the prompt's length in tokens that it reports (0 if it does not)."""
     try:
         payload = json.loads(body)
     except ValueError:
-        return "answered 2xx with a body that is not JSON"
+        return "answered 2xx with a body that is not JSON", 0
     choices = payload.get("choices") if isinstance(payload, dict) else None
     if not isinstance(choices, list) or not choices:
-        return "answered 2xx without choices"
+        return "answered 2xx without choices", 0
     for choice in choices:
         reason = choice.get("finish_reason") if isinstance(choice, dict) else None
         if reason != "length":
             return (
                 f"ended with finish_reason {reason!r} instead of 'length', "
                 "so vLLM frees its KV cache instead of sending it"
-            )
-    return None
+            ), 0
+    usage = payload.get("usage")
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return None, tokens if isinstance(tokens, int) else 0
 
 
 class RelayResponse(web.StreamResponse):
@@ -1574,6 +1948,7 @@ class Exchange:
     stats: RequestStats
     headers: dict[str, str]  # for both legs; each attempt sets its own X-Request-Id
     retries_left: int
+    route: RouteKey | None = None  # for prefix_aware routing
     response: RelayResponse = field(default_factory=RelayResponse)
     attempts: int = 0
     failures: list[Unreachable] = field(default_factory=list)
@@ -1583,7 +1958,14 @@ class Exchange:
     def of(cls, request: web.Request, body: dict[str, Any]) -> Exchange:
         state, stats = request.app[STATE_KEY], request[STATS_KEY]
         headers = upstream_headers(request.headers, stats.request_id, state.config)
-        return cls(request, state, body, stats, headers, state.config.max_retries)
+        route = None
+        if state.fleet.routes_by_prefix:
+            user = body.get("user")
+            session = request.headers.get(SESSION_HEADER) or (
+                user if isinstance(user, str) else None
+            )
+            route = route_key(request.path, body, session)
+        return cls(request, state, body, stats, headers, state.config.max_retries, route)
 
     @contextlib.asynccontextmanager
     async def attempt(self) -> AsyncIterator[Attempt]:
@@ -1606,11 +1988,11 @@ class Exchange:
         attempt goes by the request's id, a retry by a new one (so a new ``transfer_id``)."""
         fleet, config = self.state.fleet, self.state.config
         try:
-            engine = fleet.claim_prefill(avoid=self.tried)
+            engine = fleet.claim_prefill(self.tried, self.route)
         except ProxyError as nothing_left:
             raise self.exhausted() if self.failures else nothing_left from None
         try:
-            decode = fleet.claim_decode(avoid=self.tried)
+            decode = fleet.claim_decode(self.tried, self.route)
             await self.state.slots.acquire(2, config.pool_timeout)
         except BaseException as error:
             fleet.release_prefill(engine)
@@ -1766,7 +2148,7 @@ class Attempt:
                 raise failure
             exchange.fail_over("decode", self.decode, failure)
             try:
-                decode = fleet.claim_decode(avoid=exchange.tried)
+                decode = fleet.claim_decode(exchange.tried, exchange.route)
             except ProxyError:
                 raise exchange.exhausted() from None
             fleet.release_decode(self.decode)
@@ -1844,8 +2226,11 @@ async def send_prefill(exchange: Exchange, engine: PrefillEngine, payload: bytes
             body = await upstream.read()  # to the end, so the connection goes back to the pool
         if not 200 <= upstream.status < 300:
             raise upstream_failure(where, upstream, body, suspect=engine.instance)
-        if problem := prefill_finish_problem(body):
+        problem, prompt_tokens = prefill_outcome(body)
+        if problem:
             raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
+        if exchange.route is not None:
+            state.fleet.learn_bytes_per_token(exchange.route.length, prompt_tokens)
     except (aiohttp.ClientError, TimeoutError) as error:
         failure = transport_error(where, url, error, engine.instance)
         exchange.count_failure("prefill", failure)
@@ -2001,6 +2386,101 @@ async def watch_backend(app: web.Application, backend: Backend) -> None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(check_interval(config, backend)):
                 await backend.recheck.wait()
+
+
+# vLLM's /metrics series read for load: one per engine (the "engine" label is the DP rank).
+LOAD_SERIES: Final = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+}
+ENGINE_LABEL: Final = re.compile(r'[{,]engine="(\d+)"')
+# One engine's KV cache in tokens: with DP, num_gpu_blocks counts every rank's blocks.
+KV_TOKENS_LABEL: Final = re.compile(r'kv_cache_size_tokens="(\d+)"')
+
+
+def parse_vllm_load(page: str) -> tuple[dict[int, dict[str, float]], int | None]:
+    """Per engine (DP rank), the load series of a vLLM /metrics page; and the KV cache size of
+    one engine in tokens, where vllm:cache_config_info says it."""
+    engines: dict[int, dict[str, float]] = {}
+    capacity = None
+    for line in page.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, rest = line.partition("{")
+        if name == "vllm:cache_config_info":
+            if found := KV_TOKENS_LABEL.search(rest):
+                capacity = int(found[1])
+            continue
+        if (series := LOAD_SERIES.get(name)) is None:
+            continue
+        labels, _, value = rest.rpartition("}")
+        engine = ENGINE_LABEL.search("{" + labels)
+        with contextlib.suppress(ValueError, IndexError):
+            sample = engines.setdefault(int(engine[1]) if engine else 0, {})
+            sample[series] = sample.get(series, 0.0) + float(value.split()[0])
+    return engines, capacity
+
+
+def take_load(target: Target, sample: Mapping[str, float], now: float, capacity: int) -> None:
+    view = target.load
+    queries = sample.get("prefix_queries", 0.0)
+    if queries < view.prefix_queries:
+        target.index.clear()  # the counter went back: the engine restarted, its cache is empty
+    view.running, view.waiting = sample.get("running", 0.0), sample.get("waiting", 0.0)
+    view.kv_usage, view.prefix_queries = sample.get("kv_usage", 0.0), queries
+    view.scraped_at, view.sent_since = now, 0
+    target.index.capacity = capacity
+
+
+async def scrape_load(state: ProxyState, backend: Backend) -> None:
+    """One scrape of an instance's /metrics into its targets' load views."""
+    config, fleet = state.config, state.fleet
+    limits = config.upstream_timeout(config.health_timeout)
+    try:
+        page = await get_checked(
+            state.health_session, "metrics", backend.routes["/metrics"], limits
+        )
+    except CheckFailed as failure:
+        if backend.load_error is None:
+            log.info("%s %s gives no load: %s", backend.role, backend.url, failure)
+        backend.load_error = str(failure)
+        return
+    backend.load_error = None
+    engines, tokens = parse_vllm_load(page.decode("utf-8", "replace"))
+    capacity = fleet.index_blocks
+    if tokens:  # the index holds what the engine's KV cache can, in the proxy's blocks
+        blocks = int(tokens * fleet.bytes_per_token / ROUTING_BLOCK_BYTES)
+        capacity = max(16, min(capacity, blocks))
+    now = time.monotonic()
+    if isinstance(backend, PrefillInstance):
+        for engine in backend.engines:
+            take_load(engine, engines.get(engine.dp_rank, {}), now, capacity)
+    elif isinstance(backend, DecodeInstance):
+        total: dict[str, float] = {}  # a decode is one target, whatever its DP size
+        for sample in engines.values():
+            for series, value in sample.items():
+                total[series] = total.get(series, 0.0) + value
+        take_load(backend, total, now, capacity)
+
+
+async def watch_load(app: web.Application) -> None:
+    """With prefix_aware routing, scrape every usable instance's /metrics, side by side,
+    every --load-interval: the load every proxy process and replica sees alike."""
+    state = app[STATE_KEY]
+    fleet = state.fleet
+    if not fleet.routes_by_prefix:
+        return
+    while True:
+        started = time.monotonic()
+        usable = [b for b in (*fleet.prefills, *fleet.decodes) if b.usable]
+        for outcome in await asyncio.gather(
+            *(scrape_load(state, b) for b in usable), return_exceptions=True
+        ):
+            if isinstance(outcome, Exception):  # a bug must not end the scrapes
+                log.error("scraping load failed: %r", outcome)
+        await asyncio.sleep(max(0.0, state.config.load_interval - (time.monotonic() - started)))
 
 
 async def watch_fleet(app: web.Application) -> None:
@@ -2464,6 +2944,7 @@ def create_app(config: ProxyConfig) -> web.Application:
             pools_ctx,
             lingering_prefills_ctx,
             background(watch_fleet),
+            background(watch_load),
             background(report_to_systemd, when=lambda: bool(os.environ.get("NOTIFY_SOCKET"))),
         )
     )

@@ -8,6 +8,7 @@ that gets tokens back also proves the prefill leg was sent, and sent right.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -733,7 +734,8 @@ async def test_answer_through_the_proxy_equals_the_decodes_local_answer(
 
 
 async def test_legs_carry_the_protocols_bodies_and_headers(start_cluster: StartCluster) -> None:
-    cluster = await start_cluster(prefill_dp=(2,))
+    # Round robin: the first pick is rank 0, whatever rank the client's header asks for.
+    cluster = await start_cluster(prefill_dp=(2,), policy=mp.Policy.ROUND_ROBIN)
     body = chat(
         stream=True,
         stream_options={"include_usage": True},
@@ -797,7 +799,7 @@ async def test_legs_carry_the_protocols_bodies_and_headers(start_cluster: StartC
 async def test_requests_rotate_over_prefill_ranks_and_decodes_in_the_seeds_order(
     start_cluster: StartCluster,
 ) -> None:
-    cluster = await start_cluster(prefill_dp=(2, 1), decodes=2)
+    cluster = await start_cluster(prefill_dp=(2, 1), decodes=2, policy=mp.Policy.ROUND_ROBIN)
     request_ids = []
     async with asyncio.timeout(FAST):
         for _ in range(6):
@@ -1579,7 +1581,7 @@ async def test_daemon_serves_a_stream_end_to_end(aiohttp_server: AiohttpServer) 
         str(HERE / "mooncake_proxy.py"),
         "--port", str(port),
         "--prefill", prefill.api_url, str(bootstrap.port),
-        "--decode", f"http://127.0.0.1:{decode_server.port}",
+        "--decode", f"http://127.0.0.1:{decode_server.port}", "--policy", "round_robin",
         stderr=asyncio.subprocess.PIPE,
         env=dict(os.environ),
     )  # fmt: skip
@@ -1787,7 +1789,7 @@ async def test_no_retry_once_bytes_reached_the_client(start_cluster: StartCluste
 async def test_least_loaded_sends_new_requests_to_the_idle_decode(
     start_cluster: StartCluster,
 ) -> None:
-    cluster = await start_cluster(decodes=2)
+    cluster = await start_cluster(decodes=2, policy=mp.Policy.LEAST_LOADED)
     slow, fast = cluster.decodes
     slow.token_delay = 0.5
     # Four long streams: ties go round robin, so two land on each decode.
@@ -1808,7 +1810,9 @@ async def test_least_loaded_sends_new_requests_to_the_idle_decode(
 
 
 async def test_simultaneous_arrivals_spread_over_equal_targets(start_cluster: StartCluster) -> None:
-    cluster = await start_cluster(prefill_dp=(2,), decodes=2, decode={"token_delay": 0.05})
+    cluster = await start_cluster(
+        prefill_dp=(2,), decodes=2, decode={"token_delay": 0.05}, policy=mp.Policy.LEAST_LOADED
+    )
     async with asyncio.timeout(FAST * 2):
         answers = await asyncio.gather(
             *(cluster.client.post(COMPLETIONS, json=completion(stream=True)) for _ in range(20))
@@ -1972,6 +1976,208 @@ async def test_a_burst_does_not_pile_onto_the_one_idle_decode(start_cluster: Sta
     assert [a.status for a in await asyncio.gather(*burst)] == [200] * 10
     assert len(busy.requests) - 1 >= 3 and len(idle.requests) >= 5
     long_stream.cancel()
+
+
+# --- routing: where the prefix is cached, weighed against real load
+
+
+def long_prompt(tag: str, size: int = 2048) -> str:
+    """A prompt of ``size`` bytes that starts with ``tag``: its first block is the tag's."""
+    return (f"{tag}: " + "context " * size)[:size]
+
+
+def engine_of(cluster: Cluster) -> dict[str, tuple[int, int]]:
+    """Which prefill engine (instance, DP rank) served each prompt."""
+    return {
+        r.body["prompt"]: (index, int(r.headers["X-data-parallel-rank"]))
+        for index, r in cluster.prefill_requests()
+    }
+
+
+def test_a_chats_next_turn_extends_its_routing_bytes_and_block_chain() -> None:
+    system = {"role": "system", "content": "You are terse. " * 80}
+    first = [system, {"role": "user", "content": "What is KV? " * 40}]
+    second = [*first, {"content": "A cache. " * 40, "role": "assistant"}]
+    second.append({"role": "user", "content": "And PD?"})
+    one, two = (
+        mp.prompt_bytes(CHAT, chat(messages=first)),
+        mp.prompt_bytes(CHAT, chat(messages=second)),
+    )
+    assert two.startswith(one)
+    chain_one, chain_two = mp.block_chain(one), mp.block_chain(two)
+    assert len(chain_one) >= 2 and chain_two[: len(chain_one)] == chain_one
+    # Another model, or the same text as token ids, is another prefix.
+    other = mp.prompt_bytes(CHAT, {**chat(messages=first), "model": "other"})
+    assert mp.block_chain(other)[0] != chain_one[0]
+    assert mp.prompt_bytes(COMPLETIONS, completion(prompt=[1, 2, 3])).endswith(b"\0" + b"1,2,3")
+    assert mp.block_chain(b"x" * 511) == []  # no full block: nothing to match
+
+
+def test_the_prefix_index_forgets_tails_first_and_matches_prefixes() -> None:
+    index = mp.PrefixIndex(capacity=8)
+    first = mp.block_chain(b"a" * 512 * 6)
+    index.add(first)
+    assert index.match(first) == 6
+    assert index.match(mp.block_chain(b"a" * 512 * 3 + b"b" * 512 * 3)) == 3
+    index.add(mp.block_chain(b"c" * 512 * 6))  # 12 blocks: over 8 + 8 // 8, so evicted to 8
+    assert len(index.blocks) == 8
+    assert index.match(first) == 2  # the head of the older chain outlived its tail
+    index.clear()
+    assert index.match(first) == 0
+
+
+def test_bounded_consistent_hashing_takes_the_first_target_with_room() -> None:
+    assert mp.bounded_first([2, 0, 1], [0, 0, 0], 1.25) == 2
+    # Limit ceil(1.25 x (5 + 1) / 3) = 3: target 2 is over it, 0 is next in the key's order.
+    assert mp.bounded_first([2, 0, 1], [0, 0, 5], 1.25) == 0
+    assert mp.bounded_first([0, 1], [9, 8], 1.0) == 1  # all over: the least loaded
+
+
+async def test_a_repeated_prefix_goes_to_the_engine_that_holds_it(
+    start_cluster: StartCluster,
+) -> None:
+    rates = {}
+    for policy in (mp.Policy.PREFIX_AWARE, mp.Policy.ROUND_ROBIN):
+        cluster = await start_cluster(
+            prefill_dp=(2, 2), prefill={"cache_blocks": 64}, policy=policy
+        )
+        # Three prefixes over four engines: round robin sends each to every engine in turn.
+        prefixes = [long_prompt(f"group {i}", 1024) for i in range(3)]
+        for turn in range(4):
+            for prefix in prefixes:
+                body = completion(prompt=f"{prefix} question {turn}")
+                assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+        served = engine_of(cluster)
+        engines = [{served[p] for p in served if p.startswith(prefix)} for prefix in prefixes]
+        if policy is mp.Policy.PREFIX_AWARE:
+            assert all(len(used) == 1 for used in engines), engines
+        hits = sum(s.hits for fake in cluster.prefills for s in fake.sims)
+        queries = sum(s.queries for fake in cluster.prefills for s in fake.sims)
+        rates[policy] = hits / queries
+    # Each prefix computed once, then found: 3 turns of 4 hit their 1 KiB prefix.
+    assert rates[mp.Policy.PREFIX_AWARE] > 0.6 > rates[mp.Policy.ROUND_ROBIN] + 0.3, rates
+
+
+async def test_a_hot_prefix_spills_once_waiting_costs_more_than_computing_again(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(
+        prefill_dp=(2, 2), prefill={"cache_blocks": 256, "token_time": 0.002}
+    )
+    prefix = long_prompt("the one system prompt", 2048)
+    async with asyncio.timeout(FAST * 5):
+        answers = await asyncio.gather(
+            *(
+                cluster.client.post(COMPLETIONS, json=completion(prompt=f"{prefix} q{i}"))
+                for i in range(16)
+            )
+        )
+    assert [a.status for a in answers] == [200] * 16
+    per_engine = collections.Counter(engine_of(cluster).values())
+    assert len(per_engine) >= 2, per_engine  # not all piled on the engine that had it first
+    assert max(per_engine.values()) < 16
+    samples = await scrape(cluster)
+    assert (
+        sample(samples, "mooncake_proxy_routing_decisions_total", stage="prefill", reason="spill")
+        >= 1
+    )
+
+
+async def test_two_proxies_that_never_talked_send_a_new_prefix_to_the_same_engine(
+    start_cluster: StartCluster, aiohttp_client: AiohttpClient
+) -> None:
+    cluster = await start_cluster(prefill_dp=(2, 2, 2))
+    other = cast(
+        TestClient[web.Request, web.Application],
+        await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
+    )
+    await wait_ready_(other)
+    for i in range(12):
+        first_block = long_prompt(f"tenant {i}", 600)  # the same first block on both proxies
+        for client, tail in ((cluster.client, "asked here"), (other, "asked there")):
+            body = completion(prompt=f"{first_block} {tail}")
+            assert (await client.post(COMPLETIONS, json=body)).status == 200
+        served = engine_of(cluster)
+        assert served[f"{first_block} asked here"] == served[f"{first_block} asked there"]
+
+
+async def test_a_session_stays_on_one_engine_whatever_its_prompts(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(prefill_dp=(2, 2))
+    for session in ("alice", "bob", "carol"):
+        for i in range(4):
+            body = completion(prompt=f"unrelated prompt {session} {i} " * 3)
+            response = await cluster.client.post(
+                COMPLETIONS, json=body, headers={"X-Session-ID": session}
+            )
+            assert response.status == 200
+        body = completion(prompt=f"one more from {session}", user=session)  # the body's user
+        assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+    served = engine_of(cluster)
+    for session in ("alice", "bob", "carol"):
+        assert len({engine for prompt, engine in served.items() if session in prompt}) == 1
+    samples = await scrape(cluster)
+    assert (
+        sample(samples, "mooncake_proxy_routing_decisions_total", stage="prefill", reason="session")
+        == 15
+    )
+
+
+async def test_load_comes_from_each_engines_own_metrics(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(prefill_dp=(2,), load_interval=0.05)
+    busy = cluster.prefills[0].sim(0)
+    busy.waiting = 10  # rank 0 has a queue this proxy did not send: another replica's
+    fleet = fleet_of(cluster)
+    await eventually(lambda: fleet.prefills[0].engines[0].load.waiting == 10)
+    for i in range(8):
+        body = completion(prompt=f"short prompt {i}")  # under one block: placed by hash
+        assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+        await asyncio.sleep(0.1)  # a scrape in between: rank 1's finished requests are gone
+    assert set(engine_of(cluster).values()) == {(0, 1)}
+    status = await (await cluster.client.get("/healthcheck")).json()
+    rank0, rank1 = status["prefill"][0]["engines"]
+    assert rank0["load"]["waiting"] == 10 and 0 <= rank0["load"]["age_s"] < 1
+    assert rank1["index_blocks"] == 0 and status["decode"][0]["load"]["age_s"] is not None
+    # Without /metrics the proxy says so and routes by its own counts.
+    cluster.prefills[0].metrics_status = 404
+    await eventually(lambda: fleet.prefills[0].load_error is not None)
+    status = await (await cluster.client.get("/healthcheck")).json()
+    assert "404" in status["prefill"][0]["load_error"]
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+
+
+async def test_the_decode_that_holds_the_prefix_gets_it_and_pulls_less(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(decodes=2, decode={"cache_blocks": 128})
+    prefix = long_prompt("shared document", 2048)
+    for i in range(6):
+        body = completion(prompt=f"{prefix} question {i}")
+        assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+    used = [fake for fake in cluster.decodes if fake.requests]
+    assert len(used) == 1  # decode weight 4, but nothing else ran: the prefix decides
+    (sim,) = used[0].sims
+    assert sim.local_hit_tokens >= 5 * (2048 // 64) * 16 - 16  # 5 of 6 found it there
+    assert sim.transferred_tokens < sim.local_hit_tokens
+
+
+async def test_a_restarted_engine_is_believed_to_hold_nothing(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(
+        health_interval=0.05, load_interval=0.05, decode={"cache_blocks": 64}
+    )
+    fleet = fleet_of(cluster)
+    prefix = long_prompt("before the restart", 2048)
+    assert (await cluster.client.post(COMPLETIONS, json=completion(prompt=prefix))).status == 200
+    (engine,) = fleet.prefills[0].engines
+    decode = fleet.decodes[0]
+    assert len(engine.index.blocks) == 4 and len(decode.index.blocks) == 4
+    cluster.prefills[0].restart()  # new engine ids: new PrefillEngines, with empty indexes
+    await eventually(lambda: fleet.prefills[0].engines[0] is not engine)
+    assert fleet.prefills[0].engines[0].index.blocks == {}
+    await eventually(lambda: decode.load.prefix_queries > 0)
+    cluster.decodes[0].sims.clear()  # a decode's counters going back mean it restarted
+    await eventually(lambda: decode.index.blocks == {})
 
 
 # --- running it for real: metrics, access log, drain, systemd, auth
