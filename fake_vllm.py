@@ -113,12 +113,12 @@ def generate(prompt: Any, body: dict[str, Any]) -> Generation:
     tokens: list[str] = []
     for index in range(max_tokens):
         if index == 0 and EOS_MARKER in text and not body.get("ignore_eos"):
-            return Generation(tokens, "stop", len(text.split()))
+            return Generation(tokens, "stop", prompt_tokens(prompt))
         word = rng.choice(VOCAB)
         if word in stop:
-            return Generation(tokens, "stop", len(text.split()))
+            return Generation(tokens, "stop", prompt_tokens(prompt))
         tokens.append(f" {word}")
-    return Generation(tokens, "length", len(text.split()))
+    return Generation(tokens, "length", prompt_tokens(prompt))
 
 
 # The fakes' own tokenizer and cache geometry, deliberately unlike the proxy's 512-byte blocks:
@@ -165,6 +165,7 @@ class EngineSim:
     hits: int = 0  # of those, found cached (vllm:prefix_cache_hits)
     local_hit_tokens: int = 0  # decode: prompt tokens it had cached itself
     transferred_tokens: int = 0  # decode: prompt tokens pulled from a prefill
+    requests: int = 0
 
     def lookup(self, prompt: Any) -> tuple[list[bytes], int]:
         """The prompt's blocks and how many leading ones are cached; counts the query."""
@@ -174,6 +175,7 @@ class EngineSim:
             cached += 1
         self.queries += prompt_tokens(prompt)
         self.hits += cached * BLOCK_TOKENS
+        self.requests += 1
         return chain, cached
 
     def store(self, chain: list[bytes]) -> None:
@@ -264,6 +266,7 @@ class FakeVllm:
         app.router.add_post("/v1/chat/completions", self.handle_completion)
         app.router.add_get("/_fake/kv", self.handle_kv_pull)
         app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_post("/_fake/reset", self.handle_reset)
         app.cleanup_ctx.append(self._session_ctx)
         return app
 
@@ -299,6 +302,8 @@ class FakeVllm:
                 f"vllm:kv_cache_usage_perc{{{labels}}} {usage}",
                 f"vllm:prefix_cache_queries_total{{{labels}}} {float(sim.queries)}",
                 f"vllm:prefix_cache_hits_total{{{labels}}} {float(sim.hits)}",
+                f'vllm:request_success_total{{{labels},finished_reason="length"}} '
+                f"{float(sim.requests)}",
                 f'vllm:prompt_tokens_by_source_total{{{labels},source="local_cache_hit"}} '
                 f"{float(sim.local_hit_tokens)}",
                 f'vllm:prompt_tokens_by_source_total{{{labels},source="external_kv_transfer"}} '
@@ -308,6 +313,11 @@ class FakeVllm:
                 f'num_gpu_blocks="{sim.capacity * self.dp_size}"}} 1.0',
             ]
         return web.Response(text="\n".join(["# a fake vLLM", *lines, ""]))
+
+    async def handle_reset(self, request: web.Request) -> web.Response:
+        """Empty caches and counters, between two benchmark runs."""
+        self.sims.clear()
+        return web.Response()
 
     async def compute_prefill(self, rank: int, prompt: Any) -> None:
         """Queue for the engine, then spend time on the prompt tokens it has not cached."""

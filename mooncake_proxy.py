@@ -1114,21 +1114,22 @@ class PrefixIndex:
 
 @dataclass(slots=True)
 class LoadView:
-    """A target's load as its own /metrics said at the last scrape, plus what this process
-    sent it since: every proxy process and replica reads the same engine, so they weigh alike."""
+    """A target's load as its own /metrics said at the last scrape: every proxy process and
+    replica reads the same engine, so they weigh its load alike."""
 
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
     scraped_at: float = -math.inf  # monotonic
-    sent_since: int = 0
+    ours_at_scrape: int = 0  # of those, this process's requests
     prefix_queries: float = 0.0  # a counter: when it goes back, the engine restarted
 
-    def requests(self, now: float, fresh_for: float, local: int) -> float:
-        """Requests on the target: scraped while fresh, else this process's own count."""
+    def others(self, now: float, fresh_for: float) -> float:
+        """Requests on the target that this process did not send (other processes' and
+        replicas'), as of a fresh scrape; none known without one."""
         if now - self.scraped_at > fresh_for:
-            return local
-        return self.running + self.waiting + self.sent_since
+            return 0.0
+        return max(0.0, self.running + self.waiting - self.ours_at_scrape)
 
     def status(self, now: float) -> dict[str, Any]:
         age = now - self.scraped_at
@@ -1136,7 +1137,6 @@ class LoadView:
             "running": self.running,
             "waiting": self.waiting,
             "kv_cache_usage": round(self.kv_usage, 4),
-            "sent_since_scrape": self.sent_since,
             "age_s": round(age, 3) if age != math.inf else None,
         }
 
@@ -1149,9 +1149,21 @@ class Target:
         self.seed = zlib.crc32(name.encode())
         self.index = PrefixIndex(capacity)
         self.load = LoadView()
+        self.in_flight = 0  # this process's requests on it
+        self.pending_blocks = 0.0  # the prompt blocks those have to compute (or pull)
+
+    def claimed(self, uncached: int) -> None:
+        self.in_flight += 1
+        self.pending_blocks += uncached
+
+    def released(self) -> None:
+        # Their mean share: requests do not say their own at the end, and rarely need to.
+        self.pending_blocks -= self.pending_blocks / self.in_flight if self.in_flight > 0 else 0
+        self.in_flight -= 1
 
     def routing_status(self, now: float) -> dict[str, Any]:
-        return {"load": self.load.status(now), "index_blocks": len(self.index.blocks)}
+        status = {"load": self.load.status(now), "index_blocks": len(self.index.blocks)}
+        return status | {"pending_blocks": round(self.pending_blocks, 1)}
 
 
 def mix64(value: int) -> int:
@@ -1184,10 +1196,12 @@ class Router:
 
     prefix_aware: a prompt none of the targets holds goes where a bounded-load consistent
     hash of its first block (or its session key) says, so every proxy process sends a new
-    prefix to the same engine; otherwise the target with the least
-        cost = load_weight x mean_uncached x requests + blocks of this prompt it lacks
-    wins, so a hot prefix spills to a second engine once the work queued on the first costs
-    more than computing the prompt again elsewhere.
+    prefix to the same engine. Otherwise the target with the least
+        cost = load_weight x queued work + blocks of this prompt it lacks
+    wins, the queued work being the blocks this process's requests there still have to
+    compute, plus other senders' requests (from the scrape) at the mean such work: a hot
+    prefix spills to a second engine once waiting on the first costs more than computing the
+    prompt again elsewhere.
     """
 
     def __init__(self, stage: str, load_weight: float, balance: float, fresh_for: float) -> None:
@@ -1201,59 +1215,61 @@ class Router:
         # Told of every decision (the metrics set it).
         self.observe: Callable[[str, Choice, RouteKey | None], None] | None = None
 
-    def pick(
-        self,
-        targets: Sequence[TargetT],
-        policy: Policy,
-        key: RouteKey | None,
-        local: Callable[[TargetT], int],
-    ) -> Choice:
-        choice = self.choose(targets, policy, key, local)
+    def pick(self, targets: Sequence[Target], policy: Policy, key: RouteKey | None) -> Choice:
+        """Choose a target and claim it: its counts include this request from now on."""
+        choice = self.choose(targets, policy, key)
+        target = targets[choice.index]
+        blocks = len(key.chain) if key is not None else 0
+        uncached = max(blocks - choice.matched, 1)  # a request costs a block at the least
+        target.claimed(uncached)
+        if key is not None and policy is Policy.PREFIX_AWARE:
+            target.index.add(key.chain)
+            self.mean_uncached += (uncached - self.mean_uncached) / 32
         if self.observe is not None:
             self.observe(self.stage, choice, key)
         return choice
 
-    def choose(
-        self,
-        targets: Sequence[TargetT],
-        policy: Policy,
-        key: RouteKey | None,
-        local: Callable[[TargetT], int],
-    ) -> Choice:
+    def place(self, targets: Sequence[Target], order: list[int], loads: list[float]) -> int:
+        """Where a prefix no target holds goes: of the first two targets in its hash order
+        that have room under the load bound, the one whose index is emptier. Two choices keep
+        the prefixes each engine must hold near the mean (one choice leaves some engines
+        twice the mean, their caches thrashing); both are the same in every proxy process."""
+        first = bounded_first(order, loads, self.balance)
+        rest = [i for i in order if i != first]
+        if not rest:
+            return first
+        second = bounded_first(rest, loads, self.balance)
+        fill = [len(t.index.blocks) / t.index.capacity for t in targets]
+        return second if fill[second] < fill[first] else first
+
+    def choose(self, targets: Sequence[Target], policy: Policy, key: RouteKey | None) -> Choice:
         if policy is not Policy.PREFIX_AWARE:
-            return Choice(choose_index(targets, self.turn, policy, local), policy.value, 0)
+            return Choice(choose_index(targets, self.turn, policy, _in_flight), policy.value, 0)
         now = time.monotonic()
-        loads = [t.load.requests(now, self.fresh_for, local(t)) for t in targets]
+        others = [t.load.others(now, self.fresh_for) for t in targets]
+        loads = [t.in_flight + others[i] for i, t in enumerate(targets)]
         candidates = [i for i, t in enumerate(targets) if t.load.kv_usage < KV_FULL] or list(
             range(len(targets))
         )
         if key is None:
             return Choice(min(candidates, key=loads.__getitem__), "fallback", 0)
         order = sorted(candidates, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
-        choice = self.by_cost(targets, key, loads, order)
-        target = targets[choice.index]
-        target.index.add(key.chain)
-        target.load.sent_since += 1
-        uncached = max(len(key.chain) - choice.matched, 1)
-        self.mean_uncached += (uncached - self.mean_uncached) / 32
-        return choice
-
-    def by_cost(
-        self, targets: Sequence[Target], key: RouteKey, loads: list[float], order: list[int]
-    ) -> Choice:
         if key.session:
             return Choice(bounded_first(order, loads, self.balance), "session", 0)
         matches = {i: targets[i].index.match(key.chain) for i in order}
-        best = max(matches.values())
-        if best == 0:
-            return Choice(bounded_first(order, loads, self.balance), "cold", 0)
-        unit = self.load_weight * self.mean_uncached
+        if (best := max(matches.values())) == 0:
+            return Choice(self.place(targets, order, loads), "cold", 0)
+        work = [
+            self.load_weight * (t.pending_blocks + others[i] * self.mean_uncached)
+            for i, t in enumerate(targets)
+        ]
         rank = {i: place for place, i in enumerate(order)}
-        pick = min(order, key=lambda i: (unit * loads[i] + len(key.chain) - matches[i], rank[i]))
+        pick = min(order, key=lambda i: (work[i] + len(key.chain) - matches[i], rank[i]))
         return Choice(pick, "affinity" if matches[pick] == best else "spill", matches[pick])
 
 
-TargetT = TypeVar("TargetT", bound=Target)
+def _in_flight(target: Target) -> int:
+    return target.in_flight
 
 
 def route_urls(base: URL) -> dict[str, URL]:
@@ -1349,7 +1365,6 @@ class PrefillEngine(Target):
         self.instance = instance
         self.dp_rank = dp_rank
         self.engine_id = engine_id
-        self.in_flight = 0
 
     def __repr__(self) -> str:
         return f"PrefillEngine({self.name}, {self.engine_id})"
@@ -1491,14 +1506,12 @@ class Fleet:
             engines = tuple(e for e in engines if e.instance not in avoid)
         if not engines:
             raise ProxyError(503, "no usable prefill engine")
-        choice = self.prefill_router.pick(engines, self.prefill_policy, key, _in_flight)
-        engine = engines[choice.index]
-        engine.in_flight += 1
+        engine = engines[self.prefill_router.pick(engines, self.prefill_policy, key).index]
         engine.instance.in_flight += 1
         return engine
 
     def release_prefill(self, engine: PrefillEngine) -> None:
-        engine.in_flight -= 1
+        engine.released()
         engine.instance.in_flight -= 1
 
     def claim_decode(
@@ -1509,22 +1522,14 @@ class Fleet:
             decodes = tuple(d for d in decodes if d not in avoid)
         if not decodes:
             raise ProxyError(503, "no usable decode instance")
-        decode = decodes[
-            self.decode_router.pick(decodes, self.decode_policy, key, _in_flight).index
-        ]
-        decode.in_flight += 1
-        return decode
+        return decodes[self.decode_router.pick(decodes, self.decode_policy, key).index]
 
     def release_decode(self, decode: DecodeInstance) -> None:
-        decode.in_flight -= 1
+        decode.released()
 
     def learn_bytes_per_token(self, prompt_bytes: int, prompt_tokens: int) -> None:
         if prompt_tokens > 0 and prompt_bytes > 0:
             self.bytes_per_token += (prompt_bytes / prompt_tokens - self.bytes_per_token) / 16
-
-
-def _in_flight(target: PrefillEngine | DecodeInstance) -> int:
-    return target.in_flight
 
 
 def parse_engine_ids(payload: object) -> tuple[str, ...]:
@@ -2430,7 +2435,7 @@ def take_load(target: Target, sample: Mapping[str, float], now: float, capacity:
         target.index.clear()  # the counter went back: the engine restarted, its cache is empty
     view.running, view.waiting = sample.get("running", 0.0), sample.get("waiting", 0.0)
     view.kv_usage, view.prefix_queries = sample.get("kv_usage", 0.0), queries
-    view.scraped_at, view.sent_since = now, 0
+    view.scraped_at, view.ours_at_scrape = now, target.in_flight
     target.index.capacity = capacity
 
 

@@ -1,0 +1,482 @@
+"""Routing benchmark: prefix-cache hit rate, TTFT and balance, per policy and workload.
+
+    python bench_routing.py --quick                  # a smoke run: two workloads, a minute
+    python bench_routing.py --plot routing.png       # the full table (make bench-routing)
+
+A simulated cluster on loopback: 4 prefill instances with 2 DP ranks each (8 engines) and 4
+decodes, all ``fake_vllm.FakeVllm``: each engine keeps an LRU prefix cache of a fixed number
+of 16-token blocks, computes only the tokens it has not cached (a fixed time per token), one
+prompt at a time with the rest queued, and exposes vLLM-shaped ``/metrics`` (running, waiting,
+KV usage, prefix cache queries and hits in tokens). Its tokenizer and blocks are not the
+proxy's: the proxy only sees bytes.
+
+Every workload is replayed open loop (requests leave at their scheduled times, whatever the
+answers) against each target in the same invocation: round_robin, least_loaded, prefix_aware
+(the default), two prefix_aware proxy replicas sharing the load, prefix_aware with --workers 2,
+and vllm-router --policy cache_aware when it is installed (PyPI vllm-router). Per run: the
+prefill hit rate from the engines' own counters, the oracle's hit rate (one LRU cache holding
+the cluster's whole capacity, fed the same requests in order), client-side TTFT p50/p90, and
+max/mean requests per engine.
+
+Workloads: shared-prefix groups (vllm bench serve's prefix_repetition shape), multi-turn chats
+that grow, a replay of Mooncake's FAST'25 synthetic trace (each hash id a 512-token block in the
+trace, scaled down here to a 256-byte block of text; ``--trace``, default
+~/.cache/mooncake-proxy/traces/synthetic_trace.jsonl: left out with a note when missing), and
+one hot prefix (sglang issue 21199's trap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from fake_vllm import EngineSim, FakeVllm, free_port
+
+HERE = Path(__file__).resolve().parent
+INSTANCES, DP, DECODES = 4, 2, 4
+CACHE_BLOCKS = 320  # per engine: 20 KiB of prompt at 64 bytes a block
+TOKEN_TIME = 25e-6  # seconds of prefill per uncached token
+DEFAULT_TRACE = Path.home() / ".cache/mooncake-proxy/traces/synthetic_trace.jsonl"
+TRACE_URL = (
+    "https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/"
+    "FAST25-release/traces/synthetic_trace.jsonl"
+)
+
+
+# --- the simulated cluster
+
+
+def run_fake(role: str, api_port: int, bootstrap_port: int) -> None:
+    """One fake vLLM server (a process): a prefill with DP ranks and its bootstrap, or a decode."""
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    fake = FakeVllm(
+        role,
+        dp_size=DP if role == "prefill" else 1,
+        cache_blocks=CACHE_BLOCKS,
+        token_time=TOKEN_TIME if role == "prefill" else 0.0,
+        kv_timeout=30,
+    )
+    fake.api_url = f"http://127.0.0.1:{api_port}"
+
+    async def serve() -> None:
+        runners = []
+        apps = [(fake.api_app(), api_port)]
+        if role == "prefill":
+            apps.append((fake.bootstrap_app(), bootstrap_port))
+        for app, port in apps:
+            runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
+            runners.append(runner)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+@dataclass
+class Cluster:
+    prefills: list[tuple[str, int]]  # (api URL, bootstrap port)
+    decodes: list[str]
+    processes: list[subprocess.Popen[bytes]]
+
+    @classmethod
+    def start(cls) -> Cluster:
+        prefills, decodes, processes = [], [], []
+        for role, count in (("prefill", INSTANCES), ("decode", DECODES)):
+            for _ in range(count):
+                api, bootstrap = free_port(), free_port()
+                argv = [sys.executable, __file__, "fake", role, str(api), str(bootstrap)]
+                processes.append(subprocess.Popen(argv))
+                url = f"http://127.0.0.1:{api}"
+                (prefills.append((url, bootstrap)) if role == "prefill" else decodes.append(url))
+        for url in [u for u, _ in prefills] + decodes:
+            wait_http(url + "/health")
+        return cls(prefills, decodes, processes)
+
+    def proxy_argv(self, port: int, *flags: str) -> list[str]:
+        argv = [sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port)]
+        for url, bootstrap in self.prefills:
+            argv += ["--prefill", url, str(bootstrap)]
+        for url in self.decodes:
+            argv += ["--decode", url]
+        return [*argv, "--log-level", "WARNING", *flags]
+
+    def router_argv(self, port: int) -> list[str] | None:
+        binary = shutil.which("vllm-router")
+        if binary is None:
+            return None
+        argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
+        argv += ["--kv-connector", "mooncake", "--policy", "cache_aware"]
+        argv += ["--intra-node-data-parallel-size", str(DP)]
+        for url, bootstrap in self.prefills:
+            argv += ["--prefill", url, str(bootstrap)]
+        for url in self.decodes:
+            argv += ["--decode", url]
+        return argv
+
+    async def reset(self, session: aiohttp.ClientSession) -> None:
+        for url in [u for u, _ in self.prefills] + self.decodes:
+            async with session.post(f"{url}/_fake/reset") as answer:
+                answer.raise_for_status()
+
+    async def engine_counts(self, session: aiohttp.ClientSession) -> list[dict[str, float]]:
+        """Per prefill engine: its prefix cache queries and hits (tokens) and requests."""
+        engines = []
+        for url, _ in self.prefills:
+            async with session.get(f"{url}/metrics") as answer:
+                page = await answer.text()
+            for rank in range(DP):
+                counts = {"queries": 0.0, "hits": 0.0, "requests": 0.0}
+                for line in page.splitlines():
+                    if f'engine="{rank}"' not in line:
+                        continue
+                    for name, key in (
+                        ("vllm:prefix_cache_queries_total", "queries"),
+                        ("vllm:prefix_cache_hits_total", "hits"),
+                        ("vllm:request_success_total", "requests"),
+                    ):
+                        if line.startswith(name + "{"):
+                            counts[key] = float(line.rsplit(" ", 1)[1])
+                engines.append(counts)
+        return engines
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+
+
+def wait_http(url: str, seconds: float = 30) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as answer:
+            if answer.status == 200:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer 200 within {seconds} s")
+
+
+# --- workloads: (seconds from the start, path, body)
+
+Request = tuple[float, str, dict[str, Any]]
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def filler(seed: str, size: int) -> str:
+    words = random.Random(seed).choices(
+        ["kv", "cache", "token", "prefill", "decode", "block"], k=size
+    )
+    return " ".join(words)[:size].ljust(size, ".")
+
+
+def shared_prefix_groups(groups: int, per_group: int, rate: float) -> list[Request]:
+    """vllm bench serve --dataset-name prefix_repetition: 4 KiB prefixes, 256-byte suffixes."""
+    prefixes = [filler(f"group {g}", 4096) for g in range(groups)]
+    order = [(g, i) for g in range(groups) for i in range(per_group)]
+    random.Random(7).shuffle(order)
+    return [
+        (n / rate, COMPLETIONS, completion(prefixes[g] + filler(f"q {g} {i}", 256)))
+        for n, (g, i) in enumerate(order)
+    ]
+
+
+def multi_turn(conversations: int, turns: int, gap: float) -> list[Request]:
+    """Chats whose every turn resends the whole conversation so far, plus one new question."""
+    requests = []
+    for c in range(conversations):
+        messages: list[dict[str, str]] = [
+            {"role": "system", "content": filler(f"system {c % 4}", 1024)}
+        ]
+        for t in range(turns):
+            messages.append({"role": "user", "content": filler(f"user {c} {t}", 200)})
+            body = {"model": "fake-model", "messages": list(messages), "max_tokens": 4}
+            requests.append((t * gap + c * gap / conversations, CHAT, body | {"stream": True}))
+            messages.append({"role": "assistant", "content": filler(f"answer {c} {t}", 600)})
+    return sorted(requests, key=lambda r: r[0])
+
+
+def mooncake_trace(path: Path, count: int, seconds: float) -> list[Request]:
+    """Mooncake's FAST'25 trace: equal hash ids are equal 512-token blocks (256 bytes here)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:count]]
+    span = max(rows[-1]["timestamp"], 1)
+    return [
+        (
+            row["timestamp"] / span * seconds,
+            COMPLETIONS,
+            completion("".join(f"<{h:08d}>" + filler(str(h), 246) for h in row["hash_ids"])),
+        )
+        for row in rows
+    ]
+
+
+def hot_prefix(count: int, rate: float) -> list[Request]:
+    """One 8 KiB prefix for every request: affinity alone piles them onto one engine."""
+    prefix = filler("the one prefix", 8192)
+    return [
+        (n / rate, COMPLETIONS, completion(prefix + filler(f"hot {n}", 256))) for n in range(count)
+    ]
+
+
+def completion(prompt: str) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": prompt, "max_tokens": 4, "stream": True}
+
+
+def oracle_hit_rate(requests: Sequence[Request]) -> float:
+    """One LRU prefix cache with the whole cluster's capacity, fed the requests in order."""
+    cache = EngineSim(CACHE_BLOCKS * INSTANCES * DP)
+    for _, path, body in requests:
+        prompt = body["messages"] if path == CHAT else body["prompt"]
+        chain, _ = cache.lookup(prompt)
+        cache.store(chain)
+    return cache.hits / cache.queries
+
+
+# --- runs
+
+
+@dataclass
+class Result:
+    workload: str
+    target: str
+    requests: int
+    errors: int
+    hit_rate: float
+    oracle: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    max_over_mean: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def replay(urls: Sequence[str], requests: Sequence[Request]) -> tuple[list[float], int]:
+    """Send each request at its time (open loop), round robin over ``urls``; TTFTs in s."""
+    ttfts: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.monotonic()
+
+        async def one(n: int, at: float, path: str, body: dict[str, Any]) -> None:
+            nonlocal errors
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            sent = time.monotonic()
+            try:
+                async with session.post(urls[n % len(urls)] + path, json=body) as answer:
+                    first = await answer.content.readany()
+                    ttft = time.monotonic() - sent
+                    rest = await answer.read()
+                if answer.status != 200 or b"[DONE]" not in first + rest:
+                    errors += 1
+                else:
+                    ttfts.append(ttft)
+            except (aiohttp.ClientError, TimeoutError):
+                errors += 1
+
+        await asyncio.gather(*(one(n, *r) for n, r in enumerate(requests)))
+    return ttfts, errors
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def run(
+    cluster: Cluster, name: str, target: str, argvs: list[list[str]], requests: Sequence[Request]
+) -> Result | None:
+    ports = [int(argv[argv.index("--port") + 1]) for argv in argvs]
+    processes = [
+        subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for argv in argvs
+    ]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    try:
+        for url in urls:
+            try:
+                wait_http(url + "/health", 30)
+            except RuntimeError:
+                print(f"  {target}: did not become ready; left out", flush=True)
+                return None
+        async with aiohttp.ClientSession() as session:
+            await cluster.reset(session)
+            await asyncio.sleep(1.5)  # a scrape of the empty engines
+            ttfts, errors = await replay(urls, requests)
+            engines = await cluster.engine_counts(session)
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(10)
+            if process.poll() is None:
+                process.kill()
+    queries = sum(e["queries"] for e in engines)
+    counts = [e["requests"] for e in engines]
+    result = Result(
+        workload=name,
+        target=target,
+        requests=len(requests),
+        errors=errors,
+        hit_rate=sum(e["hits"] for e in engines) / queries if queries else 0.0,
+        oracle=oracle_hit_rate(requests),
+        ttft_p50_ms=1000 * percentile(ttfts, 0.5),
+        ttft_p90_ms=1000 * percentile(ttfts, 0.9),
+        max_over_mean=max(counts) / statistics.mean(counts) if sum(counts) else float("nan"),
+        extra={"requests_per_engine": counts},
+    )
+    print(format_row(result), flush=True)
+    return result
+
+
+def targets(cluster: Cluster, quick: bool) -> list[tuple[str, list[list[str]]]]:
+    def proxy(*flags: str) -> list[str]:
+        return cluster.proxy_argv(free_port(), *flags)
+
+    chosen = [
+        ("round_robin", [proxy("--policy", "round_robin")]),
+        ("least_loaded", [proxy("--policy", "least_loaded")]),
+        ("prefix_aware", [proxy()]),
+    ]
+    if not quick:
+        chosen += [
+            ("prefix_aware x2 replicas", [proxy(), proxy()]),
+            ("prefix_aware --workers 2", [proxy("--workers", "2")]),
+        ]
+        if (router := cluster.router_argv(free_port())) is not None:
+            chosen.append(("vllm-router cache_aware", [router]))
+    return chosen
+
+
+def workloads(args: argparse.Namespace) -> list[tuple[str, list[Request]]]:
+    quick = args.quick
+    chosen = [
+        ("shared prefixes", shared_prefix_groups(32, 4 if quick else 10, 120.0)),
+        ("hot prefix", hot_prefix(80 if quick else 240, 100.0)),
+    ]
+    if not quick:
+        chosen.insert(1, ("multi-turn", multi_turn(24, 8, 1.0)))
+        trace = Path(args.trace)
+        if trace.exists():
+            chosen.insert(2, ("Mooncake trace", mooncake_trace(trace, 400, 8.0)))
+        else:
+            print(f"no trace at {trace}: the Mooncake workload is left out ({TRACE_URL})")
+    return chosen
+
+
+def format_row(r: Result) -> str:
+    return (
+        f"{r.workload:<16} {r.target:<26} hit {r.hit_rate:5.3f} (oracle {r.oracle:5.3f}, "
+        f"{r.hit_rate / r.oracle if r.oracle else float('nan'):4.2f}x)  ttft p50/p90 "
+        f"{r.ttft_p50_ms:7.1f}/{r.ttft_p90_ms:7.1f} ms  max/mean {r.max_over_mean:4.2f}  "
+        f"err {r.errors}/{r.requests}"
+    )
+
+
+def table(results: list[Result]) -> str:
+    lines = [
+        "| workload | target | prefill hit rate | oracle | vs oracle | TTFT p50 / p90 (ms) | "
+        "max/mean requests per engine |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.workload} | {r.target} | {r.hit_rate:.3f} | {r.oracle:.3f} | "
+            f"{r.hit_rate / r.oracle:.2f}x | {r.ttft_p50_ms:.1f} / {r.ttft_p90_ms:.1f} | "
+            f"{r.max_over_mean:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    names = list(dict.fromkeys(r.workload for r in results))
+    kinds = list(dict.fromkeys(r.target for r in results))
+    figure, (hits, ttft) = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(kinds)
+    for k, kind in enumerate(kinds):
+        rows = {r.workload: r for r in results if r.target == kind}
+        xs = [n + k * width for n in range(len(names))]
+        hits.bar(xs, [rows[w].hit_rate if w in rows else 0 for w in names], width, label=kind)
+        ttft.bar(xs, [rows[w].ttft_p90_ms if w in rows else 0 for w in names], width, label=kind)
+    oracle = {r.workload: r.oracle for r in results}
+    hits.plot([n + 0.4 - width / 2 for n in range(len(names))], [oracle[w] for w in names], "k_",
+              markersize=40, label="oracle")  # fmt: skip
+    for axis, title in ((hits, "prefill prefix-cache hit rate"), (ttft, "TTFT p90 (ms)")):
+        axis.set_xticks([n + 0.4 - width / 2 for n in range(len(names))], names)
+        axis.set_title(title)
+        axis.grid(True, axis="y", alpha=0.3)
+    ttft.set_yscale("log")
+    hits.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+async def bench(args: argparse.Namespace) -> int:
+    cluster = Cluster.start()
+    results: list[Result] = []
+    try:
+        for name, requests in workloads(args):
+            for target, argvs in targets(cluster, args.quick):
+                if (result := await run(cluster, name, target, argvs, requests)) is not None:
+                    results.append(result)
+    finally:
+        cluster.stop()
+    print("\n" + table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    if args.plot:
+        plot(results, args.plot)
+    return 1 if any(r.errors for r in results if r.target.startswith("prefix_aware")) else 0
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "fake":
+        run_fake(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return 0
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="two workloads, three targets")
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake synthetic trace")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    args = parser.parse_args()
+    os.environ.pop("NOTIFY_SOCKET", None)
+    return asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
