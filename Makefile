@@ -3,11 +3,12 @@
 #   make test   the test suite (make check adds ruff and mypy --strict)
 # and, heavier: make integration   the proxy against real vLLM on the CPU with real Mooncake
 #               make bench         the benchmark (make bench-quick: under a minute)
+#               make bench-routing the routing benchmark (about 20 minutes)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: demo test integration bench bench-quick lint check clean
+.PHONY: demo test integration bench bench-quick bench-routing lint check clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -27,13 +28,17 @@ bench: $(VENV)/.installed
 bench-quick: $(VENV)/.installed
 	$(PY) bench_mooncake_proxy.py --quick
 
+bench-routing: $(VENV)/.installed
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
+	$(PY) bench_routing.py --json routing.json --plot routing.png
+
 integration: $(VENV)/.installed
 	bash integration/run.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --strict mooncake_proxy.py test_mooncake_proxy.py fake_vllm.py bench_mooncake_proxy.py
+	$(VENV)/bin/mypy --strict mooncake_proxy.py test_mooncake_proxy.py fake_vllm.py bench_mooncake_proxy.py bench_routing.py
 
 check: lint test
 

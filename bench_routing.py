@@ -122,7 +122,8 @@ class Cluster:
         return [*argv, "--log-level", "WARNING", *flags]
 
     def router_argv(self, port: int) -> list[str] | None:
-        binary = shutil.which("vllm-router")
+        here = str(Path(sys.executable).parent)  # the venv's bin, when it is not on PATH
+        binary = shutil.which("vllm-router") or shutil.which("vllm-router", path=here)
         if binary is None:
             return None
         argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
@@ -205,6 +206,10 @@ def shared_prefix_groups(groups: int, per_group: int, rate: float) -> list[Reque
 def multi_turn(conversations: int, turns: int, gap: float) -> list[Request]:
     """Chats whose every turn resends the whole conversation so far, plus one new question."""
     requests = []
+    shuffle = random.Random(11)
+    # Each turn's conversations arrive in another order: in a fixed one, a rotation over as
+    # many engines as divide the conversations would keep each on one engine by chance.
+    starts = {(c, t): shuffle.random() * gap for c in range(conversations) for t in range(turns)}
     for c in range(conversations):
         messages: list[dict[str, str]] = [
             {"role": "system", "content": filler(f"system {c % 4}", 1024)}
@@ -212,20 +217,22 @@ def multi_turn(conversations: int, turns: int, gap: float) -> list[Request]:
         for t in range(turns):
             messages.append({"role": "user", "content": filler(f"user {c} {t}", 200)})
             body = {"model": "fake-model", "messages": list(messages), "max_tokens": 4}
-            requests.append((t * gap + c * gap / conversations, CHAT, body | {"stream": True}))
+            requests.append((t * gap + starts[c, t], CHAT, body | {"stream": True}))
             messages.append({"role": "assistant", "content": filler(f"answer {c} {t}", 600)})
     return sorted(requests, key=lambda r: r[0])
 
 
 def mooncake_trace(path: Path, count: int, seconds: float) -> list[Request]:
-    """Mooncake's FAST'25 trace: equal hash ids are equal 512-token blocks (256 bytes here)."""
+    """Mooncake's FAST'25 trace: equal hash ids are equal 512-token blocks, 128 bytes here
+    (32 of the fakes' tokens), replayed ``seconds`` long; its reuse is across minutes, so
+    all of it is needed."""
     rows = [json.loads(line) for line in path.read_text().splitlines()[:count]]
     span = max(rows[-1]["timestamp"], 1)
     return [
         (
             row["timestamp"] / span * seconds,
             COMPLETIONS,
-            completion("".join(f"<{h:08d}>" + filler(str(h), 246) for h in row["hash_ids"])),
+            completion("".join(f"<{h:08d}>" + filler(str(h), 118) for h in row["hash_ids"])),
         )
         for row in rows
     ]
@@ -310,10 +317,7 @@ async def run(
     cluster: Cluster, name: str, target: str, argvs: list[list[str]], requests: Sequence[Request]
 ) -> Result | None:
     ports = [int(argv[argv.index("--port") + 1]) for argv in argvs]
-    processes = [
-        subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for argv in argvs
-    ]
+    processes = spawn(argvs)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     try:
         for url in urls:
@@ -353,6 +357,63 @@ async def run(
     return result
 
 
+def decision_costs() -> list[tuple[str, float]]:
+    """What routing costs on the request path, in process (medians of repeated runs), and what
+    the index costs in memory."""
+    import tracemalloc
+
+    from yarl import URL
+
+    import mooncake_proxy as mp
+
+    rows = []
+    config = mp.ProxyConfig(
+        prefills=tuple(
+            mp.PrefillSpec(URL(f"http://10.0.0.{i}:8100"), URL(f"http://10.0.0.{i}:8998"))
+            for i in range(1, INSTANCES + 1)
+        ),
+        decodes=tuple(URL(f"http://10.0.1.{i}:8200") for i in range(1, DECODES + 1)),
+    )
+    for label, size in (("200 B prompt", 200), ("1 MiB prompt", 1 << 20)):
+        fleet = mp.Fleet(config)
+        for instance in fleet.prefills:
+            fleet.set_engines(instance, [f"{instance.url}_dp{r}" for r in range(DP)])
+            instance.usable = True
+        for decode in fleet.decodes:
+            decode.usable = True
+        fleet.refresh()
+        body = completion(filler("cost", size))
+        times = []
+        for _ in range(40 if size > 1000 else 2000):
+            started = time.perf_counter()
+            key = mp.route_key(COMPLETIONS, body, None)
+            engine, decode = fleet.claim_prefill((), key), fleet.claim_decode((), key)
+            times.append(time.perf_counter() - started)
+            fleet.release_prefill(engine)
+            fleet.release_decode(decode)
+        rows.append((f"routing decision (both stages), {label}", statistics.median(times) * 1e6))
+    tracemalloc.start()
+    index = mp.PrefixIndex(1_000_000)
+    before = tracemalloc.get_traced_memory()[0]
+    for start in range(0, 1_000_000, 1000):
+        index.add([hash(("prefix", n)) for n in range(start, start + 1000)])
+    rows.append(
+        (
+            "index memory per block, 1,000,000 blocks (bytes)",
+            (tracemalloc.get_traced_memory()[0] - before) / 1e6,
+        )
+    )
+    tracemalloc.stop()
+    return rows
+
+
+def spawn(argvs: list[list[str]]) -> list[subprocess.Popen[bytes]]:
+    return [
+        subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for argv in argvs
+    ]
+
+
 def targets(cluster: Cluster, quick: bool) -> list[tuple[str, list[list[str]]]]:
     def proxy(*flags: str) -> list[str]:
         return cluster.proxy_argv(free_port(), *flags)
@@ -382,7 +443,7 @@ def workloads(args: argparse.Namespace) -> list[tuple[str, list[Request]]]:
         chosen.insert(1, ("multi-turn", multi_turn(24, 8, 1.0)))
         trace = Path(args.trace)
         if trace.exists():
-            chosen.insert(2, ("Mooncake trace", mooncake_trace(trace, 400, 8.0)))
+            chosen.insert(2, ("Mooncake trace", mooncake_trace(trace, 4000, 40.0)))
         else:
             print(f"no trace at {trace}: the Mooncake workload is left out ({TRACE_URL})")
     return chosen
@@ -444,22 +505,15 @@ def plot(results: list[Result], path: str) -> None:
     print(f"plot: {path}")
 
 
-async def bench(args: argparse.Namespace) -> int:
-    cluster = Cluster.start()
+async def bench(args: argparse.Namespace, cluster: Cluster) -> list[Result]:
     results: list[Result] = []
-    try:
-        for name, requests in workloads(args):
-            for target, argvs in targets(cluster, args.quick):
-                if (result := await run(cluster, name, target, argvs, requests)) is not None:
-                    results.append(result)
-    finally:
-        cluster.stop()
-    print("\n" + table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
-    if args.plot:
-        plot(results, args.plot)
-    return 1 if any(r.errors for r in results if r.target.startswith("prefix_aware")) else 0
+    for name, requests in workloads(args):
+        if args.workload and name not in args.workload:
+            continue
+        for target, argvs in targets(cluster, args.quick):
+            if (result := await run(cluster, name, target, argvs, requests)) is not None:
+                results.append(result)
+    return results
 
 
 def main() -> int:
@@ -471,11 +525,29 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="two workloads, three targets")
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake synthetic trace")
+    parser.add_argument("--workload", action="append", help="only these workloads (by name)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     args = parser.parse_args()
     os.environ.pop("NOTIFY_SOCKET", None)
-    return asyncio.run(bench(args))
+    costs = decision_costs()
+    for label, value in costs:
+        print(f"{label}: {value:.1f}{' us' if 'decision' in label else ''}", flush=True)
+    cluster = Cluster.start()
+    try:
+        results = asyncio.run(bench(args, cluster))
+    finally:
+        cluster.stop()
+    print("\n" + table(results))
+    print("\n| cost | value |\n|---|---|")
+    for label, value in costs:
+        print(f"| {label} | {value:.1f}{' µs' if 'decision' in label else ''} |")
+    if args.json:
+        document = {"results": [asdict(r) for r in results], "costs": dict(costs)}
+        Path(args.json).write_text(json.dumps(document, indent=2))
+    if args.plot:
+        plot(results, args.plot)
+    return 1 if any(r.errors for r in results if r.target.startswith("prefix_aware")) else 0
 
 
 if __name__ == "__main__":

@@ -1015,6 +1015,12 @@ MASK64: Final = (1 << 64) - 1
 # A target whose KV cache is this full is passed over while another is not: vLLM would
 # preempt (recompute) running requests to make room.
 KV_FULL: Final = 0.98
+# Each target's share of recent requests (this process's, decayed over this many seconds)
+# is bounded: no engine takes more than --balance-factor times the mean, plus a few requests
+# of slack so that affinity holds while there are only a few. Without the bound, a group of
+# conversations that share a system prompt piles onto one engine and thrashes its cache.
+RECENT_SECONDS: Final = 10.0
+RECENT_SLACK: Final = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -1151,10 +1157,17 @@ class Target:
         self.load = LoadView()
         self.in_flight = 0  # this process's requests on it
         self.pending_blocks = 0.0  # the prompt blocks those have to compute (or pull)
+        self.recent = 0.0  # this process's requests, decayed over RECENT_SECONDS
+        self.recent_at = 0.0
+
+    def recent_share(self, now: float) -> float:
+        return self.recent * math.exp((self.recent_at - now) / RECENT_SECONDS)
 
     def claimed(self, uncached: int) -> None:
         self.in_flight += 1
         self.pending_blocks += uncached
+        now = time.monotonic()
+        self.recent, self.recent_at = self.recent_share(now) + 1, now
 
     def released(self) -> None:
         # Their mean share: requests do not say their own at the end, and rarely need to.
@@ -1173,13 +1186,19 @@ def mix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
+def within_bound(loads: Sequence[float], balance: float, slack: float = 0.0) -> list[bool]:
+    """Which targets, given this request too, stay within ``balance`` times the mean load
+    (HAProxy's hash-balance-factor), plus ``slack``."""
+    limit = math.ceil(balance * (sum(loads) + 1) / len(loads) + slack)
+    return [load + 1 <= limit for load in loads]
+
+
 def bounded_first(order: Sequence[int], loads: Sequence[float], balance: float) -> int:
     """Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam): the first
-    target in the key's order whose load, with this request, stays within ``balance`` times
-    the mean (HAProxy's hash-balance-factor); the least loaded if none does."""
-    limit = math.ceil(balance * (sum(loads) + 1) / len(loads))
+    target in the key's order whose load stays within the bound; the least loaded if none."""
+    room = within_bound(loads, balance)
     for i in order:
-        if loads[i] + 1 <= limit:
+        if room[i]:
             return i
     return min(order, key=loads.__getitem__)
 
@@ -1248,14 +1267,16 @@ class Router:
         now = time.monotonic()
         others = [t.load.others(now, self.fresh_for) for t in targets]
         loads = [t.in_flight + others[i] for i, t in enumerate(targets)]
-        candidates = [i for i, t in enumerate(targets) if t.load.kv_usage < KV_FULL] or list(
-            range(len(targets))
-        )
+        roomy = [i for i, t in enumerate(targets) if t.load.kv_usage < KV_FULL]
+        roomy = roomy or list(range(len(targets)))
         if key is None:
-            return Choice(min(candidates, key=loads.__getitem__), "fallback", 0)
-        order = sorted(candidates, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
-        if key.session:
+            return Choice(min(roomy, key=loads.__getitem__), "fallback", 0)
+        if key.session:  # an explicit key: only the instantaneous load moves it
+            order = sorted(roomy, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
             return Choice(bounded_first(order, loads, self.balance), "session", 0)
+        shares = within_bound([t.recent_share(now) for t in targets], self.balance, RECENT_SLACK)
+        candidates = [i for i in roomy if shares[i]] or roomy
+        order = sorted(candidates, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
         matches = {i: targets[i].index.match(key.chain) for i in order}
         if (best := max(matches.values())) == 0:
             return Choice(self.place(targets, order, loads), "cold", 0)

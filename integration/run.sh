@@ -22,5 +22,6 @@ root=$(bash integration/setup_env.sh | tail -n 1) && [ -d "$root/venv" ] \
     2>&1 | grep -v '^WARNING: Location'
 [ "${PIPESTATUS[0]}" = 0 ] || skip "requirements-integration.txt could not be installed"
 
-VLLM_ENV_ROOT=$root exec .venv/bin/python -m pytest integration/test_real_vllm.py \
+VLLM_ENV_ROOT=$root exec .venv/bin/python -m pytest \
+    integration/test_real_vllm.py integration/test_real_vllm_routing.py \
     -v -p no:cacheprovider -o asyncio_mode=strict "$@"

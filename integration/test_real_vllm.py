@@ -102,7 +102,9 @@ class Server:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
 
 
-def vllm_server(root: Path, logs: Path, role: str, max_len: int) -> Server:
+def vllm_server(
+    root: Path, logs: Path, role: str, max_len: int, *extra: str, name: str | None = None
+) -> Server:
     port, bootstrap = free_port(), free_port()
     libs = f"{root}/sysroot/usr/lib/x86_64-linux-gnu:{root}/sysroot/lib/x86_64-linux-gnu"
     env = {
@@ -132,9 +134,10 @@ def vllm_server(root: Path, logs: Path, role: str, max_len: int) -> Server:
         "--model", f"{root}/tiny", "--served-model-name", MODEL,
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", str(max_len), "--dtype", "float32", "--enforce-eager",
-        "--kv-transfer-config", json.dumps(kv_config),
+        "--kv-transfer-config", json.dumps(kv_config), *extra,
     ]  # fmt: skip
-    return Server(role, argv, env, logs / f"{role}.log", f"http://127.0.0.1:{port}", bootstrap)
+    name = name or role
+    return Server(name, argv, env, logs / f"{name}.log", f"http://127.0.0.1:{port}", bootstrap)
 
 
 @dataclass
@@ -147,7 +150,7 @@ class RealCluster:
         return openai.OpenAI(base_url=f"{base or self.proxy.url}/v1", api_key="none", max_retries=0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # down before the routing module starts its own servers
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
     root = Path(os.environ["VLLM_ENV_ROOT"])
     logs = Path(os.environ.get("REAL_VLLM_LOGS") or tmp_path_factory.mktemp("logs"))
