@@ -101,6 +101,11 @@ __version__ = "1.0.0"
 
 # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default: one bootstrap server per prefill instance.
 DEFAULT_BOOTSTRAP_PORT: Final = 8998
+# Prompts are hashed in blocks of --prefix-block-bytes (512 by default: about 128 tokens at 4
+# bytes a token, vLLM's block size on the CPU). A GPU's 16-token blocks are finer, but a few
+# hundred bytes at the end of a long shared prefix is all the coarser grain loses, and a 1 MiB
+# prompt is then 2,048 blocks, hashed in about a millisecond.
+ROUTING_BLOCK_BYTES: Final = 512
 LISTEN_BACKLOG: Final = 1024
 # Every flag can also be set as MOONCAKE_PROXY_<FLAG> (systemd EnvironmentFile); flags win.
 ENV_PREFIX: Final = "MOONCAKE_PROXY_"
@@ -454,9 +459,15 @@ class ProxyConfig:
     )
     prefix_index_blocks: int = setting(
         65536,
-        "prompt blocks (512 bytes each) remembered per engine at most, for prefix_aware; "
-        "fewer where an engine's /metrics says its KV cache holds fewer",
+        "prompt blocks remembered per engine at most, for prefix_aware; fewer where an "
+        "engine's /metrics says its KV cache holds fewer",
         at_least(1),
+    )
+    prefix_block_bytes: int = setting(
+        ROUTING_BLOCK_BYTES,
+        "bytes of prompt hashed as one block, for prefix_aware: about vLLM's block size in "
+        "bytes (tokens per block x bytes per token); smaller matches finer and costs more",
+        at_least(16),
     )
     balance_factor: float = setting(
         1.25,
@@ -1005,11 +1016,6 @@ def record_request(app: web.Application, stats: RequestStats, status: int) -> No
 # --- backends and selection
 
 
-# Prompts are hashed in blocks of this many bytes: about 128 tokens at 4 bytes a token, vLLM's
-# block size on the CPU. A GPU's 16-token blocks are finer, but a few hundred bytes at the end
-# of a long shared prefix is all the coarser grain loses, and a 1 MiB prompt is then 2,048
-# blocks, hashed in well under a millisecond.
-ROUTING_BLOCK_BYTES: Final = 512
 SESSION_HEADER: Final = "X-Session-ID"
 MASK64: Final = (1 << 64) - 1
 # A target whose KV cache is this full is passed over while another is not: vLLM would
@@ -1063,24 +1069,26 @@ def message_line(message: object) -> bytes:
     return encode_json({"m": [message.get(key) for key in fields]}) + b"\n"
 
 
-def block_chain(data: bytes) -> list[int]:
+def block_chain(data: bytes, size: int = ROUTING_BLOCK_BYTES) -> list[int]:
     """A hash per full block, chained with every block before it (XOR of each block's hash
     with its position). Python's hash() is C code seeded per process; each process keeps its
     own index, so the values need not agree between processes."""
-    size, count = ROUTING_BLOCK_BYTES, len(data) // ROUTING_BLOCK_BYTES
+    count = len(data) // size
     blocks = map(
         data.__getitem__, map(slice, range(0, count * size, size), itertools.count(size, size))
     )
     return list(itertools.accumulate(map(hash, zip(itertools.count(), blocks)), operator.xor))
 
 
-def route_key(path: str, body: Mapping[str, Any], session_id: str | None) -> RouteKey:
+def route_key(
+    path: str, body: Mapping[str, Any], session_id: str | None, block: int = ROUTING_BLOCK_BYTES
+) -> RouteKey:
     data = prompt_bytes(path, body)
     if session_id:
         placement = zlib.crc32(b"session\0" + session_id.encode("utf-8", "replace"))
     else:
-        placement = zlib.crc32(data[:ROUTING_BLOCK_BYTES])
-    return RouteKey(len(data), block_chain(data), placement, bool(session_id))
+        placement = zlib.crc32(data[:block])
+    return RouteKey(len(data), block_chain(data, block), placement, bool(session_id))
 
 
 class PrefixIndex:
@@ -1990,7 +1998,7 @@ class Exchange:
             session = request.headers.get(SESSION_HEADER) or (
                 user if isinstance(user, str) else None
             )
-            route = route_key(request.path, body, session)
+            route = route_key(request.path, body, session, state.config.prefix_block_bytes)
         return cls(request, state, body, stats, headers, state.config.max_retries, route)
 
     @contextlib.asynccontextmanager
@@ -2477,7 +2485,7 @@ async def scrape_load(state: ProxyState, backend: Backend) -> None:
     engines, tokens = parse_vllm_load(page.decode("utf-8", "replace"))
     capacity = fleet.index_blocks
     if tokens:  # the index holds what the engine's KV cache can, in the proxy's blocks
-        blocks = int(tokens * fleet.bytes_per_token / ROUTING_BLOCK_BYTES)
+        blocks = int(tokens * fleet.bytes_per_token / config.prefix_block_bytes)
         capacity = max(16, min(capacity, blocks))
     now = time.monotonic()
     if isinstance(backend, PrefillInstance):

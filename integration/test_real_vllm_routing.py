@@ -11,6 +11,7 @@ hit rate is vLLM's own: prefix_cache_hits / prefix_cache_queries, summed over bo
 from __future__ import annotations
 
 import os
+import random
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +28,10 @@ from test_real_vllm import (  # the suite's own servers and helpers
 )
 
 # vLLM's CPU block is 128 tokens; block 0 is its null block. Seven usable blocks per engine hold
-# three of the four 2-block prefixes below; the two engines together hold all four.
+# three of the five 2-block prefixes below; the two engines together hold all five. (Five, not
+# four: round robin over two engines would keep each of four prefixes on one engine by chance.)
 BLOCKS = 8
-PREFIXES = 4
+PREFIXES = 5
 ROUNDS = 6
 
 
@@ -60,6 +62,9 @@ def proxy(prefill: Server, decode: Server, policy: str, logs: Path) -> Server:
     argv = [sys.executable, str(PROXY), "--port", str(port), "--decode", decode.url]
     argv += ["--prefill", prefill.url, str(prefill.bootstrap_port), "--policy", policy]
     argv += ["--connect-timeout", "30", "--load-interval", "0.5"]
+    # The tiny model's byte-level tokenizer makes a 128-token block about 190 bytes of prompt,
+    # not the 512 a usual one (4 bytes a token) makes: route by blocks that size.
+    argv += ["--prefix-block-bytes", "128"]
     server = Server(f"proxy-{policy}", argv, dict(os.environ), logs / f"proxy-{policy}.log",
                     f"http://127.0.0.1:{port}")  # fmt: skip
     server.start()
@@ -75,16 +80,18 @@ def hits_and_queries(prefill: Server) -> tuple[float, float]:
 
 
 def run_workload(base: str, tag: str) -> None:
-    """Four shared 2-block prefixes, each asked ROUNDS times with another question."""
+    """Shared prefixes of about 270 tokens (two full blocks), each asked ROUNDS times with
+    another question, in a shuffled order."""
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
     prefixes = [
-        " ".join(f"{tag} document {p} line {n} says the cache holds blocks" for n in range(24))
+        " ".join(f"{tag} document {p} line {n} says the cache holds blocks" for n in range(7))
         for p in range(PREFIXES)
     ]
+    order = random.Random(3)
     for round_ in range(ROUNDS):
-        for p, prefix in enumerate(prefixes):
+        for p in order.sample(range(PREFIXES), PREFIXES):
             client.completions.create(
-                model=MODEL, prompt=f"{prefix} question {round_} {p}", max_tokens=2
+                model=MODEL, prompt=f"{prefixes[p]} question {round_} {p}", max_tokens=2
             )
 
 
@@ -108,8 +115,8 @@ def test_prefix_aware_finds_the_prefix_where_vllm_cached_it(
         finally:
             router.stop()
         print(f"{policy}: prefill hit rate {rates[policy]:.3f}, decode local hits {local_gain}")
-    # An oracle with both engines' capacity computes each prefix once: 5 of 6 rounds hit about
-    # 256 of ~290 prompt tokens, about 0.73. Round robin makes both engines hold all four.
+    # An oracle with both engines' capacity computes each prefix once: 5 of 6 rounds hit 256 of
+    # about 280 prompt tokens, about 0.76. Round robin makes both engines hold all five.
     assert rates["prefix_aware"] > 0.6, rates
     assert rates["prefix_aware"] > rates["round_robin"] + 0.25, rates
     # The decode keeps what it received: the same prefixes come from its own cache.
