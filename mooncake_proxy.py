@@ -1228,7 +1228,8 @@ class Router:
     wins, the queued work being the blocks this process's requests there still have to
     compute, plus other senders' requests (from the scrape) at the mean such work: a hot
     prefix spills to a second engine once waiting on the first costs more than computing the
-    prompt again elsewhere.
+    prompt again elsewhere. Targets over their share of recent requests (RECENT_SECONDS) are
+    left out first.
     """
 
     def __init__(self, stage: str, load_weight: float, balance: float, fresh_for: float) -> None:
@@ -1260,7 +1261,8 @@ class Router:
         """Where a prefix no target holds goes: of the first two targets in its hash order
         that have room under the load bound, the one whose index is emptier. Two choices keep
         the prefixes each engine must hold near the mean (one choice leaves some engines
-        twice the mean, their caches thrashing); both are the same in every proxy process."""
+        twice the mean, their caches thrashing). The two are the same in every proxy process;
+        which of them takes the prefix depends on this process's index."""
         first = bounded_first(order, loads, self.balance)
         rest = [i for i in order if i != first]
         if not rest:
