@@ -791,7 +791,8 @@ def summarize(results: list[Result], summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[Result], path: str) -> None:
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files, or None (with a word) where it is not installed."""
     try:
         import matplotlib
 
@@ -799,6 +800,12 @@ def plot(results: list[Result], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
+
+def plot(results: list[Result], path: str) -> None:
+    if (plt := pyplot()) is None:
         return
     figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
     for target in sorted({r.target for r in results if r.scenario == "sweep"}):

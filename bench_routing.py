@@ -47,6 +47,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from bench_mooncake_proxy import pyplot, wait_http
 from fake_vllm import EngineSim, FakeVllm, free_port
 
 HERE = Path(__file__).resolve().parent
@@ -165,18 +166,6 @@ class Cluster:
         for process in self.processes:
             process.kill()
             process.wait()
-
-
-def wait_http(url: str, seconds: float = 30) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as answer:
-            if answer.status == 200:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer 200 within {seconds} s")
 
 
 # --- workloads: (seconds from the start, path, body)
@@ -474,13 +463,7 @@ def table(results: list[Result]) -> str:
 
 
 def plot(results: list[Result], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    if (plt := pyplot()) is None:
         return
     names = list(dict.fromkeys(r.workload for r in results))
     kinds = list(dict.fromkeys(r.target for r in results))
