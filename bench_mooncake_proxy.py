@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -793,15 +794,12 @@ def summarize(results: list[Result], summary: dict[str, Any]) -> str:
 
 def pyplot() -> Any:
     """matplotlib's pyplot drawing to files, or None (with a word) where it is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # imported by name: it is optional, and mypy must not need it installed
+        importlib.import_module("matplotlib").use("Agg")
+        return importlib.import_module("matplotlib.pyplot")
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return None
-    return plt
 
 
 def plot(results: list[Result], path: str) -> None:
