@@ -1174,7 +1174,8 @@ class Target:
     def claimed(self, uncached: int) -> None:
         self.in_flight += 1
         self.pending_blocks += uncached
-        now = time.monotonic()
+
+    def count_recent(self, now: float) -> None:
         self.recent, self.recent_at = self.recent_share(now) + 1, now
 
     def released(self) -> None:
@@ -1250,8 +1251,9 @@ class Router:
         blocks = len(key.chain) if key is not None else 0
         uncached = max(blocks - choice.matched, 1)  # a request costs a block at the least
         target.claimed(uncached)
-        if key is not None and policy is Policy.PREFIX_AWARE:
+        if key is not None and policy is Policy.PREFIX_AWARE:  # what only prefix_aware reads
             target.index.add(key.chain)
+            target.count_recent(time.monotonic())
             self.mean_uncached += (uncached - self.mean_uncached) / 32
         if self.observe is not None:
             self.observe(self.stage, choice, key)
@@ -2829,7 +2831,7 @@ class ClientConnection(web.RequestHandler):
         if self._admitted:
             self._admitted = False
             self.app[STATE_KEY].connections.release()
-        self.head_received()
+        self._stop_head_deadline()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -2841,6 +2843,9 @@ class ClientConnection(web.RequestHandler):
 
     def head_received(self) -> None:
         self._busy = True
+        self._stop_head_deadline()
+
+    def _stop_head_deadline(self) -> None:
         if self._head_deadline is not None:
             self._head_deadline.cancel()
             self._head_deadline = None
