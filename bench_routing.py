@@ -48,7 +48,7 @@ import aiohttp
 from aiohttp import web
 
 from bench_mooncake_proxy import pyplot, wait_http
-from fake_vllm import EngineSim, FakeVllm, free_port
+from fake_vllm import EngineSim, FakeVllm, free_port, prompt_blocks
 
 HERE = Path(__file__).resolve().parent
 INSTANCES, DP, DECODES = 4, 2, 4
@@ -244,8 +244,9 @@ def oracle_hit_rate(requests: Sequence[Request]) -> float:
     cache = EngineSim(CACHE_BLOCKS * INSTANCES * DP)
     for _, path, body in requests:
         prompt = body["messages"] if path == CHAT else body["prompt"]
-        chain, _ = cache.lookup(prompt)
-        cache.store(chain)
+        blocks = prompt_blocks(prompt)
+        cache.lookup(blocks)
+        cache.store(blocks)
     return cache.hits / cache.queries
 
 

@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import importlib
 import json
 import random
 import socket
@@ -142,14 +143,158 @@ def prompt_text(prompt: Any) -> bytes:
     return json.dumps(prompt).encode()
 
 
-def kv_blocks(prompt: Any) -> list[bytes]:
-    """The chained hashes of the prompt's full KV blocks, as vLLM's prefix cache keys them."""
-    text, size = prompt_text(prompt), TOKEN_BYTES * BLOCK_TOKENS
+@dataclass
+class PromptBlocks:
+    """A prompt as an engine's prefix cache sees it."""
+
+    tokens: int  # prompt tokens
+    chain: list[bytes]  # per full block, its hash chained with every block before it
+    ids: list[int] | None = None  # the token ids, where a real tokenizer made them
+
+
+def prompt_blocks(prompt: Any, tokenizer: Any = None) -> PromptBlocks:
+    """The prompt's full KV blocks, chained as vLLM's prefix cache keys them: of the fake's
+    4-byte tokens, or, given a tokenizer, of its token ids as vLLM computes them."""
+    if tokenizer is None:
+        text, size = prompt_text(prompt), TOKEN_BYTES * BLOCK_TOKENS
+        blocks = [text[start : start + size] for start in range(0, len(text) - size + 1, size)]
+        return PromptBlocks(prompt_tokens(prompt), chained(blocks))
+    ids = token_ids(prompt, tokenizer)
+    blocks = [
+        b"".join(t.to_bytes(4, "little") for t in ids[start : start + BLOCK_TOKENS])
+        for start in range(0, len(ids) - BLOCK_TOKENS + 1, BLOCK_TOKENS)
+    ]
+    return PromptBlocks(len(ids), chained(blocks), ids)
+
+
+def chained(blocks: list[bytes]) -> list[bytes]:
     chain, parent = [], b""
-    for start in range(0, len(text) - size + 1, size):
-        parent = hashlib.blake2b(parent + text[start : start + size], digest_size=16).digest()
+    for block in blocks:
+        parent = hashlib.blake2b(parent + block, digest_size=32).digest()
         chain.append(parent)
     return chain
+
+
+def token_ids(prompt: Any, tokenizer: Any) -> list[int]:
+    """As vLLM tokenizes: a completion's text with the special tokens, a chat through its
+    template without them (the template writes its own)."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return list(tokenizer(json.dumps(prompt))["input_ids"])
+
+
+TOKENIZER_CORPUS = (
+    "the proxy sends the prompt to the prefill server and the decode server . "
+    "prefill computes the kv cache ; decode pulls it through mooncake and streams tokens . "
+    "hello world ! how are you today ? i am fine , thank you . one two three four five six "
+    "seven eight nine ten . red green blue yellow . cat dog bird fish horse . alpha beta gamma "
+    "delta . user assistant system message content role reply answer question . "
+)
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_tokenizer(out: Path) -> Any:
+    """A small byte-level BPE tokenizer with a chat template, trained here on a fixed corpus
+    (the same bytes on every run, no model hub), saved in ``out`` as a model's tokenizer is:
+    the fakes, the proxy's precise routing and the real-vLLM suite's tiny model share it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    transformers = importlib.import_module("transformers")
+
+    special = [*SPECIAL_TOKENS, "<|end|>"]
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        min_frequency=1,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = TOKENIZER_CORPUS
+    corpus = [text * 3, text.upper(), text.title(), "0123456789 ,;:'\"()[]{}"]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    bos = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=special[4:],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+class KvEventPublisher:
+    """vLLM's ZmqEventPublisher as a subscriber sees it: a PUB socket sending (topic, 8-byte
+    sequence number, msgpack [ts, events, dp_rank]) and, given a port, a ROUTER that replays
+    buffered batches from a sequence number on, then (b"", -1, b"")."""
+
+    def __init__(self, port: int, replay_port: int | None, rank: int) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.rank = rank
+        self.context = zmq.asyncio.Context()
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://127.0.0.1:{port}")
+        self.seq = 0
+        self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=10_000)
+        self.drop: set[int] = set()  # sequence numbers to lose on the way (still replayable)
+        self.replay_task: asyncio.Task[None] | None = None
+        if replay_port is not None:
+            self.router = self.context.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind(f"tcp://127.0.0.1:{replay_port}")
+            self.replay_task = asyncio.ensure_future(self.serve_replay())
+
+    def publish(self, events: list[Any]) -> None:
+        import msgspec
+
+        payload = msgspec.msgpack.encode([time.time(), events, self.rank])
+        seq, self.seq = self.seq, self.seq + 1
+        self.buffer.append((seq, payload))
+        if seq not in self.drop:
+            self.send([b"", seq.to_bytes(8, "big"), payload])
+
+    def send(self, frames: list[bytes]) -> None:
+        self.pub.send_multipart(frames)  # a PUB socket never blocks: it drops at its limit
+
+    async def serve_replay(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            for seq, payload in list(self.buffer):
+                if seq >= int.from_bytes(start, "big"):
+                    frames = [client, b"", b"", seq.to_bytes(8, "big"), payload]
+                    await self.router.send_multipart(frames)
+            await self.router.send_multipart(
+                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+            )
+
+    def close(self) -> None:
+        if self.replay_task is not None:
+            self.replay_task.cancel()
+        self.context.destroy(linger=0)
 
 
 @dataclass
@@ -166,25 +311,54 @@ class EngineSim:
     local_hit_tokens: int = 0  # decode: prompt tokens it had cached itself
     transferred_tokens: int = 0  # decode: prompt tokens pulled from a prefill
     requests: int = 0
+    events: KvEventPublisher | None = None  # where it publishes what it caches and evicts
 
-    def lookup(self, prompt: Any) -> tuple[list[bytes], int]:
-        """The prompt's blocks and how many leading ones are cached; counts the query."""
-        chain = kv_blocks(prompt)
+    def lookup(self, prompt: PromptBlocks) -> int:
+        """How many of the prompt's leading blocks are cached; counts the query."""
         cached = 0
-        while cached < len(chain) and chain[cached] in self.cache:
+        while cached < len(prompt.chain) and prompt.chain[cached] in self.cache:
             cached += 1
-        self.queries += prompt_tokens(prompt)
+        self.queries += prompt.tokens
         self.hits += cached * BLOCK_TOKENS
         self.requests += 1
-        return chain, cached
+        return cached
 
-    def store(self, chain: list[bytes]) -> None:
-        """Cache the blocks; the least recently used go first, a chain's tail before its head."""
-        for block in reversed(chain):
+    def store(self, prompt: PromptBlocks) -> None:
+        """Cache the blocks; the least recently used go first, a chain's tail before its head.
+        With a publisher, say so as vLLM does: BlockStored per new block, BlockRemoved."""
+        stored = []
+        for i in reversed(range(len(prompt.chain))):
+            block = prompt.chain[i]
+            if block not in self.cache:
+                stored.append(i)
             self.cache[block] = None
             self.cache.move_to_end(block)
+        removed = []
         while len(self.cache) > self.capacity:
-            self.cache.popitem(last=False)
+            removed.append(self.cache.popitem(last=False)[0])
+        if self.events is not None and prompt.ids is not None and (stored or removed):
+            self.events.publish(self.kv_events(prompt, sorted(stored), removed))
+
+    def kv_events(self, prompt: PromptBlocks, stored: list[int], removed: list[bytes]) -> list[Any]:
+        assert prompt.ids is not None
+        events: list[Any] = []
+        for i in stored:
+            events.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [prompt.chain[i]],
+                    "parent_block_hash": prompt.chain[i - 1] if i else None,
+                    "token_ids": prompt.ids[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS],
+                    "block_size": BLOCK_TOKENS,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                    "group_idx": 0,
+                }
+            )
+        if removed:
+            events.append({"type": "BlockRemoved", "block_hashes": removed, "medium": "GPU"})
+        return events
 
 
 @dataclass
@@ -212,6 +386,11 @@ class FakeVllm:
     # a prefill engine computes one prompt at a time, the rest wait (as in vLLM's queue).
     cache_blocks: int = 0
     token_time: float = 0.0
+    # A real (small) tokenizer: prompts become its token ids, as in vLLM, and with a port the
+    # engines publish vLLM's KV cache events (rank r on port + r; replay likewise).
+    tokenizer: Any = None
+    kv_events_port: int | None = None
+    kv_replay_port: int | None = None
     # Observations.
     requests: list[Recorded] = field(default_factory=list)
     sent: dict[str, bytearray] = field(default_factory=dict)  # request id -> bytes written
@@ -233,8 +412,19 @@ class FakeVllm:
 
     def sim(self, rank: int) -> EngineSim:
         while len(self.sims) < self.dp_size:
-            self.sims.append(EngineSim(self.cache_blocks))
+            sim = EngineSim(self.cache_blocks)
+            if self.kv_events_port is not None:
+                rank = len(self.sims)
+                replay = self.kv_replay_port + rank if self.kv_replay_port else None
+                sim.events = KvEventPublisher(self.kv_events_port + rank, replay, rank)
+            self.sims.append(sim)
         return self.sims[rank]
+
+    def close_publishers(self) -> None:
+        for sim in self.sims:
+            if sim.events is not None:
+                sim.events.close()
+                sim.events = None
 
     def prefix_hit_rate(self) -> float:
         queries = sum(sim.queries for sim in self.sims)
@@ -250,6 +440,8 @@ class FakeVllm:
         """What a vLLM restart looks like from outside: new engine ids, held KV gone."""
         self.engine_prefix = str(uuid.uuid4())
         self._held_kv.clear()
+        self.close_publishers()  # a new process: its caches empty, its sequence from 0
+        self.sims.clear()
 
     def condition(self) -> asyncio.Condition:
         if self._kv_ready is None:
@@ -277,8 +469,11 @@ class FakeVllm:
 
     async def _session_ctx(self, app: web.Application) -> AsyncIterator[None]:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        if self.kv_events_port is not None:
+            self.sim(0)  # publishers bind as the server starts, as vLLM's engines do
         yield
         await self._session.close()
+        self.close_publishers()
 
     # --- handlers
 
@@ -316,6 +511,7 @@ class FakeVllm:
 
     async def handle_reset(self, request: web.Request) -> web.Response:
         """Empty caches and counters, between two benchmark runs."""
+        self.close_publishers()
         self.sims.clear()
         return web.Response()
 
@@ -331,10 +527,10 @@ class FakeVllm:
                 sim.waiting, queued = sim.waiting - 1, False
                 sim.running += 1
                 try:
-                    chain, cached = sim.lookup(prompt)
-                    uncached = prompt_tokens(prompt) - cached * BLOCK_TOKENS
-                    await asyncio.sleep(uncached * self.token_time)
-                    sim.store(chain)
+                    blocks = prompt_blocks(prompt, self.tokenizer)
+                    cached = sim.lookup(blocks)
+                    await asyncio.sleep((blocks.tokens - cached * BLOCK_TOKENS) * self.token_time)
+                    sim.store(blocks)
                 finally:
                     sim.running -= 1
         finally:
@@ -344,10 +540,11 @@ class FakeVllm:
     def receive_kv(self, prompt: Any) -> None:
         """A decode's prefix cache: it pulls only the blocks it lacks, and keeps them."""
         sim = self.sim(0)
-        chain, cached = sim.lookup(prompt)
+        blocks = prompt_blocks(prompt, self.tokenizer)
+        cached = sim.lookup(blocks)
         sim.local_hit_tokens += cached * BLOCK_TOKENS
-        sim.transferred_tokens += prompt_tokens(prompt) - cached * BLOCK_TOKENS
-        sim.store(chain)
+        sim.transferred_tokens += blocks.tokens - cached * BLOCK_TOKENS
+        sim.store(blocks)
 
     async def handle_models(self, request: web.Request) -> web.Response:
         if (denied := self.check_auth(request)) is not None:
@@ -415,6 +612,8 @@ class FakeVllm:
         rank = int(rank_header or 0)
         prompt = prompt_of(request.path, body)
         generation = generate(prompt, body)
+        if self.tokenizer is not None:  # its usage counts the tokenizer's tokens
+            generation.prompt_tokens = len(token_ids(prompt, self.tokenizer))
         if self.fail_status is not None:
             return error(self.fail_status, f"injected failure {self.fail_status}")
         if self.hang:
@@ -616,25 +815,32 @@ class FakeVllm:
 _handed_out: set[int] = set()
 
 
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range.
+def free_port(span: int = 1) -> int:
+    """A free port below the kernel's ephemeral range, and ``span - 1`` free ones after it
+    (a publisher per DP rank binds port + rank).
 
     A port from bind(0) is free now, but until the server started later binds it the kernel
     may hand it out again (vLLM alone opens several such ports while it starts). Ports below
     32768 are never handed out that way.
     """
     for _ in range(200):
-        port = random.randrange(20000, 32000)
-        if port in _handed_out:
+        port = random.randrange(20000, 32000 - span)
+        ports = range(port, port + span)
+        if _handed_out.intersection(ports):
             continue  # free, but promised to another server of this run
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            _handed_out.add(port)
+        if all(map(bindable, ports)):
+            _handed_out.update(ports)
             return port
     raise RuntimeError("no free port found in 20000-32000")
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 @dataclass

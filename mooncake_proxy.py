@@ -26,6 +26,7 @@ import enum
 import functools
 import heapq
 import hmac
+import importlib
 import itertools
 import json
 import logging
@@ -44,6 +45,7 @@ from collections.abc import (
     AsyncIterator,
     Callable,
     Collection,
+    Container,
     Coroutine,
     Iterator,
     Mapping,
@@ -174,6 +176,21 @@ class PrefillSpec:
         return str(self.bootstrap)
 
 
+@dataclass(frozen=True, slots=True)
+class KvEventSource:
+    """Where an instance's engines publish vLLM's KV cache events: DP rank r on port + r."""
+
+    url: URL  # the instance's OpenAI server
+    endpoint: URL  # tcp://host:port, the PUB socket of rank 0
+    replay: URL | None  # tcp://host:port, its replay (ROUTER) socket, where given
+
+    def of_rank(self, rank: int) -> tuple[str, str | None]:
+        def offset(url: URL) -> str:
+            return str(url.with_port((url.port or 0) + rank))
+
+        return offset(self.endpoint), offset(self.replay) if self.replay else None
+
+
 # Parsers turn what a flag or variable said into a setting's value; their ValueError says
 # what was expected, and the loader adds where the value came from.
 
@@ -221,6 +238,32 @@ def parse_prefills(groups: Sequence[Sequence[str]]) -> tuple[PrefillSpec, ...]:
 
 def parse_decodes(groups: Sequence[Sequence[str]]) -> tuple[URL, ...]:
     return tuple(parse_backend_url(text) for group in groups for text in group)
+
+
+def parse_kv_event_endpoint(text: str) -> URL:
+    """A ZMQ endpoint a vLLM engine publishes KV events on: tcp://host:port."""
+    expected = f"{text!r}: expected tcp://host:port"
+    try:
+        url = URL(text)
+        port = url.explicit_port
+    except ValueError:
+        raise ValueError(expected) from None
+    if url.scheme != "tcp" or not url.host or port is None or not 1 <= port <= 65535:
+        raise ValueError(expected)
+    return URL.build(scheme="tcp", host=url.raw_host or "", port=port)
+
+
+def parse_kv_event_overrides(groups: Sequence[Sequence[str]]) -> tuple[KvEventSource, ...]:
+    sources = []
+    for group in groups:
+        if len(group) not in (2, 3):
+            raise ValueError(f"takes URL ENDPOINT [REPLAY], got {' '.join(group)!r}")
+        url, *endpoints = group
+        replay = parse_kv_event_endpoint(endpoints[1]) if len(endpoints) > 1 else None
+        sources.append(
+            KvEventSource(parse_backend_url(url), parse_kv_event_endpoint(endpoints[0]), replay)
+        )
+    return tuple(sources)
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -275,6 +318,15 @@ def factor(text: str) -> float:
 def port_number(text: str) -> int:
     if not 0 <= (value := at_least(0)(text)) <= 65535:
         raise ValueError("expected a port, 0-65535")
+    return value
+
+
+def port_or_none(text: str) -> int | None:
+    """A port (1-65535), or 'none'."""
+    if text.strip().lower() in ("", "none"):
+        return None
+    if not 1 <= (value := port_number(text)) <= 65535:
+        raise ValueError("expected a port, 1-65535, or 'none'")
     return value
 
 
@@ -487,6 +539,36 @@ class ProxyConfig:
         "the transfer",
         weight,
     )
+    kv_events_port: int | None = setting(
+        None,
+        "route on what each engine really holds, from vLLM's KV cache events: the port every "
+        "instance publishes them on (vLLM's --kv-events-config endpoint tcp://*:PORT; DP rank "
+        "r on PORT+r); needs the [precise] extra",
+        port_or_none,
+        metavar="PORT",
+    )
+    kv_events_replay_port: int | None = setting(
+        None,
+        "the port of their replay socket (vLLM's replay_endpoint; DP rank r on PORT+r), where "
+        "events missed in a gap are asked for again",
+        port_or_none,
+        metavar="PORT",
+    )
+    kv_events: tuple[KvEventSource, ...] = setting(
+        (),
+        "one instance's own KV event endpoint (repeatable), overriding --kv-events-port: its "
+        "URL, tcp://host:port (DP rank r on port+r) and optionally a replay tcp://host:port",
+        parse_kv_event_overrides,
+        metavar=("URL", "ENDPOINT"),
+        repeat="entries",
+    )
+    tokenizer: str | None = setting(
+        None,
+        "the model's tokenizer directory, for routing text prompts on KV events (default: the "
+        "root vLLM's /v1/models names, when it is a local directory here)",
+        text_value,
+        metavar="DIR",
+    )
     api_key: str | None = setting(
         None,
         "require 'Authorization: Bearer KEY' on /v1/* (the client's header is then not "
@@ -569,8 +651,30 @@ class ProxyConfig:
         ):
             if twice := [str(url) for url, count in collections.Counter(urls).items() if count > 1]:
                 raise ConfigError(f"{flag} {twice[0]} is given twice")
+        known = {*(p.url for p in self.prefills), *self.decodes}
+        if unknown := [str(s.url) for s in self.kv_events if s.url not in known]:
+            raise ConfigError(f"--kv-events {unknown[0]} is not a --prefill or --decode URL")
         if self.protect_metrics and not self.api_key:
             raise ConfigError("--protect-metrics needs --api-key: it is the key /metrics asks for")
+
+    @property
+    def precise(self) -> bool:
+        """Whether to route on the engines' KV cache events."""
+        return self.kv_events_port is not None or bool(self.kv_events)
+
+    def kv_event_source(self, url: URL) -> KvEventSource | None:
+        for source in self.kv_events:
+            if source.url == url:
+                return source
+        if self.kv_events_port is None:
+            return None
+        host = url.raw_host or ""
+        replay = self.kv_events_replay_port
+        return KvEventSource(
+            url,
+            URL.build(scheme="tcp", host=host, port=self.kv_events_port),
+            URL.build(scheme="tcp", host=host, port=replay) if replay is not None else None,
+        )
 
     @property
     def policies(self) -> tuple[Policy, Policy]:
@@ -799,6 +903,8 @@ class ProxyState:
     health_session: aiohttp.ClientSession = field(init=False)
     # Prefill legs that outlived their decode, kept until they answer.
     lingering: set[asyncio.Task[None]] = field(default_factory=set)
+    # The model's tokenizer, for routing text prompts on KV events (watch_tokenizer loads it).
+    tokenizer: PromptTokenizer | None = None
 
     def __post_init__(self) -> None:
         self.fleet = Fleet(self.config)
@@ -923,6 +1029,12 @@ class Metrics:
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
             registry=registry,
         )
+        self.kv_event_batches = counter(
+            "kv_event_batches",
+            "KV event batches from the engines (--kv-events-port), by result: applied, "
+            "malformed, missed (never received, not even by replay).",
+            "result",
+        )
         registry.register(FleetCollector(state))
 
     def exposition(self) -> bytes:
@@ -1037,6 +1149,15 @@ class RouteKey:
     chain: list[int]  # per block, a hash of it and of every block before it
     placement: int  # the same in every proxy process: the first block, or the session key
     session: bool  # the client named a session (X-Session-ID, or the body's "user")
+    # The prompt's token ids as vLLM computes them, where known (precise routing), and their
+    # token_chain per block size.
+    tokens: Sequence[int] | None = None
+    token_chains: dict[int, list[int]] = field(default_factory=dict, compare=False)
+
+    def token_chain(self, size: int) -> list[int]:
+        if (chain := self.token_chains.get(size)) is None:
+            chain = self.token_chains[size] = token_chain(self.tokens or (), size)
+        return chain
 
 
 def prompt_bytes(path: str, body: Mapping[str, Any]) -> bytes:
@@ -1069,6 +1190,80 @@ def message_line(message: object) -> bytes:
     return encode_json({"m": [message.get(key) for key in fields]}) + b"\n"
 
 
+def prompt_token_ids(path: str, body: Mapping[str, Any]) -> list[int] | None:
+    """A completion's prompt given as token ids (a batch: its first), which need no tokenizer."""
+    if path.endswith("/chat/completions"):
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None
+
+
+# Prompts up to this many bytes are tokenized on the event loop: a thread's round trip costs
+# more than tokenizing them.
+INLINE_TOKENS: Final = 16384
+
+
+class PromptTokenizer:
+    """The token ids vLLM computes for a request's prompt: the model's own tokenizer and chat
+    template, through transformers as vLLM itself uses them (the [precise] extra)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.encoder = tokenizer.backend_tokenizer  # the Rust one: it releases the GIL
+
+    @classmethod
+    def load(cls, path: str) -> PromptTokenizer:
+        if not os.path.isdir(path):
+            raise ValueError("not a local directory")
+        # Its import would say on stderr that PyTorch is missing: only tokenizers are used.
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        transformers = importlib.import_module("transformers")
+        return cls(transformers.AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+    def tokens(self, path: str, body: Mapping[str, Any]) -> list[int] | None:
+        """None where the request is not one this can tokenize as vLLM would."""
+        try:
+            if path.endswith("/chat/completions"):
+                text = self.chat_text(body)
+                special = body.get("add_special_tokens", False)  # vLLM's defaults, per API
+            else:
+                text, special = body.get("prompt"), body.get("add_special_tokens", True)
+                if isinstance(text, list) and text and isinstance(text[0], str):
+                    text = text[0]
+            if not isinstance(text, str) or not isinstance(special, bool):
+                return None
+            ids: list[int] = self.encoder.encode_batch([text], add_special_tokens=special)[0].ids
+            return ids
+        except Exception:  # a template that refuses these messages: vLLM answers it, not us
+            return None
+
+    def chat_text(self, body: Mapping[str, Any]) -> Any:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        kwargs = body.get("chat_template_kwargs")
+        return self.tokenizer.apply_chat_template(
+            [chat_message(m) for m in messages],
+            tools=body.get("tools"),
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+            tokenize=False,
+            **(kwargs if isinstance(kwargs, dict) else {}),
+        )
+
+
+def chat_message(message: object) -> object:
+    """A message as vLLM hands it to a chat template: text parts joined by newlines."""
+    if isinstance(message, dict) and isinstance(content := message.get("content"), list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and "text" in p]
+        return message | {"content": "\n".join(texts)}
+    return message
+
+
 def block_chain(data: bytes, size: int = ROUTING_BLOCK_BYTES) -> list[int]:
     """A hash per full block, chained with every block before it (XOR of each block's hash
     with its position). Python's hash() is C code seeded per process; each process keeps its
@@ -1091,6 +1286,34 @@ def route_key(
     return RouteKey(len(data), block_chain(data, block), placement, bool(session_id))
 
 
+def token_chain(tokens: Sequence[int], size: int) -> list[int]:
+    """A hash per full block of ``size`` token ids, chained with every block before it, the
+    same way as HeldBlocks.stored hashes the token ids of vLLM's BlockStored events. Hashes of
+    ints and tuples of ints are the same in every process (unlike those of str and bytes)."""
+    count = len(tokens) // size
+    blocks = map(
+        tuple,
+        map(
+            tokens.__getitem__,
+            map(slice, range(0, count * size, size), itertools.count(size, size)),
+        ),
+    )
+    return list(itertools.accumulate(map(hash, zip(itertools.count(), blocks)), operator.xor))
+
+
+def leading(chain: Sequence[int], held: Container[int]) -> int:
+    """How many of the chain's leading blocks are held, found by binary search: engines evict
+    a chain's tail before its head, so what they hold of a chain is a prefix of it."""
+    low, high = 0, len(chain)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if chain[middle - 1] in held:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 class PrefixIndex:
     """The prompt blocks a target is believed to hold: those this process sent it, the least
     recently sent evicted first, at most ``capacity`` (its KV cache, or --prefix-index-blocks).
@@ -1106,14 +1329,7 @@ class PrefixIndex:
 
     def match(self, chain: Sequence[int]) -> int:
         """How many of the chain's leading blocks are held."""
-        low, high = 0, len(chain)
-        while low < high:
-            middle = (low + high + 1) // 2
-            if chain[middle - 1] in self.blocks:
-                low = middle
-            else:
-                high = middle - 1
-        return low
+        return leading(chain, self.blocks)
 
     def add(self, chain: Sequence[int]) -> None:
         start, self.clock = self.clock, self.clock + len(chain)
@@ -1124,6 +1340,130 @@ class PrefixIndex:
 
     def clear(self) -> None:
         self.blocks.clear()
+
+
+# vLLM's KV event fields by position, for publishers that send events as arrays (before 0.10).
+EVENT_FIELDS: Final = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id"),
+    "BlockRemoved": ("block_hashes",),
+    "AllBlocksCleared": (),
+}
+
+
+class HeldBlocks:
+    """The blocks an engine's KV events say it holds, keyed by a chain hash of their token ids
+    (token_chain), not by vLLM's own block hash: that one depends on the engine's
+    PYTHONHASHSEED and hash algorithm, and a request's tokens must be hashed to match."""
+
+    def __init__(self) -> None:
+        self.chains: dict[int, int] = {}  # chain hash -> how many of vLLM's blocks have it
+        self.known: dict[object, tuple[int, int]] = {}  # vLLM's hash -> (chain hash, position)
+        self.block_size = 0
+        self.unplaced = 0  # blocks whose parent this process never heard of
+
+    def __len__(self) -> int:
+        return len(self.known)
+
+    def match(self, chain: Sequence[int]) -> int:
+        return leading(chain, self.chains)
+
+    def apply(self, event: object) -> None:
+        """One event of a batch; ValueError for one that is not what vLLM sends."""
+        if isinstance(event, list) and event and event[0] in EVENT_FIELDS:
+            kind, event = event[0], dict(zip(EVENT_FIELDS[event[0]], event[1:], strict=False))
+        elif isinstance(event, dict) and event.get("type") in EVENT_FIELDS:
+            kind = event["type"]
+        else:
+            raise ValueError(f"not a KV cache event: {str(event)[:80]}")
+        if event.get("medium") not in (None, "GPU") or event.get("group_idx") not in (None, 0):
+            return  # an offloaded copy, or another KV cache group: not what a request reuses
+        try:
+            if kind == "AllBlocksCleared":
+                self.clear()
+            elif kind == "BlockRemoved":
+                self.removed(event["block_hashes"])
+            elif not (event.get("lora_id") or event.get("lora_name") or event.get("extra_keys")):
+                # Blocks of a LoRA, of images or with a cache salt serve only requests that
+                # say so.
+                self.stored(
+                    event["parent_block_hash"], event["block_hashes"], event["token_ids"],
+                    event["block_size"],
+                )  # fmt: skip
+        except (KeyError, TypeError) as missing:
+            raise ValueError(f"{kind} without a usable {missing}") from None
+
+    def stored(
+        self, parent: object, hashes: Sequence[object], tokens: Sequence[int], size: int
+    ) -> None:
+        if not isinstance(size, int) or size <= 0 or not isinstance(tokens, list):
+            raise ValueError(f"BlockStored with block_size {size!r}")
+        if parent is None:
+            chain, position = 0, 0
+        elif (where := self.known.get(parent)) is not None:
+            chain, position = where[0], where[1] + 1
+        else:
+            self.unplaced += len(hashes)
+            return
+        self.block_size = size
+        for i, block_hash in enumerate(hashes):
+            block = tuple(tokens[i * size : (i + 1) * size])
+            if len(block) < size:
+                break  # a partial block: requests match whole blocks only
+            chain ^= hash((position, block))
+            if block_hash not in self.known:
+                self.known[block_hash] = (chain, position)
+                self.chains[chain] = self.chains.get(chain, 0) + 1
+            position += 1
+
+    def removed(self, hashes: Sequence[object]) -> None:
+        for block_hash in hashes:
+            if (where := self.known.pop(block_hash, None)) is None:
+                continue
+            if (count := self.chains[where[0]] - 1) > 0:
+                self.chains[where[0]] = count
+            else:
+                del self.chains[where[0]]
+
+    def clear(self) -> None:
+        self.chains.clear()
+        self.known.clear()
+
+
+class KvFeed:
+    """One engine's KV event stream (vLLM's ZMQ publisher) and what it says the engine holds.
+
+    Until the engine has published something, its blocks are unknown and routing estimates
+    them (PrefixIndex): an idle engine and a wrong port look alike from here.
+    """
+
+    def __init__(self, endpoint: str, replay: str | None) -> None:
+        self.endpoint = endpoint
+        self.replay = replay
+        self.held = HeldBlocks()
+        self.next_seq: int | None = None
+        self.heard_at = -math.inf  # monotonic
+        self.engine_id: str | None = None  # a prefill engine's: a new one means a restart
+        self.batches = 0
+        self.gaps = 0  # sequence numbers never received, not even by replay
+        self.problem: str | None = None  # the last malformed message or failed replay
+        self.logged: set[str] = set()  # kinds of problem logged: each once
+
+    @property
+    def live(self) -> bool:
+        return self.batches > 0
+
+    def restarted(self, why: str) -> None:
+        if self.held:
+            log.info("KV events %s: %s, its blocks are forgotten", self.endpoint, why)
+        self.held.clear()
+
+    def status(self, now: float) -> dict[str, Any]:
+        if not self.live:
+            source = f"estimate (no KV events yet from {self.endpoint})"
+        else:
+            source = f"kv events ({self.endpoint}, last {now - self.heard_at:.1f} s ago)"
+        status = {"kv_source": source, "kv_blocks": len(self.held), "kv_event_gaps": self.gaps}
+        return status | {"kv_event_problem": self.problem}
 
 
 @dataclass(slots=True)
@@ -1167,11 +1507,22 @@ class Target:
         self.pending_blocks = 0.0  # the prompt blocks those have to compute (or pull)
         self.recent = 0.0  # this process's requests, decayed over RECENT_SECONDS
         self.recent_at = 0.0
+        self.feed: KvFeed | None = None  # its KV events, with --kv-events-port
+
+    def holds(self, key: RouteKey) -> float:
+        """How many of the prompt's leading blocks (key.chain's) the target holds: as its KV
+        events say where it has published any and the prompt's tokens are known, else as
+        this process's own index estimates."""
+        feed = self.feed
+        if feed is None or not feed.live or key.tokens is None or not feed.held.block_size:
+            return self.index.match(key.chain)
+        chain = key.token_chain(feed.held.block_size)
+        return feed.held.match(chain) * len(key.chain) / len(chain) if chain else 0.0
 
     def recent_share(self, now: float) -> float:
         return self.recent * math.exp((self.recent_at - now) / RECENT_SECONDS)
 
-    def claimed(self, uncached: int) -> None:
+    def claimed(self, uncached: float) -> None:
         self.in_flight += 1
         self.pending_blocks += uncached
 
@@ -1185,7 +1536,10 @@ class Target:
 
     def routing_status(self, now: float) -> dict[str, Any]:
         status = {"load": self.load.status(now), "index_blocks": len(self.index.blocks)}
-        return status | {"pending_blocks": round(self.pending_blocks, 1)}
+        status["pending_blocks"] = round(self.pending_blocks, 1)
+        if self.feed is not None:
+            status |= self.feed.status(now)
+        return status
 
 
 def mix64(value: int) -> int:
@@ -1216,7 +1570,7 @@ def bounded_first(order: Sequence[int], loads: Sequence[float], balance: float) 
 class Choice:
     index: int
     reason: str  # affinity, spill, cold, session, fallback or the policy's name
-    matched: int  # blocks of the prompt the target is believed to hold
+    matched: float  # blocks of the prompt the target is believed to hold
 
 
 class Router:
@@ -1289,7 +1643,7 @@ class Router:
         shares = within_bound([t.recent_share(now) for t in targets], self.balance, RECENT_SLACK)
         candidates = [i for i in roomy if shares[i]] or roomy
         order = sorted(candidates, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
-        matches = {i: targets[i].index.match(key.chain) for i in order}
+        matches = {i: targets[i].holds(key) for i in order}
         if (best := max(matches.values())) == 0:
             return Choice(self.place(targets, order, loads), "cold", 0)
         work = [
@@ -1482,8 +1836,15 @@ class Fleet:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.index_blocks = config.prefix_index_blocks
+        # Every engine's KV event stream by endpoint, with --kv-events-port; watch_kv_events
+        # follows each one added.
+        self.kv_event_source = config.kv_event_source
+        self.feeds: dict[str, KvFeed] = {}
+        self.feeds_added = asyncio.Event()
         self.prefills = tuple(PrefillInstance(spec) for spec in config.prefills)
         self.decodes = tuple(DecodeInstance(url, self.index_blocks) for url in config.decodes)
+        for decode in self.decodes:
+            decode.feed = self.feed_for(decode.url, 0)
         self.prefill_policy, self.decode_policy = config.policies
         # Usable targets in configuration order; prefill engines are every (instance, DP rank)
         # pair, the seed's rotation. Rebuilt on every change, read without locks.
@@ -1516,11 +1877,33 @@ class Fleet:
         self._decodes = tuple(d for d in self.decodes if d.usable)
 
     def set_engines(self, instance: PrefillInstance, engine_ids: Sequence[str]) -> None:
-        instance.engines = tuple(
-            PrefillEngine(instance, rank, engine_id, self.index_blocks)
-            for rank, engine_id in enumerate(engine_ids)
-        )
+        engines = []
+        for rank, engine_id in enumerate(engine_ids):
+            engine = PrefillEngine(instance, rank, engine_id, self.index_blocks)
+            engine.feed = self.feed_for(instance.url, rank, engine_id)
+            engines.append(engine)
+        instance.engines = tuple(engines)
         self.refresh()
+
+    def feed_for(self, url: URL, rank: int, engine_id: str | None = None) -> KvFeed | None:
+        """The KV event stream of an instance's DP rank, if it is configured; an engine id
+        other than the last one it carried means a restart: the blocks it held are gone."""
+        if (source := self.kv_event_source(url)) is None:
+            return None
+        endpoint, replay = source.of_rank(rank)
+        if (feed := self.feeds.get(endpoint)) is None:
+            feed = self.feeds[endpoint] = KvFeed(endpoint, replay)
+            self.feeds_added.set()
+        if engine_id is not None:
+            if feed.engine_id not in (None, engine_id):
+                feed.restarted(f"engine id {engine_id} is new")
+            feed.engine_id = engine_id
+        return feed
+
+    @property
+    def hears_kv_events(self) -> bool:
+        """Whether any engine has published KV events: only then are prompts tokenized."""
+        return any(feed.live for feed in self.feeds.values())
 
     def take_out(self, backend: Backend, error: str) -> None:
         """A live request could not reach ``backend``: out of the rotation at once."""
@@ -1960,6 +2343,7 @@ async def run_pd_request(request: web.Request, body: dict[str, Any]) -> web.Stre
     """One PD request, as the README's "How a request flows" numbers its steps (1 is the
     handler's: the body is parsed, the proxy is ready)."""
     exchange = Exchange.of(request, body)
+    await exchange.learn_tokens()
     while True:
         try:
             async with (
@@ -2004,6 +2388,19 @@ class Exchange:
             )
             route = route_key(request.path, body, session, state.config.prefix_block_bytes)
         return cls(request, state, body, stats, headers, state.config.max_retries, route)
+
+    async def learn_tokens(self) -> None:
+        """With KV events heard, the prompt's token ids as vLLM computes them, to match the
+        blocks the engines hold (a long prompt is tokenized in a thread, off the loop)."""
+        state = self.state
+        if self.route is None or not state.fleet.hears_kv_events:
+            return
+        tokens = prompt_token_ids(self.request.path, self.body)
+        if tokens is None and (tokenizer := state.tokenizer) is not None:
+            work = functools.partial(tokenizer.tokens, self.request.path, self.body)
+            tokens = await asyncio.to_thread(work) if self.route.length > INLINE_TOKENS else work()
+        if tokens is not None:
+            self.route = dataclasses.replace(self.route, tokens=tokens)
 
     @contextlib.asynccontextmanager
     async def attempt(self) -> AsyncIterator[Attempt]:
@@ -2521,6 +2918,178 @@ async def watch_load(app: web.Application) -> None:
         await asyncio.sleep(max(0.0, state.config.load_interval - (time.monotonic() - started)))
 
 
+# Batches a subscriber keeps while it falls behind; beyond them ZMQ drops, and the gap in the
+# sequence numbers is asked for again (replay) or counted.
+KV_EVENTS_HWM: Final = 100_000
+REPLAY_TIMEOUT: Final = 2.0  # seconds for a replay socket to answer each batch
+
+
+async def watch_kv_events(app: web.Application) -> None:
+    """With --kv-events-port, follow every engine's KV event stream, each in a task of its
+    own, as discovery adds them. Nothing here is on a request's path: a slow or dead
+    publisher only leaves its engine's view as it was (and estimated until it speaks)."""
+    state = app[STATE_KEY]
+    fleet = state.fleet
+    try:
+        import msgspec
+        import zmq.asyncio
+    except ImportError as missing:
+        log.warning(
+            "routing on KV events needs pip install 'mooncake-proxy[precise]' (%s); "
+            "what each engine holds is estimated instead", missing,
+        )  # fmt: skip
+        return
+    context = zmq.asyncio.Context()
+    decode = msgspec.msgpack.Decoder().decode
+    followed: set[str] = set()
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            while True:
+                fleet.feeds_added.clear()
+                for endpoint, feed in list(fleet.feeds.items()):
+                    if endpoint not in followed:
+                        followed.add(endpoint)
+                        tasks.create_task(follow_kv_feed(state, feed, context, decode))
+                await fleet.feeds_added.wait()
+    finally:
+        context.destroy(linger=0)
+
+
+async def follow_kv_feed(
+    state: ProxyState, feed: KvFeed, context: Any, decode: Callable[[bytes], Any]
+) -> None:
+    """Subscribe to one engine's events (ZMQ PUB: topic, 8-byte sequence number, msgpack
+    batch) and apply them in order; ZMQ reconnects by itself when the engine comes back."""
+    import zmq
+
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.LINGER, 0)
+    subscriber.setsockopt(zmq.RCVHWM, KV_EVENTS_HWM)
+    subscriber.setsockopt(zmq.IPV6, 1)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(feed.endpoint)
+    try:
+        while True:
+            frames = await subscriber.recv_multipart()
+            try:
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    raise ValueError(f"{len(frames)} frames, not topic, sequence and batch")
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if feed.next_seq is None and seq > 0 and feed.replay:
+                    # Joined an engine that was already publishing: what it holds from before
+                    # is in its replay buffer.
+                    await replay_kv_events(state, feed, context, decode, seq)
+                elif feed.next_seq is not None and seq < feed.next_seq:
+                    feed.restarted("its sequence numbers started again")
+                elif feed.next_seq is not None and seq > feed.next_seq and feed.replay:
+                    await replay_kv_events(state, feed, context, decode, seq)
+                take_kv_batch(state, feed, seq, decode(frames[2]))
+            except Exception as error:  # msgspec's DecodeError is a ValueError
+                kv_feed_problem(state, feed, "batch", f"malformed batch ignored: {error}")
+    except Exception as error:  # a bug must not stop the other feeds
+        log.error("KV events %s: following stopped: %r", feed.endpoint, error)
+    finally:
+        subscriber.close(linger=0)
+
+
+def take_kv_batch(state: ProxyState, feed: KvFeed, seq: int, batch: object) -> None:
+    """Apply one batch ([ts, events, dp_rank]); what was skipped before it counts as missed."""
+    if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
+        raise ValueError("a batch is [timestamp, events, ...]")
+    if feed.next_seq is not None and seq > feed.next_seq:
+        missed = seq - feed.next_seq
+        feed.gaps += missed
+        state.metrics.kv_event_batches.labels("missed").inc(missed)
+        kv_feed_problem(state, feed, "missed", f"{missed} batch(es) missed", count=False)
+    feed.next_seq = seq + 1
+    for event in batch[1]:
+        try:
+            feed.held.apply(event)
+        except (ValueError, KeyError, TypeError, IndexError) as error:
+            kv_feed_problem(state, feed, "event", f"malformed event ignored: {error}")
+    feed.batches += 1
+    feed.heard_at = time.monotonic()
+    state.metrics.kv_event_batches.labels("applied").inc()
+
+
+def kv_feed_problem(
+    state: ProxyState, feed: KvFeed, kind: str, problem: str, count: bool = True
+) -> None:
+    """Logged once while it repeats: a publisher that sends garbage must not flood the log."""
+    if count:
+        state.metrics.kv_event_batches.labels("malformed").inc()
+    if kind not in feed.logged:
+        feed.logged.add(kind)
+        log.warning(
+            "KV events %s: %s (logged once; /healthcheck shows the last)", feed.endpoint, problem
+        )
+    feed.problem = problem
+
+
+async def replay_kv_events(
+    state: ProxyState, feed: KvFeed, context: Any, decode: Callable[[bytes], Any], upto: int
+) -> None:
+    """Ask the engine's replay socket (a ROUTER) for the batches from feed.next_seq up to
+    ``upto``; it answers each as (topic, seq, batch), then a sequence number of -1."""
+    import zmq
+
+    start = feed.next_seq or 0  # None: from the oldest batch it kept
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.IPV6, 1)
+    dealer.connect(feed.replay)
+    try:
+        await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        while True:
+            frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT)
+            seq = int.from_bytes(frames[2], "big", signed=True) if len(frames) == 4 else -1
+            if seq < 0:
+                return
+            if seq >= upto or (feed.next_seq is not None and seq < feed.next_seq):
+                continue
+            if feed.next_seq is None:
+                feed.next_seq = seq  # joining: from the oldest batch kept, none missed
+            take_kv_batch(state, feed, seq, decode(frames[3]))
+    except TimeoutError:
+        kv_feed_problem(state, feed, "replay", f"replay {feed.replay} did not answer", count=False)
+    finally:
+        dealer.close(linger=0)
+
+
+async def watch_tokenizer(app: web.Application) -> None:
+    """Load the model's tokenizer for routing text prompts on KV events: --tokenizer, or the
+    root a prefill's /v1/models names, once one answers, if that is a local directory."""
+    state = app[STATE_KEY]
+    path = state.config.tokenizer
+    while path is None:
+        if (path := await model_root(state)) is None:
+            await asyncio.sleep(state.config.discovery_interval)
+    try:
+        state.tokenizer = await asyncio.to_thread(PromptTokenizer.load, path)
+    except Exception as error:
+        log.warning(
+            "no tokenizer in %r (%s): text prompts are routed on estimates (--tokenizer names "
+            "the model's tokenizer directory)", path, error,
+        )  # fmt: skip
+        return
+    log.info("text prompts are tokenized with %s for routing on KV events", path)
+
+
+async def model_root(state: ProxyState) -> str | None:
+    """The ``root`` of the first model a usable prefill's /v1/models lists."""
+    limits = state.config.upstream_timeout(state.config.health_timeout)
+    for instance in state.fleet.prefills:
+        if not instance.usable:
+            continue
+        with contextlib.suppress(CheckFailed, ValueError, LookupError, TypeError):
+            page = await get_checked(
+                state.health_session, "models", instance.routes["/v1/models"], limits
+            )
+            root = json.loads(page)["data"][0].get("root")
+            return root if isinstance(root, str) else None
+    return None
+
+
 async def watch_fleet(app: web.Application) -> None:
     fleet = app[STATE_KEY].fleet
     # Side by side, each with its own timeout: one slow or dead host never delays the others.
@@ -2986,6 +3555,8 @@ def create_app(config: ProxyConfig) -> web.Application:
             lingering_prefills_ctx,
             background(watch_fleet),
             background(watch_load),
+            background(watch_kv_events, when=lambda: config.precise),
+            background(watch_tokenizer, when=lambda: config.precise),
             background(report_to_systemd, when=lambda: bool(os.environ.get("NOTIFY_SOCKET"))),
         )
     )
@@ -3254,12 +3825,17 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
-    # argparse writes a "+" flag with two metavars as "URL [BOOTSTRAP ...]": one BOOTSTRAP at most.
+    # argparse writes a "+" flag with two metavars as "URL [BOOTSTRAP ...]": say what it takes.
+    @staticmethod
+    def say_entries(text: str) -> str:
+        text = text.replace("[BOOTSTRAP ...]", "[BOOTSTRAP]")
+        return text.replace("[ENDPOINT ...]", "ENDPOINT [REPLAY]")
+
     def format_usage(self) -> str:
-        return super().format_usage().replace("[BOOTSTRAP ...]", "[BOOTSTRAP]")
+        return self.say_entries(super().format_usage())
 
     def format_help(self) -> str:
-        return super().format_help().replace("[BOOTSTRAP ...]", "[BOOTSTRAP]")
+        return self.say_entries(super().format_help())
 
 
 class PrintVersion(argparse.Action):

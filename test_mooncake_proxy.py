@@ -35,7 +35,15 @@ from pytest_aiohttp import AiohttpClient, AiohttpServer
 from yarl import URL
 
 import mooncake_proxy as mp
-from fake_vllm import EOS_MARKER, FakeVllm, free_port
+from fake_vllm import (
+    BLOCK_TOKENS,
+    EOS_MARKER,
+    EngineSim,
+    FakeVllm,
+    build_tokenizer,
+    free_port,
+    prompt_blocks,
+)
 
 HERE = Path(__file__).resolve().parent
 # Generous bounds: a proxy that fails fast answers in milliseconds, a broken one waits for the
@@ -132,15 +140,33 @@ def start_cluster(aiohttp_server: AiohttpServer, aiohttp_client: AiohttpClient) 
         decode: dict[str, Any] | None = None,
         each_prefill: tuple[dict[str, Any], ...] = (),
         cancel_handlers: bool = True,
+        kv_events: bool = False,
+        kv_replay: bool = False,
         **config: Any,
     ) -> Cluster:
+        """``kv_events``: every engine publishes vLLM's KV events on ports of its own, which
+        the proxy is told of (``kv_replay``: with a replay socket)."""
         prefills, specs, api_servers = [], [], {}
+        sources: list[mp.KvEventSource] = []
+
+        def publish(fake: FakeVllm) -> None:
+            if kv_events:
+                fake.kv_events_port = free_port(fake.dp_size)
+                fake.kv_replay_port = free_port(fake.dp_size) if kv_replay else None
+                endpoint, replay = (
+                    URL(f"tcp://127.0.0.1:{port}") if port else None
+                    for port in (fake.kv_events_port, fake.kv_replay_port)
+                )
+                assert endpoint is not None
+                sources.append(mp.KvEventSource(URL(fake.api_url), endpoint, replay))
+
         for index, dp_size in enumerate(prefill_dp):
             own = each_prefill[index] if index < len(each_prefill) else {}
             fake = FakeVllm("prefill", dp_size=dp_size, **{**(prefill or {}), **own})
-            api = await serve(aiohttp_server, fake.api_app())
+            fake.api_url = f"http://127.0.0.1:{free_port()}"
+            publish(fake)
+            api = await serve(aiohttp_server, fake.api_app(), URL(fake.api_url).port)
             bootstrap = await serve(aiohttp_server, fake.bootstrap_app())
-            fake.api_url = f"http://127.0.0.1:{api.port}"
             api_servers[id(fake)] = api
             prefills.append(fake)
             specs.append(
@@ -152,12 +178,14 @@ def start_cluster(aiohttp_server: AiohttpServer, aiohttp_client: AiohttpClient) 
         decode_fakes, decode_urls = [], []
         for _ in range(decodes):
             fake = FakeVllm("decode", kv_timeout=KV_TIMEOUT, **(decode or {}))
-            api = await serve(aiohttp_server, fake.api_app())
-            fake.api_url = f"http://127.0.0.1:{api.port}"
+            fake.api_url = f"http://127.0.0.1:{free_port()}"
+            publish(fake)
+            api = await serve(aiohttp_server, fake.api_app(), URL(fake.api_url).port)
             api_servers[id(fake)] = api
             decode_fakes.append(fake)
             decode_urls.append(URL(fake.api_url))
         config.setdefault("discovery_interval", 0.02)
+        config.setdefault("kv_events", tuple(sources))
         proxy_config = mp.ProxyConfig(prefills=tuple(specs), decodes=tuple(decode_urls), **config)
         app = mp.create_app(proxy_config)
         server = DaemonTestServer(app) if cancel_handlers else UncancelledTestServer(app)
@@ -165,6 +193,8 @@ def start_cluster(aiohttp_server: AiohttpServer, aiohttp_client: AiohttpClient) 
         client = cast(TestClient[web.Request, web.Application], await aiohttp_client(server))
         if wait_ready:
             await wait_ready_(client)
+        if kv_events:
+            await asyncio.sleep(0.3)  # ZMQ subscriptions start a moment after their connect
         return Cluster(prefills, decode_fakes, proxy_config, client, aiohttp_server, api_servers)
 
     return start
@@ -2197,6 +2227,242 @@ async def scrape(
 
 def sample(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+# --- precise routing: vLLM's KV cache events
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path) -> Any:
+    return mp.PromptTokenizer.load(str(tokenizer_dir)).tokenizer
+
+
+def test_kv_events_and_a_requests_tokens_hash_alike(tokenizer: Any) -> None:
+    """The blocks an engine reports (BlockStored's token ids) and a request's own token ids
+    give the same chain: what matters, not vLLM's own block hash, which never reaches here."""
+    prompt = prompt_blocks("the proxy sends the prompt to the prefill server . " * 12, tokenizer)
+    assert prompt.ids is not None and len(prompt.chain) >= 6
+    blocks = len(prompt.chain)
+    chain = mp.token_chain(prompt.ids, BLOCK_TOKENS)
+    assert len(chain) == blocks
+    held = mp.HeldBlocks()
+    for event in EngineSim(64).kv_events(prompt, list(range(blocks)), []):
+        held.apply(event)
+    assert held.match(chain) == blocks and held.block_size == BLOCK_TOKENS
+    # The engine evicts the tail: the request matches the head only.
+    held.apply({"type": "BlockRemoved", "block_hashes": prompt.chain[-2:], "medium": "GPU"})
+    assert held.match(chain) == blocks - 2
+    # Another prompt with the same first blocks, then others.
+    other = prompt.ids[: 3 * BLOCK_TOKENS] + [7] * (3 * BLOCK_TOKENS)
+    assert held.match(mp.token_chain(other, BLOCK_TOKENS)) == 3
+    # Blocks whose parent was never heard of cannot be placed in a chain: not believed held.
+    orphan = prompt_blocks("cat dog bird fish horse . " * 12, tokenizer)
+    assert orphan.ids is not None
+    for event in EngineSim(64).kv_events(orphan, [2, 3], []):
+        held.apply(event)
+    assert held.unplaced == 2
+    assert held.match(mp.token_chain(orphan.ids, BLOCK_TOKENS)) == 0
+    # The array form older vLLM sends; LoRA blocks, offloaded copies and other groups skipped.
+    first = ["BlockStored", [b"h1"], None, orphan.ids[:BLOCK_TOKENS], BLOCK_TOKENS, None]
+    held.apply(first)
+    assert held.match(mp.token_chain(orphan.ids, BLOCK_TOKENS)) == 1
+    second = EngineSim(64).kv_events(orphan, [1], [])[0] | {"parent_block_hash": b"h1"}
+    for skipped in ({"lora_name": "adapter"}, {"medium": "CPU"}, {"group_idx": 1}):
+        held.apply(second | skipped)
+    assert held.match(mp.token_chain(orphan.ids, BLOCK_TOKENS)) == 1
+    held.apply(second)
+    assert held.match(mp.token_chain(orphan.ids, BLOCK_TOKENS)) == 2
+    with pytest.raises(ValueError):
+        held.apply({"type": "BlockStored", "block_size": 0, "token_ids": []})
+    with pytest.raises(ValueError):
+        held.apply({"type": "Something"})
+    held.apply({"type": "AllBlocksCleared"})
+    assert held.match(chain) == 0 and len(held) == 0
+
+
+def test_the_token_ids_are_vllms_for_completions_and_chats(tokenizer: Any) -> None:
+    prompt_tokenizer = mp.PromptTokenizer(tokenizer)
+    text = "hello world ! how are you today ?"
+    assert (
+        prompt_tokenizer.tokens(COMPLETIONS, completion(prompt=text))
+        == tokenizer(text)["input_ids"]
+    )
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
+    assert (
+        prompt_tokenizer.tokens(CHAT, chat(messages=messages))
+        == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    )
+    assert mp.prompt_token_ids(COMPLETIONS, completion(prompt=[5, 6, 7])) == [5, 6, 7]
+    assert mp.prompt_token_ids(COMPLETIONS, completion(prompt=[[5, 6], [8]])) == [5, 6]
+    assert mp.prompt_token_ids(COMPLETIONS, completion(prompt="text")) is None
+    assert prompt_tokenizer.tokens(CHAT, chat(messages="not a list")) is None
+
+
+def precise(tokenizer: Any, cache_blocks: int = 256) -> dict[str, Any]:
+    return {"cache_blocks": cache_blocks, "tokenizer": tokenizer}
+
+
+async def warm(fake: FakeVllm, rank: int, body: dict[str, Any], path: str = COMPLETIONS) -> None:
+    """A request straight to one engine, as another router (or replica) would send it."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            fake.api_url + path, json={**body, "max_tokens": 1},
+            headers={"X-data-parallel-rank": str(rank)},
+        ) as answer,
+    ):  # fmt: skip
+        assert answer.status == 200, await answer.text()
+
+
+def feeds(cluster: Cluster) -> dict[str, mp.KvFeed]:
+    return cluster.client.app[mp.STATE_KEY].fleet.feeds
+
+
+async def test_routing_follows_the_blocks_engines_report(
+    start_cluster: StartCluster, tokenizer: Any, tokenizer_dir: Path
+) -> None:
+    """Prefixes another router put on chosen engines: the proxy never saw them, the engines'
+    events tell it where they are, and it sends each there (its estimate alone could not)."""
+    cluster = await start_cluster(
+        prefill_dp=(2, 2), prefill=precise(tokenizer), kv_events=True,
+        tokenizer=str(tokenizer_dir),
+    )  # fmt: skip
+    await eventually(lambda: cluster.client.app[mp.STATE_KEY].tokenizer is not None)
+    placed = {}
+    for i in range(8):
+        instance, rank = i % 2, i // 2 % 2
+        if i % 2:
+            system = {"role": "system", "content": f"tenant {i} . " + "red green blue . " * 30}
+            body = chat(messages=[system, {"role": "user", "content": "hello"}])
+            await warm(cluster.prefills[instance], rank, body, CHAT)
+            messages = [*body["messages"], {"role": "assistant", "content": "hi"}]
+            body = chat(messages=[*messages, {"role": "user", "content": "and now ?"}])
+        else:
+            prefix = f"tenant {i} . " + "one two three four . " * 30
+            await warm(cluster.prefills[instance], rank, completion(prompt=prefix))
+            body = completion(prompt=prefix + " and a question")
+        placed[i] = (body, (instance, rank))
+    await eventually(lambda: sum(f.batches for f in feeds(cluster).values()) == 8)
+    for body, (instance, rank) in placed.values():
+        before = len(cluster.prefills[instance].requests)
+        path = CHAT if "messages" in body else COMPLETIONS
+        assert (await cluster.client.post(path, json=body)).status == 200
+        assert len(cluster.prefills[instance].requests) == before + 1
+        assert cluster.prefills[instance].requests[-1].headers["X-data-parallel-rank"] == str(rank)
+    status = (await (await cluster.client.get("/healthcheck")).json())["prefill"][0]
+    assert status["engines"][0]["kv_source"].startswith("kv events (tcp://127.0.0.1:")
+    assert status["engines"][0]["kv_blocks"] > 0
+
+
+async def test_kv_event_gaps_are_replayed_or_counted(
+    start_cluster: StartCluster, tokenizer: Any
+) -> None:
+    for replay in (True, False):
+        cluster = await start_cluster(prefill=precise(tokenizer), kv_events=True, kv_replay=replay)
+        publisher = cluster.prefills[0].sim(0).events
+        assert publisher is not None
+        publisher.drop = {1}  # the second batch is lost on the way
+        prompts = [f"prompt {i} . " + "alpha beta gamma delta . " * 12 for i in range(3)]
+        for prompt in prompts:
+            await warm(cluster.prefills[0], 0, completion(prompt=prompt))
+        (feed,) = (f for f in feeds(cluster).values() if f.engine_id is not None)
+        await eventually(lambda feed=feed: feed.next_seq == 3)  # type: ignore[misc]
+        lost = mp.token_chain(tokenizer(prompts[1])["input_ids"], BLOCK_TOKENS)
+        samples = await scrape(cluster)
+        missed = sample(samples, "mooncake_proxy_kv_event_batches_total", result="missed")
+        if replay:
+            assert feed.gaps == 0 and missed == 0
+            assert feed.held.match(lost) == len(lost)
+        else:
+            assert feed.gaps == 1 and missed == 1
+            assert feed.held.match(lost) == 0
+        await cluster.client.close()
+
+
+async def test_a_restarted_engine_is_forgotten_by_its_events(
+    start_cluster: StartCluster, tokenizer: Any
+) -> None:
+    cluster = await start_cluster(prefill=precise(tokenizer), kv_events=True)
+    (prefill,) = cluster.prefills
+    before = "cat dog bird fish horse . " * 12
+    await warm(prefill, 0, completion(prompt=before))
+    (feed,) = (f for f in feeds(cluster).values() if f.engine_id is not None)
+    old = mp.token_chain(tokenizer(before)["input_ids"], BLOCK_TOKENS)
+    await eventually(lambda: feed.held.match(old) == len(old))
+    prefill.restart()  # its caches empty, its publisher counting from 0 again
+    prefill.sim(0)
+    await asyncio.sleep(0.3)  # the subscriber reconnects to the new publisher
+    after = "red green blue yellow . " * 12
+    await warm(prefill, 0, completion(prompt=after))
+    new = mp.token_chain(tokenizer(after)["input_ids"], BLOCK_TOKENS)
+    await eventually(lambda: feed.held.match(new) == len(new))
+    assert feed.held.match(old) == 0
+
+
+async def test_malformed_kv_events_are_logged_once_and_ignored(
+    start_cluster: StartCluster, tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = await start_cluster(prefill=precise(tokenizer), kv_events=True)
+    publisher = cluster.prefills[0].sim(0).events
+    assert publisher is not None
+    for _ in range(3):
+        publisher.send([b"only one frame"])
+        publisher.send([b"", (0).to_bytes(8, "big"), b"\xc1 not msgpack"])
+    publisher.publish([{"type": "BlockStored", "block_size": "sixteen"}])
+    prompt = "one two three four five six . " * 12
+    await warm(cluster.prefills[0], 0, completion(prompt=prompt))  # good batches go on
+    (feed,) = (f for f in feeds(cluster).values() if f.engine_id is not None)
+    chain = mp.token_chain(tokenizer(prompt)["input_ids"], BLOCK_TOKENS)
+    await eventually(lambda: feed.held.match(chain) == len(chain))
+    assert (await cluster.client.post(COMPLETIONS, json=completion(prompt=prompt))).status == 200
+    warnings = [r.getMessage() for r in caplog.records if "KV events" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # once each: a bad batch, a bad event
+    assert all("Traceback" not in w for w in warnings)
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_kv_event_batches_total", result="malformed") >= 7
+
+
+async def test_an_engine_that_publishes_nothing_is_routed_on_estimates(
+    start_cluster: StartCluster, tokenizer: Any
+) -> None:
+    cluster = await start_cluster(prefill_dp=(2,), prefill={"cache_blocks": 64}, kv_events=True)
+    cluster.prefills[0].close_publishers()  # a dead publisher: nothing ever arrives
+    prompt = long_prompt("a prefix", 1024)
+    async with asyncio.timeout(FAST):
+        for i in range(4):
+            body = completion(prompt=f"{prompt} {i}")
+            assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+    engines = (await (await cluster.client.get("/healthcheck")).json())["prefill"][0]["engines"]
+    assert all(e["kv_source"].startswith("estimate (no KV events yet") for e in engines)
+    assert len(set(engine_of(cluster).values())) == 1  # the estimate still keeps the affinity
+
+
+async def test_without_the_precise_extra_routing_estimates(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    blocked = tmp_path / "zmq"
+    blocked.mkdir()
+    (blocked / "__init__.py").write_text("raise ImportError(\"No module named 'zmq'\")\n")
+    proxy, _ = await ProxyProcess.start(
+        aiohttp_server, "--kv-events-port", "5557", env={"PYTHONPATH": str(tmp_path)}
+    )
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{proxy.base}/v1/completions", json=completion()) as answer,
+    ):
+        assert answer.status == 200
+    log = await proxy.stop()
+    assert "needs pip install 'mooncake-proxy[precise]'" in log and "Traceback" not in log
 
 
 async def test_metrics_parse_and_move_as_requests_flow(start_cluster: StartCluster) -> None:
