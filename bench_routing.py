@@ -38,6 +38,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -48,7 +49,7 @@ import aiohttp
 from aiohttp import web
 
 from bench_mooncake_proxy import pyplot, wait_http
-from fake_vllm import EngineSim, FakeVllm, free_port, prompt_blocks
+from fake_vllm import EngineSim, FakeVllm, build_tokenizer, free_port, prompt_blocks
 
 HERE = Path(__file__).resolve().parent
 INSTANCES, DP, DECODES = 4, 2, 4
@@ -64,8 +65,9 @@ TRACE_URL = (
 # --- the simulated cluster
 
 
-def run_fake(role: str, api_port: int, bootstrap_port: int) -> None:
-    """One fake vLLM server (a process): a prefill with DP ranks and its bootstrap, or a decode."""
+def run_fake(role: str, api_port: int, bootstrap_port: int, *precise: str) -> None:
+    """One fake vLLM server (a process): a prefill with DP ranks and its bootstrap, or a decode.
+    ``precise``: its tokenizer's directory and the ports of its KV event publisher and replay."""
     with contextlib.suppress(ImportError):
         import uvloop
 
@@ -77,6 +79,9 @@ def run_fake(role: str, api_port: int, bootstrap_port: int) -> None:
         token_time=TOKEN_TIME if role == "prefill" else 0.0,
         kv_timeout=30,
     )
+    if precise:
+        fake.tokenizer = load_tokenizer(Path(precise[0]))
+        fake.kv_events_port, fake.kv_replay_port = int(precise[1]), int(precise[2])
     fake.api_url = f"http://127.0.0.1:{api_port}"
 
     async def serve() -> None:
@@ -94,25 +99,49 @@ def run_fake(role: str, api_port: int, bootstrap_port: int) -> None:
     asyncio.run(serve())
 
 
+def load_tokenizer(path: Path) -> Any:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 @dataclass
 class Cluster:
     prefills: list[tuple[str, int]]  # (api URL, bootstrap port)
     decodes: list[str]
     processes: list[subprocess.Popen[bytes]]
+    # --precise: the tokenizer the engines use, and each instance's --kv-events entry.
+    tokenizer_dir: Path | None = None
+    kv_events: list[list[str]] = field(default_factory=list)
 
     @classmethod
-    def start(cls) -> Cluster:
-        prefills, decodes, processes = [], [], []
+    def start(cls, tokenizer_dir: Path | None = None) -> Cluster:
+        prefills, decodes, processes, kv_events = [], [], [], []
         for role, count in (("prefill", INSTANCES), ("decode", DECODES)):
             for _ in range(count):
                 api, bootstrap = free_port(), free_port()
                 argv = [sys.executable, __file__, "fake", role, str(api), str(bootstrap)]
-                processes.append(subprocess.Popen(argv))
                 url = f"http://127.0.0.1:{api}"
+                if tokenizer_dir is not None:
+                    ranks = DP if role == "prefill" else 1
+                    events, replay = free_port(ranks), free_port(ranks)
+                    argv += [str(tokenizer_dir), str(events), str(replay)]
+                    endpoints = [f"tcp://127.0.0.1:{port}" for port in (events, replay)]
+                    kv_events += ["--kv-events", url, *endpoints]
+                processes.append(subprocess.Popen(argv))
                 (prefills.append((url, bootstrap)) if role == "prefill" else decodes.append(url))
         for url in [u for u, _ in prefills] + decodes:
             wait_http(url + "/health")
-        return cls(prefills, decodes, processes)
+        return cls(prefills, decodes, processes, tokenizer_dir, [kv_events])
+
+    def oracle(self, requests: Sequence[Request]) -> float:
+        tokenizer = load_tokenizer(self.tokenizer_dir) if self.tokenizer_dir else None
+        return oracle_hit_rate(requests, tokenizer)
+
+    def precise_flags(self) -> list[str]:
+        assert self.tokenizer_dir is not None
+        return [*self.kv_events[0], "--tokenizer", str(self.tokenizer_dir)]
 
     def proxy_argv(self, port: int, *flags: str) -> list[str]:
         argv = [sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port)]
@@ -141,23 +170,30 @@ class Cluster:
             async with session.post(f"{url}/_fake/reset") as answer:
                 answer.raise_for_status()
 
-    async def engine_counts(self, session: aiohttp.ClientSession) -> list[dict[str, float]]:
-        """Per prefill engine: its prefix cache queries and hits (tokens) and requests."""
+    async def engine_counts(
+        self, session: aiohttp.ClientSession, decodes: bool = False
+    ) -> list[dict[str, float]]:
+        """Per prefill engine: its prefix cache queries and hits (tokens) and requests; per
+        decode: its prompt tokens from its own cache and from transfers."""
         engines = []
-        for url, _ in self.prefills:
+        for url in self.decodes if decodes else [u for u, _ in self.prefills]:
             async with session.get(f"{url}/metrics") as answer:
                 page = await answer.text()
-            for rank in range(DP):
-                counts = {"queries": 0.0, "hits": 0.0, "requests": 0.0}
+            for rank in range(1 if decodes else DP):
+                counts = {"queries": 0.0, "hits": 0.0, "requests": 0.0, "local": 0.0, "sent": 0.0}
                 for line in page.splitlines():
                     if f'engine="{rank}"' not in line:
                         continue
                     for name, key in (
-                        ("vllm:prefix_cache_queries_total", "queries"),
-                        ("vllm:prefix_cache_hits_total", "hits"),
-                        ("vllm:request_success_total", "requests"),
-                    ):
-                        if line.startswith(name + "{"):
+                        ("vllm:prefix_cache_queries_total{", "queries"),
+                        ("vllm:prefix_cache_hits_total{", "hits"),
+                        ("vllm:request_success_total{", "requests"),
+                        ('vllm:prompt_tokens_by_source_total{engine="0",model_name="fake-model",'
+                         'source="local_cache_hit"}', "local"),
+                        ('vllm:prompt_tokens_by_source_total{engine="0",model_name="fake-model",'
+                         'source="external_kv_transfer"}', "sent"),
+                    ):  # fmt: skip
+                        if line.startswith(name):
                             counts[key] = float(line.rsplit(" ", 1)[1])
                 engines.append(counts)
         return engines
@@ -239,12 +275,12 @@ def completion(prompt: str) -> dict[str, Any]:
     return {"model": "fake-model", "prompt": prompt, "max_tokens": 4, "stream": True}
 
 
-def oracle_hit_rate(requests: Sequence[Request]) -> float:
+def oracle_hit_rate(requests: Sequence[Request], tokenizer: Any = None) -> float:
     """One LRU prefix cache with the whole cluster's capacity, fed the requests in order."""
     cache = EngineSim(CACHE_BLOCKS * INSTANCES * DP)
     for _, path, body in requests:
         prompt = body["messages"] if path == CHAT else body["prompt"]
-        blocks = prompt_blocks(prompt)
+        blocks = prompt_blocks(prompt, tokenizer)
         cache.lookup(blocks)
         cache.store(blocks)
     return cache.hits / cache.queries
@@ -264,6 +300,7 @@ class Result:
     ttft_p50_ms: float
     ttft_p90_ms: float
     max_over_mean: float
+    decode_local: float  # share of the decodes' prompt tokens found in their own cache
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -321,6 +358,7 @@ async def run(
             await asyncio.sleep(1.5)  # a scrape of the empty engines
             ttfts, errors = await replay(urls, requests)
             engines = await cluster.engine_counts(session)
+            decodes = await cluster.engine_counts(session, decodes=True)
     finally:
         for process in processes:
             process.send_signal(signal.SIGTERM)
@@ -331,16 +369,18 @@ async def run(
                 process.kill()
     queries = sum(e["queries"] for e in engines)
     counts = [e["requests"] for e in engines]
+    local, sent = (sum(d[key] for d in decodes) for key in ("local", "sent"))
     result = Result(
         workload=name,
         target=target,
         requests=len(requests),
         errors=errors,
         hit_rate=sum(e["hits"] for e in engines) / queries if queries else 0.0,
-        oracle=oracle_hit_rate(requests),
+        oracle=cluster.oracle(requests),
         ttft_p50_ms=1000 * percentile(ttfts, 0.5),
         ttft_p90_ms=1000 * percentile(ttfts, 0.9),
         max_over_mean=max(counts) / statistics.mean(counts) if sum(counts) else float("nan"),
+        decode_local=local / (local + sent) if local + sent else 0.0,
         extra={"requests_per_engine": counts},
     )
     print(format_row(result), flush=True)
@@ -408,6 +448,20 @@ def targets(cluster: Cluster, quick: bool) -> list[tuple[str, list[list[str]]]]:
     def proxy(*flags: str) -> list[str]:
         return cluster.proxy_argv(free_port(), *flags)
 
+    if cluster.tokenizer_dir is not None:  # --precise: the estimate against the engines' events
+        events = cluster.precise_flags()
+        chosen = [
+            ("round_robin", [proxy("--policy", "round_robin")]),
+            ("prefix_aware (estimate)", [proxy()]),
+            ("prefix_aware + KV events", [proxy(*events)]),
+        ]
+        if not quick:
+            chosen += [
+                ("estimate x2 replicas", [proxy(), proxy()]),
+                ("KV events x2 replicas", [proxy(*events), proxy(*events)]),
+                ("KV events --workers 2", [proxy("--workers", "2", *events)]),
+            ]
+        return chosen
     chosen = [
         ("round_robin", [proxy("--policy", "round_robin")]),
         ("least_loaded", [proxy("--policy", "least_loaded")]),
@@ -444,21 +498,21 @@ def format_row(r: Result) -> str:
         f"{r.workload:<16} {r.target:<26} hit {r.hit_rate:5.3f} (oracle {r.oracle:5.3f}, "
         f"{r.hit_rate / r.oracle if r.oracle else float('nan'):4.2f}x)  ttft p50/p90 "
         f"{r.ttft_p50_ms:7.1f}/{r.ttft_p90_ms:7.1f} ms  max/mean {r.max_over_mean:4.2f}  "
-        f"err {r.errors}/{r.requests}"
+        f"decode local {r.decode_local:4.2f}  err {r.errors}/{r.requests}"
     )
 
 
 def table(results: list[Result]) -> str:
     lines = [
         "| workload | target | prefill hit rate | oracle | vs oracle | TTFT p50 / p90 (ms) | "
-        "max/mean requests per engine |",
-        "|---|---|---|---|---|---|---|",
+        "max/mean requests per engine | decode's own cache |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.workload} | {r.target} | {r.hit_rate:.3f} | {r.oracle:.3f} | "
             f"{r.hit_rate / r.oracle:.2f}x | {r.ttft_p50_ms:.1f} / {r.ttft_p90_ms:.1f} | "
-            f"{r.max_over_mean:.2f} |"
+            f"{r.max_over_mean:.2f} | {r.decode_local:.2f} |"
         )
     return "\n".join(lines)
 
@@ -502,13 +556,18 @@ async def bench(args: argparse.Namespace, cluster: Cluster) -> list[Result]:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "fake":
-        run_fake(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        run_fake(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:])
         return 0
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="two workloads, three targets")
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake synthetic trace")
+    parser.add_argument(
+        "--precise",
+        action="store_true",
+        help="engines with a real tokenizer that publish KV events: the estimate against them",
+    )
     parser.add_argument("--workload", action="append", help="only these workloads (by name)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
@@ -517,11 +576,16 @@ def main() -> int:
     costs = decision_costs()
     for label, value in costs:
         print(f"{label}: {value:.1f}{' us' if 'decision' in label else ''}", flush=True)
-    cluster = Cluster.start()
-    try:
-        results = asyncio.run(bench(args, cluster))
-    finally:
-        cluster.stop()
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer_dir = None
+        if args.precise:
+            tokenizer_dir = Path(scratch)
+            build_tokenizer(tokenizer_dir)
+        cluster = Cluster.start(tokenizer_dir)
+        try:
+            results = asyncio.run(bench(args, cluster))
+        finally:
+            cluster.stop()
     print("\n" + table(results))
     print("\n| cost | value |\n|---|---|")
     for label, value in costs:

@@ -179,13 +179,13 @@ def token_ids(prompt: Any, tokenizer: Any) -> list[int]:
     """As vLLM tokenizes: a completion's text with the special tokens, a chat through its
     template without them (the template writes its own)."""
     if isinstance(prompt, str):
-        return list(tokenizer(prompt)["input_ids"])
+        return list(tokenizer(prompt, verbose=False)["input_ids"])
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return prompt
-    return list(tokenizer(json.dumps(prompt))["input_ids"])
+    return list(tokenizer(json.dumps(prompt), verbose=False)["input_ids"])
 
 
 TOKENIZER_CORPUS = (
@@ -311,6 +311,7 @@ class EngineSim:
     local_hit_tokens: int = 0  # decode: prompt tokens it had cached itself
     transferred_tokens: int = 0  # decode: prompt tokens pulled from a prefill
     requests: int = 0
+    active_blocks: int = 0  # held by the prompt being computed
     events: KvEventPublisher | None = None  # where it publishes what it caches and evicts
 
     def lookup(self, prompt: PromptBlocks) -> int:
@@ -409,16 +410,28 @@ class FakeVllm:
     sims: list[EngineSim] = field(default_factory=list)
     metrics_status: int = 200  # 404: a server without /metrics
     extra_waiting: int = 0  # added to every engine's vllm:num_requests_waiting
+    _blocks: dict[str, PromptBlocks] = field(default_factory=dict)
 
     def sim(self, rank: int) -> EngineSim:
         while len(self.sims) < self.dp_size:
-            sim = EngineSim(self.cache_blocks)
+            sim, index = EngineSim(self.cache_blocks), len(self.sims)
             if self.kv_events_port is not None:
-                rank = len(self.sims)
-                replay = self.kv_replay_port + rank if self.kv_replay_port else None
-                sim.events = KvEventPublisher(self.kv_events_port + rank, replay, rank)
+                replay = self.kv_replay_port + index if self.kv_replay_port else None
+                sim.events = KvEventPublisher(self.kv_events_port + index, replay, index)
             self.sims.append(sim)
         return self.sims[rank]
+
+    def prompt_blocks(self, prompt: Any) -> PromptBlocks:
+        """prompt_blocks, remembered for the prompts of the last few thousand requests: each
+        is asked for by its usage and by the prefix cache, and tokenizing costs."""
+        if self.tokenizer is None:
+            return prompt_blocks(prompt)
+        key = json.dumps(prompt)
+        if (blocks := self._blocks.get(key)) is None:
+            if len(self._blocks) >= 4096:
+                self._blocks.clear()
+            blocks = self._blocks[key] = prompt_blocks(prompt, self.tokenizer)
+        return blocks
 
     def close_publishers(self) -> None:
         for sim in self.sims:
@@ -490,7 +503,9 @@ class FakeVllm:
         for rank in range(self.dp_size):
             sim, labels = self.sim(rank), f'engine="{rank}",model_name="{MODEL}"'
             running = sim.running if self.role == "prefill" else self.running
-            usage = len(sim.cache) / sim.capacity if sim.capacity else 0.0
+            # As vLLM's: the blocks running requests hold. Cached blocks no request uses are
+            # free to evict, so a cache full of them is not a full KV cache.
+            usage = sim.active_blocks / sim.capacity if sim.capacity else 0.0
             lines += [
                 f"vllm:num_requests_running{{{labels}}} {float(running)}",
                 f"vllm:num_requests_waiting{{{labels}}} {float(sim.waiting + self.extra_waiting)}",
@@ -510,9 +525,12 @@ class FakeVllm:
         return web.Response(text="\n".join(["# a fake vLLM", *lines, ""]))
 
     async def handle_reset(self, request: web.Request) -> web.Response:
-        """Empty caches and counters, between two benchmark runs."""
-        self.close_publishers()
-        self.sims.clear()
+        """Empty caches and counters, between two benchmark runs: as vLLM's
+        /reset_prefix_cache, which publishes AllBlocksCleared."""
+        self.sims = [EngineSim(self.cache_blocks, events=sim.events) for sim in self.sims]
+        for sim in self.sims:
+            if sim.events is not None:
+                sim.events.publish([{"type": "AllBlocksCleared"}])
         return web.Response()
 
     async def compute_prefill(self, rank: int, prompt: Any) -> None:
@@ -527,10 +545,12 @@ class FakeVllm:
                 sim.waiting, queued = sim.waiting - 1, False
                 sim.running += 1
                 try:
-                    blocks = prompt_blocks(prompt, self.tokenizer)
+                    blocks = self.prompt_blocks(prompt)
                     cached = sim.lookup(blocks)
+                    sim.active_blocks = len(blocks.chain)
                     await asyncio.sleep((blocks.tokens - cached * BLOCK_TOKENS) * self.token_time)
                     sim.store(blocks)
+                    sim.active_blocks = 0
                 finally:
                     sim.running -= 1
         finally:
@@ -540,7 +560,7 @@ class FakeVllm:
     def receive_kv(self, prompt: Any) -> None:
         """A decode's prefix cache: it pulls only the blocks it lacks, and keeps them."""
         sim = self.sim(0)
-        blocks = prompt_blocks(prompt, self.tokenizer)
+        blocks = self.prompt_blocks(prompt)
         cached = sim.lookup(blocks)
         sim.local_hit_tokens += cached * BLOCK_TOKENS
         sim.transferred_tokens += blocks.tokens - cached * BLOCK_TOKENS
@@ -613,7 +633,7 @@ class FakeVllm:
         prompt = prompt_of(request.path, body)
         generation = generate(prompt, body)
         if self.tokenizer is not None:  # its usage counts the tokenizer's tokens
-            generation.prompt_tokens = len(token_ids(prompt, self.tokenizer))
+            generation.prompt_tokens = self.prompt_blocks(prompt).tokens
         if self.fail_status is not None:
             return error(self.fail_status, f"injected failure {self.fail_status}")
         if self.hang:

@@ -1138,6 +1138,9 @@ KV_FULL: Final = 0.98
 # of slack so that affinity holds while there are only a few. Without the bound, a group of
 # conversations that share a system prompt piles onto one engine and thrashes its cache.
 RECENT_SECONDS: Final = 10.0
+# How long this process's own sends count for a target whose KV events it hears: about the
+# longest a prefill queues and runs before the engine publishes its blocks.
+PENDING_SECONDS: Final = 2.0
 RECENT_SLACK: Final = 4.0
 
 
@@ -1211,8 +1214,9 @@ class PromptTokenizer:
     """The token ids vLLM computes for a request's prompt: the model's own tokenizer and chat
     template, through transformers as vLLM itself uses them (the [precise] extra)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, path: str = "") -> None:
         self.tokenizer = tokenizer
+        self.path = path
         self.encoder = tokenizer.backend_tokenizer  # the Rust one: it releases the GIL
 
     @classmethod
@@ -1222,7 +1226,7 @@ class PromptTokenizer:
         # Its import would say on stderr that PyTorch is missing: only tokenizers are used.
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         transformers = importlib.import_module("transformers")
-        return cls(transformers.AutoTokenizer.from_pretrained(path, local_files_only=True))
+        return cls(transformers.AutoTokenizer.from_pretrained(path, local_files_only=True), path)
 
     def tokens(self, path: str, body: Mapping[str, Any]) -> list[int] | None:
         """None where the request is not one this can tokenize as vLLM would."""
@@ -1326,20 +1330,41 @@ class PrefixIndex:
         self.capacity = capacity
         self.blocks: dict[int, int] = {}  # chained hash -> when it was last sent
         self.clock = 0
+        # (monotonic time, clock before) of each send of the last PENDING_SECONDS.
+        self.sends: collections.deque[tuple[float, int]] = collections.deque()
 
     def match(self, chain: Sequence[int]) -> int:
         """How many of the chain's leading blocks are held."""
         return leading(chain, self.blocks)
 
     def add(self, chain: Sequence[int]) -> None:
+        self.sends.append((time.monotonic(), self.clock))
         start, self.clock = self.clock, self.clock + len(chain)
         self.blocks.update(zip(chain, range(self.clock, start, -1), strict=True))
         if len(self.blocks) > self.capacity + self.capacity // 8:  # evict in batches
             newest = heapq.nlargest(self.capacity, self.blocks.items(), key=operator.itemgetter(1))
             self.blocks = dict(newest)
 
+    def match_sent_since(self, chain: Sequence[int], seconds: float) -> int:
+        """How many of the chain's leading blocks this process sent in the last ``seconds``."""
+        horizon = time.monotonic() - seconds
+        while self.sends and self.sends[0][0] < horizon:
+            self.sends.popleft()
+        return leading(chain, SentAfter(self.blocks, self.sends[0][1])) if self.sends else 0
+
     def clear(self) -> None:
         self.blocks.clear()
+        self.sends.clear()
+
+
+class SentAfter:
+    """The blocks of an index stamped after a clock value."""
+
+    def __init__(self, blocks: dict[int, int], clock: int) -> None:
+        self.blocks, self.clock = blocks, clock
+
+    def __contains__(self, block: object) -> bool:
+        return isinstance(block, int) and self.blocks.get(block, -1) > self.clock
 
 
 # vLLM's KV event fields by position, for publishers that send events as arrays (before 0.10).
@@ -1382,18 +1407,22 @@ class HeldBlocks:
                 self.clear()
             elif kind == "BlockRemoved":
                 self.removed(event["block_hashes"])
-            elif not (event.get("lora_id") or event.get("lora_name") or event.get("extra_keys")):
-                # Blocks of a LoRA, of images or with a cache salt serve only requests that
-                # say so.
+            elif not (event.get("lora_id") or event.get("lora_name")):
+                # A LoRA's blocks serve only requests that name it.
                 self.stored(
                     event["parent_block_hash"], event["block_hashes"], event["token_ids"],
-                    event["block_size"],
+                    event["block_size"], event.get("extra_keys") or (),
                 )  # fmt: skip
         except (KeyError, TypeError) as missing:
             raise ValueError(f"{kind} without a usable {missing}") from None
 
     def stored(
-        self, parent: object, hashes: Sequence[object], tokens: Sequence[int], size: int
+        self,
+        parent: object,
+        hashes: Sequence[object],
+        tokens: Sequence[int],
+        size: int,
+        extra_keys: Sequence[object] = (),
     ) -> None:
         if not isinstance(size, int) or size <= 0 or not isinstance(tokens, list):
             raise ValueError(f"BlockStored with block_size {size!r}")
@@ -1409,6 +1438,8 @@ class HeldBlocks:
             block = tuple(tokens[i * size : (i + 1) * size])
             if len(block) < size:
                 break  # a partial block: requests match whole blocks only
+            if i < len(extra_keys) and extra_keys[i] is not None:
+                break  # images or a cache salt in it: only requests with the same match it
             chain ^= hash((position, block))
             if block_hash not in self.known:
                 self.known[block_hash] = (chain, position)
@@ -1517,7 +1548,10 @@ class Target:
         if feed is None or not feed.live or key.tokens is None or not feed.held.block_size:
             return self.index.match(key.chain)
         chain = key.token_chain(feed.held.block_size)
-        return feed.held.match(chain) * len(key.chain) / len(chain) if chain else 0.0
+        reported = feed.held.match(chain) * len(key.chain) / len(chain) if chain else 0.0
+        # A prompt's blocks reach the events once its prefill ran: what this process sent
+        # there a moment ago is on its way, and counts too.
+        return max(reported, self.index.match_sent_since(key.chain, PENDING_SECONDS))
 
     def recent_share(self, now: float) -> float:
         return self.recent * math.exp((self.recent_at - now) / RECENT_SECONDS)
@@ -1613,12 +1647,22 @@ class Router:
             self.observe(self.stage, choice, key)
         return choice
 
-    def place(self, targets: Sequence[Target], order: list[int], loads: list[float]) -> int:
+    def place(
+        self, targets: Sequence[Target], order: list[int], loads: list[float], key: RouteKey
+    ) -> int:
         """Where a prefix no target holds goes: of the first two targets in its hash order
         that have room under the load bound, the one whose index is emptier. Two choices keep
         the prefixes each engine must hold near the mean (one choice leaves some engines
         twice the mean, their caches thrashing). The two are the same in every proxy process;
-        which of them takes the prefix depends on this process's index."""
+        which of them takes the prefix depends on this process's index.
+
+        Where KV events say no engine holds it any more, it goes back where this process last
+        sent it, if that has room: a prefix that moves on every eviction makes the next
+        engine evict in turn, and the caches thrash."""
+        room = within_bound(loads, self.balance)
+        sent = {i: targets[i].index.match(key.chain) for i in order if room[i]}
+        if sent and max(sent.values()) > 0:
+            return max(sent, key=sent.__getitem__)
         first = bounded_first(order, loads, self.balance)
         rest = [i for i in order if i != first]
         if not rest:
@@ -1645,7 +1689,7 @@ class Router:
         order = sorted(candidates, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
         matches = {i: targets[i].holds(key) for i in order}
         if (best := max(matches.values())) == 0:
-            return Choice(self.place(targets, order, loads), "cold", 0)
+            return Choice(self.place(targets, order, loads, key), "cold", 0)
         work = [
             self.load_weight * (t.pending_blocks + others[i] * self.mean_uncached)
             for i, t in enumerate(targets)
@@ -2921,7 +2965,10 @@ async def watch_load(app: web.Application) -> None:
 # Batches a subscriber keeps while it falls behind; beyond them ZMQ drops, and the gap in the
 # sequence numbers is asked for again (replay) or counted.
 KV_EVENTS_HWM: Final = 100_000
-REPLAY_TIMEOUT: Final = 2.0  # seconds for a replay socket to answer each batch
+# Seconds for a replay socket to answer each batch: a busy engine's publisher thread answers
+# between its work (real vLLM on 2 loaded cores took over a second). Only this engine's events
+# wait meanwhile, never a request.
+REPLAY_TIMEOUT: Final = 10.0
 
 
 async def watch_kv_events(app: web.Application) -> None:
@@ -2975,13 +3022,12 @@ async def follow_kv_feed(
                 if len(frames) != 3 or len(frames[1]) != 8:
                     raise ValueError(f"{len(frames)} frames, not topic, sequence and batch")
                 seq = int.from_bytes(frames[1], "big", signed=True)
-                if feed.next_seq is None and seq > 0 and feed.replay:
-                    # Joined an engine that was already publishing: what it holds from before
-                    # is in its replay buffer.
-                    await replay_kv_events(state, feed, context, decode, seq)
-                elif feed.next_seq is not None and seq < feed.next_seq:
+                if feed.next_seq is not None and seq < feed.next_seq:
                     feed.restarted("its sequence numbers started again")
-                elif feed.next_seq is not None and seq > feed.next_seq and feed.replay:
+                    feed.next_seq = None
+                # A gap, or joining an engine that was already publishing (this proxy, or
+                # the engine, started again): what it said before is in its replay buffer.
+                if feed.replay and seq > (feed.next_seq or 0):
                     await replay_kv_events(state, feed, context, decode, seq)
                 take_kv_batch(state, feed, seq, decode(frames[2]))
             except Exception as error:  # msgspec's DecodeError is a ValueError
@@ -3192,6 +3238,7 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
         "pid": os.getpid(),  # which --workers process answered
         "prefill_instances": len(fleet.prefills),
         "decode_instances": len(fleet.decodes),
+        "tokenizer": state.tokenizer.path if state.tokenizer else None,  # with KV events
         "prefill": [instance.status() for instance in fleet.prefills],
         "decode": [instance.status() for instance in fleet.decodes],
     }

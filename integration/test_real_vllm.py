@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ class Server:
     url: str
     bootstrap_port: int | None = None
     process: subprocess.Popen[bytes] | None = None
+    kv_events: list[str] = field(default_factory=list)  # the proxy's --kv-events entry for it
 
     def start(self) -> None:
         with self.log.open("ab") as log:
