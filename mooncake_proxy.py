@@ -1218,6 +1218,7 @@ class PromptTokenizer:
         self.tokenizer = tokenizer
         self.path = path
         self.encoder = tokenizer.backend_tokenizer  # the Rust one: it releases the GIL
+        self.pieces = ChatPieces(self.encoder)
 
     @classmethod
     def load(cls, path: str) -> PromptTokenizer:
@@ -1240,8 +1241,12 @@ class PromptTokenizer:
                     text = text[0]
             if not isinstance(text, str) or not isinstance(special, bool):
                 return None
-            ids: list[int] = self.encoder.encode_batch([text], add_special_tokens=special)[0].ids
-            return ids
+            if not special and (ids := self.pieces.encode(text)) is not None:
+                return ids
+            encoded: list[int] = self.encoder.encode_batch([text], add_special_tokens=special)[
+                0
+            ].ids
+            return encoded
         except Exception:  # a template that refuses these messages: vLLM answers it, not us
             return None
 
@@ -1258,6 +1263,66 @@ class PromptTokenizer:
             tokenize=False,
             **(kwargs if isinstance(kwargs, dict) else {}),
         )
+
+
+class ChatPieces:
+    """A rendered chat's token ids, piece by piece: the tokenizer splits its input at added
+    tokens (a template's role and end-of-turn markers) and encodes the text between them on
+    its own, so the pieces of earlier turns, which a chat resends every turn, are remembered
+    and only the new ones are encoded. Tokenizers whose added tokens strip the text around
+    them are left whole, and the first requests are checked against a whole encoding: one
+    difference and this stops (logged), and every text is encoded whole."""
+
+    CHECKS: Final = 8  # requests compared with a whole encoding
+    LIMIT: Final = 16 << 20  # characters of pieces remembered, at most
+
+    def __init__(self, encoder: Any) -> None:
+        self.encoder = encoder
+        added = encoder.get_added_tokens_decoder()
+        self.ids = {token.content: token_id for token_id, token in added.items()}
+        plain = all(
+            not (token.lstrip or token.rstrip or token.single_word or token.normalized)
+            for token in added.values()
+        )
+        longest_first = sorted(self.ids, key=len, reverse=True)
+        self.split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")").split
+        self.usable = plain and bool(self.ids)
+        self.known: dict[str, list[int]] = {}
+        self.size = 0
+        self.checks = 0
+
+    def encode(self, text: str) -> list[int] | None:
+        """The ids of ``text`` (without the post-processor's special tokens), or None where
+        only a whole encoding is right."""
+        if not self.usable:
+            return None
+        parts = self.split(text)
+        known = self.known
+        if new := [p for p in dict.fromkeys(parts[0::2]) if p and p not in known]:
+            encoded = self.encoder.encode_batch(new, add_special_tokens=False)
+            known = known | {p: e.ids for p, e in zip(new, encoded, strict=True)}
+            self.remember(new, known)
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids.append(self.ids[part])
+            elif part:
+                ids += known[part]
+        if self.checks < self.CHECKS:
+            self.checks += 1
+            whole = self.encoder.encode_batch([text], add_special_tokens=False)[0].ids
+            if whole != ids:
+                log.warning("this tokenizer encodes a chat's pieces otherwise than the whole: "
+                            "every chat is tokenized whole (slower for long ones)")  # fmt: skip
+                self.usable = False
+                return None
+        return ids
+
+    def remember(self, new: list[str], known: dict[str, list[int]]) -> None:
+        self.size += sum(map(len, new))
+        if self.size > self.LIMIT:  # forget all: the next turns' pieces come back first
+            known, self.size = {p: known[p] for p in new}, sum(map(len, new))
+        self.known = known  # replaced whole: another thread may be reading the old one
 
 
 def chat_message(message: object) -> object:

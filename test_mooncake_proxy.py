@@ -32,6 +32,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from pytest_aiohttp import AiohttpClient, AiohttpServer
+from tokenizers import AddedToken
 from yarl import URL
 
 import mooncake_proxy as mp
@@ -2309,6 +2310,30 @@ def test_the_token_ids_are_vllms_for_completions_and_chats(tokenizer: Any) -> No
     assert mp.prompt_token_ids(COMPLETIONS, completion(prompt=[[5, 6], [8]])) == [5, 6]
     assert mp.prompt_token_ids(COMPLETIONS, completion(prompt="text")) is None
     assert prompt_tokenizer.tokens(CHAT, chat(messages="not a list")) is None
+
+
+def test_a_chats_earlier_turns_are_not_tokenized_again(tokenizer_dir: Path) -> None:
+    prompt_tokenizer = mp.PromptTokenizer.load(str(tokenizer_dir))
+    whole = prompt_tokenizer.tokenizer
+    messages = [{"role": "system", "content": "you are terse . " * 20}]
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"question {turn} , hello world !"})
+        body = chat(messages=list(messages))
+        rendered = whole.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        expected = whole(rendered, add_special_tokens=False)["input_ids"]
+        known = dict(prompt_tokenizer.pieces.known)
+        assert prompt_tokenizer.tokens(CHAT, body) == expected
+        if turn:  # only the new turn's pieces were encoded
+            assert len(prompt_tokenizer.pieces.known) - len(known) <= 2
+        messages.append({"role": "assistant", "content": f"answer {turn} ."})
+    # A tokenizer whose markers strip the text around them is not split: encoded whole.
+    stripping = mp.PromptTokenizer.load(str(tokenizer_dir))
+    stripping.tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AddedToken("<|tool|>", lstrip=True)]}
+    )
+    stripping = mp.PromptTokenizer(stripping.tokenizer)
+    assert not stripping.pieces.usable
+    assert stripping.tokens(CHAT, chat(messages=messages)) is not None
 
 
 def precise(tokenizer: Any, cache_blocks: int = 256) -> dict[str, Any]:
