@@ -1134,14 +1134,15 @@ MASK64: Final = (1 << 64) - 1
 # preempt (recompute) running requests to make room.
 KV_FULL: Final = 0.98
 # Each target's share of recent requests (this process's, decayed over this many seconds)
-# is bounded: no engine takes more than --balance-factor times the mean, plus a few requests
-# of slack so that affinity holds while there are only a few. Without the bound, a group of
-# conversations that share a system prompt piles onto one engine and thrashes its cache.
+# is bounded: no engine takes more than --balance-factor times the mean, or the mean plus a
+# few requests of slack while there are only a few (so that affinity holds). Without the
+# bound, a group of conversations that share a system prompt piles onto one engine and
+# thrashes its cache.
 RECENT_SECONDS: Final = 10.0
+RECENT_SLACK: Final = 4.0
 # How long this process's own sends count for a target whose KV events it hears: about the
 # longest a prefill queues and runs before the engine publishes its blocks.
 PENDING_SECONDS: Final = 2.0
-RECENT_SLACK: Final = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -1650,8 +1651,9 @@ def mix64(value: int) -> int:
 
 def within_bound(loads: Sequence[float], balance: float, slack: float = 0.0) -> list[bool]:
     """Which targets, given this request too, stay within ``balance`` times the mean load
-    (HAProxy's hash-balance-factor), plus ``slack``."""
-    limit = math.ceil(balance * (sum(loads) + 1) / len(loads) + slack)
+    (HAProxy's hash-balance-factor), or within the mean plus ``slack`` while that is more."""
+    mean = (sum(loads) + 1) / len(loads)
+    limit = math.ceil(max(balance * mean, mean + slack))
     return [load + 1 <= limit for load in loads]
 
 
