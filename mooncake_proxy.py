@@ -1140,6 +1140,9 @@ KV_FULL: Final = 0.98
 # thrashes its cache.
 RECENT_SECONDS: Final = 10.0
 RECENT_SLACK: Final = 4.0
+# A new prefix goes to the second engine of its hash order only if that holds less than this
+# share of what the first holds.
+PLACE_MARGIN: Final = 0.9
 # How long this process's own sends count for a target whose KV events it hears: about the
 # longest a prefill queues and runs before the engine publishes its blocks.
 PENDING_SECONDS: Final = 2.0
@@ -1441,6 +1444,9 @@ EVENT_FIELDS: Final = {
 }
 
 
+EVICTED_KEPT: Final = 65536  # blocks per engine whose eviction is remembered
+
+
 class HeldBlocks:
     """The blocks an engine's KV events say it holds, keyed by a chain hash of their token ids
     (token_chain), not by vLLM's own block hash: that one depends on the engine's
@@ -1451,6 +1457,9 @@ class HeldBlocks:
         self.known: dict[object, tuple[int, int]] = {}  # vLLM's hash -> (chain hash, position)
         self.block_size = 0
         self.unplaced = 0  # blocks whose parent this process never heard of
+        # Chain hashes of blocks removed lately, oldest first: where an evicted prefix goes
+        # back to, alike in every proxy process.
+        self.evicted: dict[int, None] = {}
 
     def __len__(self) -> int:
         return len(self.known)
@@ -1520,10 +1529,15 @@ class HeldBlocks:
                 self.chains[where[0]] = count
             else:
                 del self.chains[where[0]]
+                self.evicted.pop(where[0], None)
+                self.evicted[where[0]] = None
+        if len(self.evicted) > EVICTED_KEPT:
+            self.evicted = dict.fromkeys(itertools.islice(self.evicted, EVICTED_KEPT // 2, None))
 
     def clear(self) -> None:
         self.chains.clear()
         self.known.clear()
+        self.evicted.clear()
 
 
 class KvFeed:
@@ -1605,6 +1619,16 @@ class Target:
         self.recent = 0.0  # this process's requests, decayed over RECENT_SECONDS
         self.recent_at = 0.0
         self.feed: KvFeed | None = None  # its KV events, with --kv-events-port
+
+    @property
+    def hears_events(self) -> bool:
+        return self.feed is not None and self.feed.live and self.feed.held.block_size > 0
+
+    def evicted(self, key: RouteKey) -> int:
+        """How many of the prompt's leading blocks its KV events say it evicted lately."""
+        if not self.hears_events or key.tokens is None or self.feed is None:
+            return 0
+        return leading(key.token_chain(self.feed.held.block_size), self.feed.held.evicted)
 
     def holds(self, key: RouteKey) -> float:
         """How many of the prompt's leading blocks (key.chain's) the target holds: as its KV
@@ -1718,25 +1742,32 @@ class Router:
         self, targets: Sequence[Target], order: list[int], loads: list[float], key: RouteKey
     ) -> int:
         """Where a prefix no target holds goes: of the first two targets in its hash order
-        that have room under the load bound, the one whose index is emptier. Two choices keep
+        that have room under the load bound, the one that holds fewer blocks. Two choices keep
         the prefixes each engine must hold near the mean (one choice leaves some engines
         twice the mean, their caches thrashing). The two are the same in every proxy process;
-        which of them takes the prefix depends on this process's index.
+        which of them takes the prefix depends on what each holds: alike in every process
+        where KV events say it, else this process's index.
 
-        Where KV events say no engine holds it any more, it goes back where this process last
-        sent it, if that has room: a prefix that moves on every eviction makes the next
+        Where KV events say no engine holds it any more, it goes back to the engine that
+        evicted it, if that has room: a prefix that moves on every eviction makes the next
         engine evict in turn, and the caches thrash."""
         room = within_bound(loads, self.balance)
-        sent = {i: targets[i].index.match(key.chain) for i in order if room[i]}
-        if sent and max(sent.values()) > 0:
-            return max(sent, key=sent.__getitem__)
+        evicted = {i: targets[i].evicted(key) for i in order if room[i]}
+        if evicted and max(evicted.values()) > 0:
+            return max(evicted, key=evicted.__getitem__)
         first = bounded_first(order, loads, self.balance)
         rest = [i for i in order if i != first]
         if not rest:
             return first
         second = bounded_first(rest, loads, self.balance)
-        fill = [len(t.index.blocks) / t.index.capacity for t in targets]
-        return second if fill[second] < fill[first] else first
+        fill: list[float]
+        if targets[first].hears_events and targets[second].hears_events:
+            fill = [len(t.feed.held) if t.feed else 0 for t in targets]
+        else:
+            fill = [len(t.index.blocks) / t.index.capacity for t in targets]
+        # Only a clear difference moves it off the first: two proxy processes that ask a
+        # moment apart, with fills a few blocks apart, still agree.
+        return second if fill[second] < PLACE_MARGIN * fill[first] else first
 
     def choose(self, targets: Sequence[Target], policy: Policy, key: RouteKey | None) -> Choice:
         if policy is not Policy.PREFIX_AWARE:
