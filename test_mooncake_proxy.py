@@ -2392,6 +2392,32 @@ async def test_routing_follows_the_blocks_engines_report(
     assert status["engines"][0]["kv_blocks"] > 0
 
 
+async def test_an_evicted_prefix_goes_back_to_the_engine_that_evicted_it(
+    start_cluster: StartCluster, tokenizer: Any, tokenizer_dir: Path
+) -> None:
+    """Engines whose small caches evicted the prefixes another router put there: no engine
+    holds them now, and each goes back where it was (every proxy process knows that from the
+    events alike), not where a hash of it says."""
+    cluster = await start_cluster(
+        prefill_dp=(2, 2), prefill=precise(tokenizer, cache_blocks=24), kv_events=True,
+        tokenizer=str(tokenizer_dir),
+    )  # fmt: skip
+    await eventually(lambda: cluster.client.app[mp.STATE_KEY].tokenizer is not None)
+    prefixes = {(i % 2, i // 2): f"tenant {i} . " + "red green blue . " * 24 for i in range(4)}
+    for (instance, rank), prefix in prefixes.items():
+        await warm(cluster.prefills[instance], rank, completion(prompt=prefix))
+        for filler in range(3):  # other prompts push it out of that engine's 24 blocks
+            other = f"filler {instance} {rank} {filler} . " + "cat dog bird . " * 30
+            await warm(cluster.prefills[instance], rank, completion(prompt=other))
+    await eventually(lambda: sum(len(f.held.evicted) > 0 for f in feeds(cluster).values()) == 4)
+    for (instance, rank), prefix in prefixes.items():
+        before = len(cluster.prefills[instance].requests)
+        body = completion(prompt=prefix + " and a question")
+        assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+        assert len(cluster.prefills[instance].requests) == before + 1
+        assert cluster.prefills[instance].requests[-1].headers["X-data-parallel-rank"] == str(rank)
+
+
 async def test_kv_event_gaps_are_replayed_or_counted(
     start_cluster: StartCluster, tokenizer: Any
 ) -> None:
