@@ -22,7 +22,6 @@ import asyncio
 import collections
 import contextlib
 import hashlib
-import importlib
 import json
 import random
 import socket
@@ -188,60 +187,12 @@ def token_ids(prompt: Any, tokenizer: Any) -> list[int]:
     return list(tokenizer(json.dumps(prompt), verbose=False)["input_ids"])
 
 
-TOKENIZER_CORPUS = (
-    "the proxy sends the prompt to the prefill server and the decode server . "
-    "prefill computes the kv cache ; decode pulls it through mooncake and streams tokens . "
-    "hello world ! how are you today ? i am fine , thank you . one two three four five six "
-    "seven eight nine ten . red green blue yellow . cat dog bird fish horse . alpha beta gamma "
-    "delta . user assistant system message content role reply answer question . "
-)
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
-
-
 def build_tokenizer(out: Path) -> Any:
-    """A small byte-level BPE tokenizer with a chat template, trained here on a fixed corpus
-    (the same bytes on every run, no model hub), saved in ``out`` as a model's tokenizer is:
-    the fakes, the proxy's precise routing and the real-vLLM suite's tiny model share it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """The small tokenizer the fakes, the proxy's precise routing and the real-vLLM suite's
+    tiny model share (tiny_tokenizer.py), saved in ``out``."""
+    from tiny_tokenizer import build_tokenizer as build
 
-    transformers = importlib.import_module("transformers")
-
-    special = [*SPECIAL_TOKENS, "<|end|>"]
-    tokenizer = Tokenizer(models.BPE(unk_token=None))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        min_frequency=1,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    text = TOKENIZER_CORPUS
-    corpus = [text * 3, text.upper(), text.title(), "0123456789 ,;:'\"()[]{}"]
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    bos = tokenizer.token_to_id("<s>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-    )
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        additional_special_tokens=special[4:],
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=512,
-    )
-    fast.save_pretrained(out)
-    return fast
+    return build(out)
 
 
 class KvEventPublisher:
