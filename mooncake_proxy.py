@@ -1222,7 +1222,7 @@ class PromptTokenizer:
         self.tokenizer = tokenizer
         self.path = path
         self.encoder = tokenizer.backend_tokenizer  # the Rust one: it releases the GIL
-        self.pieces = ChatPieces(self.encoder)
+        self.pieces = PromptPieces(self.encoder)
 
     @classmethod
     def load(cls, path: str) -> PromptTokenizer:
@@ -1245,7 +1245,7 @@ class PromptTokenizer:
                     text = text[0]
             if not isinstance(text, str) or not isinstance(special, bool):
                 return None
-            if not special and (ids := self.pieces.encode(text)) is not None:
+            if (ids := self.pieces.encode(text, special)) is not None:
                 return ids
             encoded: list[int] = self.encoder.encode_batch([text], add_special_tokens=special)[
                 0
@@ -1269,64 +1269,99 @@ class PromptTokenizer:
         )
 
 
-class ChatPieces:
-    """A rendered chat's token ids, piece by piece: the tokenizer splits its input at added
-    tokens (a template's role and end-of-turn markers) and encodes the text between them on
-    its own, so the pieces of earlier turns, which a chat resends every turn, are remembered
-    and only the new ones are encoded. Tokenizers whose added tokens strip the text around
-    them are left whole, and the first requests are checked against a whole encoding: one
-    difference and this stops (logged), and every text is encoded whole."""
+# Within a text, a piece is cut after this many characters, before the next space between two
+# words: tokenizers split words at spaces (GPT-2's pre-tokenizer, SentencePiece's "▁"), so both
+# sides encode as they would together, and prompts that share a prefix share its first pieces.
+PIECE_CHARS: Final = 1024
+WORD_GAP: Final = re.compile(r"(?<=\S) (?=\S)")
 
-    CHECKS: Final = 8  # requests compared with a whole encoding
+
+def cut(text: str) -> list[str]:
+    pieces, start = [], 0
+    while len(text) - start > PIECE_CHARS:
+        if (gap := WORD_GAP.search(text, start + PIECE_CHARS)) is None:
+            break
+        pieces.append(text[start : gap.start()])
+        start = gap.start()
+    pieces.append(text[start:])
+    return [piece for piece in pieces if piece]
+
+
+class PromptPieces:
+    """A prompt's token ids, piece by piece, each piece encoded once: a chat's earlier turns,
+    which it resends every turn, and the shared prefix of completions are not encoded again.
+
+    The tokenizer itself splits its input at added tokens (a template's role and end-of-turn
+    markers) and encodes the text between them on its own; within that text, pieces are cut
+    at spaces between words (cut). Tokenizers whose added tokens strip the text around them
+    are used whole, and the first requests of each kind are checked against a whole encoding:
+    one difference and this stops (logged), and every prompt is encoded whole."""
+
+    CHECKS: Final = 8  # requests of each kind (with special tokens or not) checked
     LIMIT: Final = 16 << 20  # characters of pieces remembered, at most
 
     def __init__(self, encoder: Any) -> None:
         self.encoder = encoder
         added = encoder.get_added_tokens_decoder()
         self.ids = {token.content: token_id for token_id, token in added.items()}
-        plain = all(
+        self.usable = all(
             not (token.lstrip or token.rstrip or token.single_word or token.normalized)
             for token in added.values()
         )
         longest_first = sorted(self.ids, key=len, reverse=True)
-        self.split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")").split
-        self.usable = plain and bool(self.ids)
+        markers = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+        self.split: Callable[[str], list[str]] = markers.split if self.ids else lambda t: [t]
+        self.around = special_tokens_around(encoder)
         self.known: dict[str, list[int]] = {}
         self.size = 0
-        self.checks = 0
+        self.checks = {False: 0, True: 0}
 
-    def encode(self, text: str) -> list[int] | None:
-        """The ids of ``text`` (without the post-processor's special tokens), or None where
-        only a whole encoding is right."""
-        if not self.usable:
+    def encode(self, text: str, special: bool) -> list[int] | None:
+        """The ids of ``text`` (with the post-processor's special tokens if ``special``), or
+        None where only a whole encoding is right."""
+        if not self.usable or (special and self.around is None):
             return None
         parts = self.split(text)
+        texts = [cut(part) for part in parts[0::2]]
         known = self.known
-        if new := [p for p in dict.fromkeys(parts[0::2]) if p and p not in known]:
+        if new := [p for p in dict.fromkeys(itertools.chain(*texts)) if p not in known]:
             encoded = self.encoder.encode_batch(new, add_special_tokens=False)
             known = known | {p: e.ids for p, e in zip(new, encoded, strict=True)}
             self.remember(new, known)
-        ids: list[int] = []
+        before, after = self.around if special and self.around else ((), ())
+        ids = list(before)
         for i, part in enumerate(parts):
             if i % 2:
                 ids.append(self.ids[part])
-            elif part:
-                ids += known[part]
-        if self.checks < self.CHECKS:
-            self.checks += 1
-            whole = self.encoder.encode_batch([text], add_special_tokens=False)[0].ids
-            if whole != ids:
-                log.warning("this tokenizer encodes a chat's pieces otherwise than the whole: "
-                            "every chat is tokenized whole (slower for long ones)")  # fmt: skip
+            else:
+                for piece in texts[i // 2]:
+                    ids += known[piece]
+        ids += after
+        if self.checks[special] < self.CHECKS:
+            self.checks[special] += 1
+            if self.encoder.encode_batch([text], add_special_tokens=special)[0].ids != ids:
+                log.warning("this tokenizer encodes a prompt's pieces otherwise than the whole: "
+                            "prompts are tokenized whole (slower for long ones)")  # fmt: skip
                 self.usable = False
                 return None
         return ids
 
     def remember(self, new: list[str], known: dict[str, list[int]]) -> None:
         self.size += sum(map(len, new))
-        if self.size > self.LIMIT:  # forget all: the next turns' pieces come back first
+        if self.size > self.LIMIT:  # forget all: the next requests' pieces come back first
             known, self.size = {p: known[p] for p in new}, sum(map(len, new))
         self.known = known  # replaced whole: another thread may be reading the old one
+
+
+def special_tokens_around(encoder: Any) -> tuple[list[int], list[int]] | None:
+    """The ids the post-processor puts before and after a text (a BOS, ...), found by where a
+    text's own ids sit among them; None if they do not sit whole."""
+    plain = encoder.encode("a", add_special_tokens=False).ids
+    special = encoder.encode("a", add_special_tokens=True).ids
+    for at in range(len(special) - len(plain) + 1):
+        if special[at : at + len(plain)] == plain:
+            return special[:at], special[at + len(plain) :]
+    return None
 
 
 def chat_message(message: object) -> object:

@@ -2312,7 +2312,7 @@ def test_the_token_ids_are_vllms_for_completions_and_chats(tokenizer: Any) -> No
     assert prompt_tokenizer.tokens(CHAT, chat(messages="not a list")) is None
 
 
-def test_a_chats_earlier_turns_are_not_tokenized_again(tokenizer_dir: Path) -> None:
+def test_earlier_turns_and_shared_prefixes_are_not_tokenized_again(tokenizer_dir: Path) -> None:
     prompt_tokenizer = mp.PromptTokenizer.load(str(tokenizer_dir))
     whole = prompt_tokenizer.tokenizer
     messages = [{"role": "system", "content": "you are terse . " * 20}]
@@ -2326,6 +2326,20 @@ def test_a_chats_earlier_turns_are_not_tokenized_again(tokenizer_dir: Path) -> N
         if turn:  # only the new turn's pieces were encoded
             assert len(prompt_tokenizer.pieces.known) - len(known) <= 2
         messages.append({"role": "assistant", "content": f"answer {turn} ."})
+    # Completions with one long prefix: its first pieces are encoded once, the ids the same.
+    prefix = "the proxy sends the prompt to the prefill server . " * 80
+    for question in ("how are you today ?", "one two three"):
+        known = dict(prompt_tokenizer.pieces.known)
+        text = f"{prefix} {question}"
+        assert (
+            prompt_tokenizer.tokens(COMPLETIONS, completion(prompt=text))
+            == whole(text)["input_ids"]
+        )
+        assert whole(text)["input_ids"][0] == whole.bos_token_id  # with the special tokens
+    assert len(prompt_tokenizer.pieces.known) - len(known) == 1  # only the last piece was new
+    pieces = mp.cut("word " * 600)  # cut before a space between words, past 1,024 characters
+    assert "".join(pieces) == "word " * 600 and [len(p) for p in pieces] == [1024, 1025, 951]
+    assert all(piece.startswith(" word") for piece in pieces[1:])
     # A tokenizer whose markers strip the text around them is not split: encoded whole.
     stripping = mp.PromptTokenizer.load(str(tokenizer_dir))
     stripping.tokenizer.add_special_tokens(
