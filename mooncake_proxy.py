@@ -654,6 +654,8 @@ class ProxyConfig:
         known = {*(p.url for p in self.prefills), *self.decodes}
         if unknown := [str(s.url) for s in self.kv_events if s.url not in known]:
             raise ConfigError(f"--kv-events {unknown[0]} is not a --prefill or --decode URL")
+        if self.kv_events_replay_port is not None and self.kv_events_port is None:
+            raise ConfigError("--kv-events-replay-port needs --kv-events-port")
         if self.protect_metrics and not self.api_key:
             raise ConfigError("--protect-metrics needs --api-key: it is the key /metrics asks for")
 
@@ -1247,10 +1249,8 @@ class PromptTokenizer:
                 return None
             if (ids := self.pieces.encode(text, special)) is not None:
                 return ids
-            encoded: list[int] = self.encoder.encode_batch([text], add_special_tokens=special)[
-                0
-            ].ids
-            return encoded
+            whole = self.encoder.encode_batch([text], add_special_tokens=special)[0]
+            return list(whole.ids)
         except Exception:  # a template that refuses these messages: vLLM answers it, not us
             return None
 
@@ -1398,14 +1398,8 @@ def token_chain(tokens: Sequence[int], size: int) -> list[int]:
     """A hash per full block of ``size`` token ids, chained with every block before it, the
     same way as HeldBlocks.stored hashes the token ids of vLLM's BlockStored events. Hashes of
     ints and tuples of ints are the same in every process (unlike those of str and bytes)."""
-    count = len(tokens) // size
-    blocks = map(
-        tuple,
-        map(
-            tokens.__getitem__,
-            map(slice, range(0, count * size, size), itertools.count(size, size)),
-        ),
-    )
+    starts = range(0, len(tokens) // size * size, size)
+    blocks = (tuple(tokens[start : start + size]) for start in starts)
     return list(itertools.accumulate(map(hash, zip(itertools.count(), blocks)), operator.xor))
 
 
@@ -1593,10 +1587,11 @@ class KvFeed:
         self.gaps = 0  # sequence numbers never received, not even by replay
         self.problem: str | None = None  # the last malformed message or failed replay
         self.logged: set[str] = set()  # kinds of problem logged: each once
+        self.joining = False  # replaying what the engine said before this process listened
 
     @property
     def live(self) -> bool:
-        return self.batches > 0
+        return self.batches > 0 and not self.joining
 
     def restarted(self, why: str) -> None:
         if self.held:
@@ -1604,7 +1599,9 @@ class KvFeed:
         self.held.clear()
 
     def status(self, now: float) -> dict[str, Any]:
-        if not self.live:
+        if self.joining:
+            source = f"estimate (catching up on the replay of {self.replay})"
+        elif not self.live:
             source = f"estimate (no KV events yet from {self.endpoint})"
         else:
             source = f"kv events ({self.endpoint}, last {now - self.heard_at:.1f} s ago)"
@@ -1670,7 +1667,7 @@ class Target:
         events say where it has published any and the prompt's tokens are known, else as
         this process's own index estimates."""
         feed = self.feed
-        if feed is None or not feed.live or key.tokens is None or not feed.held.block_size:
+        if feed is None or not self.hears_events or key.tokens is None:
             return self.index.match(key.chain)
         chain = key.token_chain(feed.held.block_size)
         reported = feed.held.match(chain) * len(key.chain) / len(chain) if chain else 0.0
@@ -3102,6 +3099,7 @@ KV_EVENTS_HWM: Final = 100_000
 # between its work (real vLLM on 2 loaded cores took over a second). Only this engine's events
 # wait meanwhile, never a request.
 REPLAY_TIMEOUT: Final = 10.0
+REPLAY_SLICE: Final = 32  # replayed batches applied between two turns of the event loop
 
 
 async def watch_kv_events(app: web.Application) -> None:
@@ -3213,6 +3211,10 @@ async def replay_kv_events(
     import zmq
 
     start = feed.next_seq or 0  # None: from the oldest batch it kept
+    # Joining, the engine may replay thousands of batches: until they are applied its view is
+    # not used, and other work gets the loop between every few of them.
+    feed.joining = feed.next_seq is None
+    applied = 0
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.IPV6, 1)
@@ -3229,9 +3231,12 @@ async def replay_kv_events(
             if feed.next_seq is None:
                 feed.next_seq = seq  # joining: from the oldest batch kept, none missed
             take_kv_batch(state, feed, seq, decode(frames[3]))
+            if (applied := applied + 1) % REPLAY_SLICE == 0:
+                await asyncio.sleep(0)
     except TimeoutError:
         kv_feed_problem(state, feed, "replay", f"replay {feed.replay} did not answer", count=False)
     finally:
+        feed.joining = False
         dealer.close(linger=0)
 
 

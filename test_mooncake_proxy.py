@@ -2457,6 +2457,26 @@ async def test_kv_event_gaps_are_replayed_or_counted(
         await cluster.client.close()
 
 
+async def test_a_proxy_that_joins_late_learns_earlier_blocks_by_replay(
+    start_cluster: StartCluster, tokenizer: Any, aiohttp_client: AiohttpClient
+) -> None:
+    cluster = await start_cluster(prefill=precise(tokenizer), kv_events=True, kv_replay=True)
+    (prefill,) = cluster.prefills
+    earlier = "cat dog bird fish horse . " * 12
+    await warm(prefill, 0, completion(prompt=earlier))
+    late = cast(
+        TestClient[web.Request, web.Application],
+        await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
+    )
+    await wait_ready_(late)
+    await asyncio.sleep(0.3)  # its subscription starts
+    await warm(prefill, 0, completion(prompt="red green blue yellow . " * 12))
+    (feed,) = (f for f in late.app[mp.STATE_KEY].fleet.feeds.values() if f.engine_id)
+    chain = mp.token_chain(tokenizer(earlier)["input_ids"], BLOCK_TOKENS)
+    await eventually(lambda: feed.live and feed.held.match(chain) == len(chain))
+    assert feed.gaps == 0 and feed.next_seq == 2
+
+
 async def test_a_restarted_engine_is_forgotten_by_its_events(
     start_cluster: StartCluster, tokenizer: Any
 ) -> None:
