@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,8 +141,22 @@ def complete(client: openai.OpenAI, prompt: str) -> None:
     try:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     except openai.InternalServerError as failure:
-        print(f"a KV transfer stalled ({failure}); asked again")
+        print(f"a KV transfer stalled ({failure}); asked again once the proxy is ready")
+        # The stalled prefill may have missed its health checks meanwhile: out for a moment.
+        base = str(client.base_url).removesuffix("/").removesuffix("/v1")
+        deadline = time.monotonic() + 60
+        while healthcheck_status(base) != 200:
+            assert time.monotonic() < deadline, "the proxy did not become ready again"
+            time.sleep(0.5)
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+
+
+def healthcheck_status(base: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=10) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as refused:
+        return refused.code
 
 
 def healthcheck(router: Server) -> dict[str, object]:
