@@ -1436,19 +1436,24 @@ class PrefixIndex:
         return leading(chain, self.blocks)
 
     def add(self, chain: Sequence[int]) -> None:
-        self.sends.append((time.monotonic(), self.clock))
+        now = time.monotonic()
+        self.forget_sends_before(now - PENDING_SECONDS)  # kept short however it is read
+        self.sends.append((now, self.clock))
         start, self.clock = self.clock, self.clock + len(chain)
         self.blocks.update(zip(chain, range(self.clock, start, -1), strict=True))
         if len(self.blocks) > self.capacity + self.capacity // 8:  # evict in batches
             newest = heapq.nlargest(self.capacity, self.blocks.items(), key=operator.itemgetter(1))
             self.blocks = dict(newest)
 
-    def match_sent_since(self, chain: Sequence[int], seconds: float) -> int:
-        """How many of the chain's leading blocks this process sent in the last ``seconds``."""
-        horizon = time.monotonic() - seconds
+    def match_sent_lately(self, chain: Sequence[int]) -> int:
+        """How many of the chain's leading blocks this process sent in the last
+        PENDING_SECONDS."""
+        self.forget_sends_before(time.monotonic() - PENDING_SECONDS)
+        return leading(chain, SentAfter(self.blocks, self.sends[0][1])) if self.sends else 0
+
+    def forget_sends_before(self, horizon: float) -> None:
         while self.sends and self.sends[0][0] < horizon:
             self.sends.popleft()
-        return leading(chain, SentAfter(self.blocks, self.sends[0][1])) if self.sends else 0
 
     def clear(self) -> None:
         self.blocks.clear()
@@ -1673,7 +1678,7 @@ class Target:
         reported = feed.held.match(chain) * len(key.chain) / len(chain) if chain else 0.0
         # A prompt's blocks reach the events once its prefill ran: what this process sent
         # there a moment ago is on its way, and counts too.
-        return max(reported, self.index.match_sent_since(key.chain, PENDING_SECONDS))
+        return max(reported, self.index.match_sent_lately(key.chain))
 
     def recent_share(self, now: float) -> float:
         return self.recent * math.exp((self.recent_at - now) / RECENT_SECONDS)
