@@ -3227,7 +3227,9 @@ async def replay_kv_events(
     try:
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
         while True:
-            frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT)
+            # Not asyncio.wait_for: on 3.11 it swallows a cancel that comes as the answer does.
+            async with asyncio.timeout(REPLAY_TIMEOUT):
+                frames = await dealer.recv_multipart()
             seq = int.from_bytes(frames[2], "big", signed=True) if len(frames) == 4 else -1
             if seq < 0:
                 return
