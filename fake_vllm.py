@@ -212,6 +212,7 @@ class KvEventPublisher:
         self.seq = 0
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=10_000)
         self.drop: set[int] = set()  # sequence numbers to lose on the way (still replayable)
+        self.replay_delay = 0.0  # seconds a replay request waits before it is answered
         self.replay_task: asyncio.Task[None] | None = None
         if replay_port is not None:
             self.router = self.context.socket(zmq.ROUTER)
@@ -234,6 +235,7 @@ class KvEventPublisher:
     async def serve_replay(self) -> None:
         while True:
             client, _, start = await self.router.recv_multipart()
+            await asyncio.sleep(self.replay_delay)
             for seq, payload in list(self.buffer):
                 if seq >= int.from_bytes(start, "big"):
                     frames = [client, b"", b"", seq.to_bytes(8, "big"), payload]

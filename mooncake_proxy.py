@@ -1593,6 +1593,7 @@ class KvFeed:
         self.problem: str | None = None  # the last malformed message or failed replay
         self.logged: set[str] = set()  # kinds of problem logged: each once
         self.joining = False  # replaying what the engine said before this process listened
+        self.replayed = range(0)  # what that replay applied: the live stream repeats some of it
 
     @property
     def live(self) -> bool:
@@ -3152,12 +3153,19 @@ async def follow_kv_feed(
     subscriber.setsockopt(zmq.SUBSCRIBE, b"")
     subscriber.connect(feed.endpoint)
     try:
+        if feed.replay:
+            # Catch up on what the engine said before this process listened now, not when it
+            # next speaks: that is when traffic comes, and a full buffer takes a while.
+            await replay_kv_events(state, feed, context, decode, None, joining=True)
         while True:
             frames = await subscriber.recv_multipart()
             try:
                 if len(frames) != 3 or len(frames[1]) != 8:
                     raise ValueError(f"{len(frames)} frames, not topic, sequence and batch")
                 seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq in feed.replayed:
+                    continue  # published while we caught up, and the replay had it too
+                feed.replayed = range(0)
                 if feed.next_seq is not None and seq < feed.next_seq:
                     feed.restarted("its sequence numbers started again")
                     feed.next_seq = None
@@ -3209,10 +3217,16 @@ def kv_feed_problem(
 
 
 async def replay_kv_events(
-    state: ProxyState, feed: KvFeed, context: Any, decode: Callable[[bytes], Any], upto: int
+    state: ProxyState,
+    feed: KvFeed,
+    context: Any,
+    decode: Callable[[bytes], Any],
+    upto: int | None,
+    joining: bool = False,
 ) -> None:
-    """Ask the engine's replay socket (a ROUTER) for the batches from feed.next_seq up to
-    ``upto``; it answers each as (topic, seq, batch), then a sequence number of -1."""
+    """Ask the engine's replay socket (a ROUTER) for the batches from feed.next_seq (before
+    ``upto``, if given); it answers each as (topic, seq, batch), then a sequence number of -1.
+    Joining, an engine that is not up yet is no problem: its first batch will bring us here."""
     import zmq
 
     start = feed.next_seq or 0  # None: from the oldest batch it kept
@@ -3233,15 +3247,20 @@ async def replay_kv_events(
             seq = int.from_bytes(frames[2], "big", signed=True) if len(frames) == 4 else -1
             if seq < 0:
                 return
-            if seq >= upto or (feed.next_seq is not None and seq < feed.next_seq):
+            if (upto is not None and seq >= upto) or (
+                feed.next_seq is not None and seq < feed.next_seq
+            ):
                 continue
             if feed.next_seq is None:
-                feed.next_seq = seq  # joining: from the oldest batch kept, none missed
+                feed.next_seq = start = seq  # joining: from the oldest batch kept, none missed
             take_kv_batch(state, feed, seq, decode(frames[3]))
+            feed.replayed = range(start, feed.next_seq) if joining else range(0)
             if (applied := applied + 1) % REPLAY_SLICE == 0:
                 await asyncio.sleep(0)
     except TimeoutError:
-        kv_feed_problem(state, feed, "replay", f"replay {feed.replay} did not answer", count=False)
+        if not joining:
+            problem = f"replay {feed.replay} did not answer"
+            kv_feed_problem(state, feed, "replay", problem, count=False)
     finally:
         feed.joining = False
         dealer.close(linger=0)

@@ -2469,12 +2469,43 @@ async def test_a_proxy_that_joins_late_learns_earlier_blocks_by_replay(
         await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
     )
     await wait_ready_(late)
-    await asyncio.sleep(0.3)  # its subscription starts
-    await warm(prefill, 0, completion(prompt="red green blue yellow . " * 12))
     (feed,) = (f for f in late.app[mp.STATE_KEY].fleet.feeds.values() if f.engine_id)
     chain = mp.token_chain(tokenizer(earlier)["input_ids"], BLOCK_TOKENS)
+    # At once, not when the engine next speaks: that is when traffic comes.
     await eventually(lambda: feed.live and feed.held.match(chain) == len(chain))
-    assert feed.gaps == 0 and feed.next_seq == 2
+    assert feed.gaps == 0 and feed.next_seq == 1
+    await warm(prefill, 0, completion(prompt="red green blue yellow . " * 12))
+    await eventually(lambda: feed.next_seq == 2)
+    assert feed.gaps == 0 and feed.held.match(chain) == len(chain)
+
+
+async def test_batches_published_while_a_proxy_catches_up_are_applied_once(
+    start_cluster: StartCluster, tokenizer: Any, aiohttp_client: AiohttpClient
+) -> None:
+    """The live stream repeats what the join's replay already had: not a restart."""
+    cluster = await start_cluster(prefill=precise(tokenizer), kv_events=True, kv_replay=True)
+    (prefill,) = cluster.prefills
+    publisher = prefill.sim(0).events
+    assert publisher is not None
+    earlier = "cat dog bird fish horse . " * 12
+    await warm(prefill, 0, completion(prompt=earlier))
+    publisher.replay_delay = 1.0
+    late = cast(
+        TestClient[web.Request, web.Application],
+        await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
+    )
+    await wait_ready_(late)
+    (feed,) = (f for f in late.app[mp.STATE_KEY].fleet.feeds.values() if f.engine_id)
+    await asyncio.sleep(0.3)  # subscribed, its replay asked for and not answered yet
+    during = "red green blue yellow . " * 12
+    await warm(prefill, 0, completion(prompt=during))
+    await eventually(lambda: feed.next_seq == 2)
+    await asyncio.sleep(0.3)  # the live copy of batch 1 is read too
+    for prompt in (earlier, during):
+        chain = mp.token_chain(tokenizer(prompt)["input_ids"], BLOCK_TOKENS)
+        assert feed.held.match(chain) == len(chain)
+    assert feed.gaps == 0 and feed.live
+    assert feed.batches == 2  # each applied once, the view never cleared and replayed again
 
 
 async def test_a_restarted_engine_is_forgotten_by_its_events(
