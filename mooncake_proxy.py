@@ -1470,10 +1470,12 @@ class SentAfter:
         return isinstance(block, int) and self.blocks.get(block, -1) > self.clock
 
 
-# vLLM's KV event fields by position, for publishers that send events as arrays (before 0.10).
+# vLLM's KV event fields by position, for publishers that send events as arrays (older vLLM;
+# since the events carry lora_name and extra_keys they are maps with a "type").
+STORED_FIELDS: Final = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
 EVENT_FIELDS: Final = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id"),
-    "BlockRemoved": ("block_hashes",),
+    "BlockStored": (*STORED_FIELDS, "lora_id", "medium"),
+    "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
 

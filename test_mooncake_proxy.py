@@ -2272,6 +2272,8 @@ def test_kv_events_and_a_requests_tokens_hash_alike(tokenizer: Any) -> None:
     assert held.match(mp.token_chain(orphan.ids, BLOCK_TOKENS)) == 0
     # The array form older vLLM sends; LoRA blocks, offloaded copies and other groups skipped.
     first = ["BlockStored", [b"h1"], None, orphan.ids[:BLOCK_TOKENS], BLOCK_TOKENS, None]
+    held.apply([*first[:1], [b"cpu copy"], *first[2:], "CPU"])
+    assert held.match(mp.token_chain(orphan.ids, BLOCK_TOKENS)) == 0
     held.apply(first)
     assert held.match(mp.token_chain(orphan.ids, BLOCK_TOKENS)) == 1
     second = EngineSim(64).kv_events(orphan, [1], [])[0] | {"parent_block_hash": b"h1"}
