@@ -358,6 +358,7 @@ async def run(
                 print(f"  {target}: did not become ready; left out", flush=True)
                 return None
         async with aiohttp.ClientSession() as session:
+            await caught_up(session, urls)
             await cluster.reset(session)
             await asyncio.sleep(1.5)  # a scrape of the empty engines
             ttfts, errors = await replay(urls, requests)
@@ -389,6 +390,19 @@ async def run(
     )
     print(format_row(result), flush=True)
     return result
+
+
+async def caught_up(session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
+    """Wait while a proxy replays what the engines published before it started (the
+    workloads before this one): a start's cost, measured on its own (precise_costs), not
+    steady routing. Under --workers each answer is one worker's: several in a row must say so."""
+    deadline = time.monotonic() + 120
+    for url in urls:
+        calm = 0
+        while calm < 4 and time.monotonic() < deadline:
+            async with session.get(url + "/healthcheck") as answer:
+                calm = 0 if "catching up" in await answer.text() else calm + 1
+            await asyncio.sleep(0.1)
 
 
 def decision_costs() -> list[tuple[str, float]]:
@@ -510,7 +524,38 @@ def precise_costs(tokenizer_dir: Path) -> list[tuple[str, float]]:
     memory = (tracemalloc.get_traced_memory()[0] - before) / 1e6
     tracemalloc.stop()
     rows.append(("KV event view memory per block, 1,000,000 blocks (bytes)", memory))
+    rows.append(("join: one engine's full replay buffer, 10,000 batches of 8 blocks", join_cost()))
     return rows
+
+
+def join_cost() -> float:
+    """A proxy that starts next to a busy engine replays its buffer (vLLM keeps 10,000
+    batches): decoding and applying them, in µs, as vLLM 0.32 sends them (8 new blocks and 8
+    evicted a batch)."""
+    import msgspec
+
+    import mooncake_proxy as mp
+
+    tokens = random.Random(3)
+    batches = []
+    for n in range(10_000):
+        hashes = [n * 8 + i for i in range(8)]
+        stored = {
+            "type": "BlockStored", "block_hashes": hashes,
+            "parent_block_hash": hashes[0] - 1 if n else None,
+            "token_ids": [tokens.randrange(1000) for _ in range(8 * BLOCK)],
+            "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None,
+            "extra_keys": [None] * 8, "group_idx": 0,
+        }  # fmt: skip
+        removed = {"type": "BlockRemoved", "block_hashes": [h - 800 for h in hashes]}
+        batches.append(msgspec.msgpack.encode([time.time(), [stored, removed], 0]))
+    decode = msgspec.msgpack.Decoder().decode
+    view = mp.HeldBlocks()
+    started = time.perf_counter()
+    for payload in batches:
+        for event in decode(payload)[1]:
+            view.apply(event)
+    return (time.perf_counter() - started) * 1e6
 
 
 BLOCK = 16  # the fakes' KV block, in tokens
