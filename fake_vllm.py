@@ -328,6 +328,7 @@ class FakeVllm:
     delay: float = 0.0  # seconds of "compute" before answering (prefill) or pulling (decode)
     hang: bool = False  # never answer completions
     token_delay: float = 0.0  # seconds between streamed tokens
+    transfer_delay: float = 0.0  # decode: seconds a KV transfer takes once the KV is there
     keepalive_first: bool = False  # a streaming decode sends ": keep-alive" before its KV
     break_after_tokens: int | None = None  # drop the connection mid-stream
     linger_after_done: float = 0.0  # seconds between a stream's [DONE] and its end
@@ -624,6 +625,7 @@ class FakeVllm:
                 await self.write(response, request_id, b": keep-alive\n\n")
         if worker is not None:
             failure = await self.pull_kv(worker, params, prompt)
+            await asyncio.sleep(self.transfer_delay)
             if failure is None and self.cache_blocks:
                 self.receive_kv(prompt)
             if failure is not None:

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import collections
 import contextlib
 import dataclasses
 import enum
 import functools
+import glob
 import heapq
 import hmac
 import importlib
@@ -33,11 +35,14 @@ import logging
 import math
 import operator
 import os
+import random
 import re
 import resource
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import uuid
 import zlib
@@ -54,10 +59,11 @@ from collections.abc import (
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
-from typing import Any, ClassVar, Final, NoReturn, TypedDict, TypeVar
+from typing import Any, ClassVar, Final, Literal, NoReturn, TypedDict, TypeVar
 
 try:
     import aiohttp
+    import prometheus_client.values
     from aiohttp import hdrs, web
     from aiohttp.abc import AbstractStreamWriter
     from aiohttp.http_exceptions import (
@@ -67,9 +73,8 @@ try:
         LineTooLong,
     )
     from aiohttp.typedefs import Handler
-    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-    from prometheus_client.registry import Collector
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
     from yarl import URL
 except ImportError as missing:  # one line instead of a traceback, saying what to do
     sys.exit(
@@ -144,7 +149,13 @@ NOT_FORWARDED_HEADERS: Final = HOP_BY_HOP_HEADERS | {
     "authorization",
     REQUEST_ID_HEADER.lower(),
     DP_RANK_HEADER.lower(),
+    "traceparent",  # checked, or minted, by trace_headers
+    "tracestate",
 }
+# W3C trace context: version, trace id, parent span id, flags (a later version may add more).
+TRACEPARENT_PATTERN: Final = re.compile(
+    r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[^-].*)?"
+)
 # A client's own request id is kept for tracing only if it is short and harmless in logs.
 CLIENT_REQUEST_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
@@ -945,6 +956,10 @@ class RequestStats:
     prefill: str = "-"
     decode: str = "-"
     first_byte: float | None = None
+    first_token: float | None = None  # a stream's first SSE event relayed, or a whole answer
+    prefill_answered: float | None = None
+    token_gaps: TokenGaps | None = None  # a stream's, as relayed
+    trace_id: str = "-"
     # The status whose headers already went out, for a client that leaves after them.
     status_sent: int | None = None
     bytes_out: int = 0
@@ -964,6 +979,7 @@ class RequestStats:
             "total_s": round(now - self.started, 6),
             "bytes_out": self.bytes_out,
             "outcome": self.outcome,
+            "trace_id": self.trace_id,
         }
 
 
@@ -972,19 +988,31 @@ STATS_KEY: Final = web.RequestKey("stats", RequestStats)
 
 
 class Metrics:
-    """Prometheus metrics. Gauges are read from the fleet when scraped, so the request path
-    pays only for a few counter and histogram updates; labels are routes, statuses, stages
-    and instances from the configuration, never request data."""
+    """Prometheus metrics. Labels are routes, statuses, stages and instances from the
+    configuration, never request data. The fleet's gauges are set from its state when
+    scraped, so the request path pays only for a few counter and histogram updates.
+
+    Under --workers every worker writes its metrics to files in one directory
+    (prometheus_client's multiprocess mode, metrics_across_workers) and any worker's scrape
+    reads them all: counters and histograms add up, in-flight gauges too, and ``ready`` and
+    ``instance_usable`` are the least of the live workers' (one worker that cannot serve shows).
+    """
 
     def __init__(self, state: ProxyState) -> None:
-        self.registry = registry = CollectorRegistry()
+        self.state = state
+        self.across_workers = state.config.workers > 1
+        own = CollectorRegistry()  # where this process's metrics live
 
         def counter(name: str, doc: str, *labels: str) -> Counter:
-            return Counter(f"mooncake_proxy_{name}", doc, labels, registry=registry)
+            return Counter(f"mooncake_proxy_{name}", doc, labels, registry=own)
 
         def histogram(name: str, doc: str, *labels: str) -> Histogram:
             name = f"mooncake_proxy_{name}"
-            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=registry)
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=own)
+
+        def gauge(name: str, doc: str, *labels: str, mode: GaugeMode) -> Gauge:
+            name = f"mooncake_proxy_{name}"
+            return Gauge(name, doc, labels, registry=own, multiprocess_mode=mode)
 
         self.requests = counter(
             "requests", "Client requests by route and final HTTP status.", "route", "status"
@@ -999,7 +1027,27 @@ class Metrics:
         )
         self.first_byte = histogram(
             "time_to_first_byte_seconds",
-            "Time until the first response byte reached the client (time to first token).",
+            "Time until the first response body byte reached the client.",
+            "route",
+        )
+        self.first_token = histogram(
+            "time_to_first_token_seconds",
+            "Arrival to the first token frame relayed to the client (a streamed answer's "
+            "first SSE event); for an answer not streamed, to the whole answer.",
+            "route",
+        )
+        self.inter_token = Histogram(
+            "mooncake_proxy_inter_token_latency_seconds",
+            "Gaps between the SSE events of a streamed answer as they were relayed (events "
+            "that arrived together count a gap of 0).",
+            ["route"],
+            buckets=TOKEN_GAP_BUCKETS,
+            registry=own,
+        )
+        self.kv_wait = histogram(
+            "kv_wait_seconds",
+            "From the prefill's answer to the decode's first token frame: the part of a "
+            "streamed answer's TTFT spent moving KV and starting the decode.",
             "route",
         )
         self.prefill_duration = histogram(
@@ -1013,10 +1061,13 @@ class Metrics:
         self.engine_id_changes = counter(
             "engine_id_changes",
             "Times a prefill instance came back with other engine ids (a restart).",
-            "instance",
+            "backend",
         )
         self.check_failures = counter(
-            "check_failures", "Failed health checks and discoveries.", "role", "instance"
+            "check_failures",
+            "Failed health checks, discoveries and load scrapes.",
+            "role",
+            "backend",
         )
         self.routing = counter(
             "routing_decisions",
@@ -1029,7 +1080,7 @@ class Metrics:
             "Share of the prompt's blocks the chosen target was believed to hold (prefix_aware).",
             ["stage"],
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
-            registry=registry,
+            registry=own,
         )
         self.kv_event_batches = counter(
             "kv_event_batches",
@@ -1037,61 +1088,138 @@ class Metrics:
             "malformed, missed (never received, not even by replay).",
             "result",
         )
-        registry.register(FleetCollector(state))
+        self.ready = gauge("ready", "1 while PD requests are served.", mode="livemin")
+        self.usable = gauge(
+            "instance_usable", "1 while an instance is in the rotation.", "role", "backend",
+            mode="livemin",
+        )  # fmt: skip
+        # "backend", not "instance": Prometheus gives that name to the scraped target.
+        self.prefill_in_flight = gauge(
+            "prefill_in_flight",
+            "Prefill legs in flight per prefill engine (instance and DP rank).",
+            *("backend", "dp_rank", "engine_id"),
+            mode="livesum",
+        )
+        self.decode_in_flight = gauge(
+            "decode_in_flight", "Decode legs in flight per decode instance.", "backend",
+            mode="livesum",
+        )  # fmt: skip
+        self.client_connections = gauge(
+            "client_connections", "Client connections open.", mode="livesum"
+        )
+        self.connections_rejected = counter(
+            "client_connections_rejected",
+            "Client connections answered 503 and closed: --max-client-connections were open.",
+        )
+        self.rejected_counted = 0
+        self.engine_series: set[tuple[str, str, str]] = set()
+        self.registry = own
+        if self.across_workers:
+            self.registry = CollectorRegistry()
+            MultiProcessCollector(self.registry)  # type: ignore[no-untyped-call]
 
     def exposition(self) -> bytes:
+        self.refresh()
         return generate_latest(self.registry)
+
+    def refresh(self) -> None:
+        """Set the fleet's gauges from its state (under --workers, into this worker's file)."""
+        state = self.state
+        fleet, connections = state.fleet, state.connections
+        self.ready.set(float(state.serving))
+        series = set()
+        for instance in fleet.prefills:
+            self.usable.labels("prefill", str(instance.url)).set(float(instance.usable))
+            for engine in instance.engines:
+                labels = (str(instance.url), str(engine.dp_rank), engine.engine_id)
+                self.prefill_in_flight.labels(*labels).set(engine.in_flight)
+                series.add(labels)
+        for gone in self.engine_series - series:  # a restart gave the engine a new id
+            if self.across_workers:
+                self.prefill_in_flight.labels(*gone).set(0)  # files keep series: zero it
+            else:
+                self.prefill_in_flight.remove(*gone)
+        self.engine_series = series
+        for backend in fleet.decodes:
+            self.usable.labels("decode", str(backend.url)).set(float(backend.usable))
+            self.decode_in_flight.labels(str(backend.url)).set(backend.in_flight)
+        self.client_connections.set(connections.open)
+        self.connections_rejected.inc(connections.rejected - self.rejected_counted)
+        self.rejected_counted = connections.rejected
 
     def routed(self, stage: str, choice: Choice, key: RouteKey | None) -> None:
         self.routing.labels(stage, choice.reason).inc()
         if key is not None and key.chain:
             self.prefix_share.labels(stage).observe(choice.matched / len(key.chain))
 
+    def token_gaps(self, route: str, gaps: TokenGaps) -> None:
+        """Add one stream's gaps to the histogram at once: a few increments per request
+        instead of a locked update per token (prometheus_client has no bulk observe, so
+        this adds to its per-bucket values; a test checks the totals)."""
+        child = self.inter_token.labels(route)
+        for bucket, count in zip(child._buckets, gaps.counts, strict=True):
+            if count:
+                bucket.inc(count)
+        child._sum.inc(gaps.total)
 
-class FleetCollector(Collector):
-    """Gauges of the fleet's state, computed at scrape time."""
 
-    def __init__(self, state: ProxyState) -> None:
-        self.state = state
+GaugeMode = Literal["livemin", "livesum"]
+# Seconds between two SSE events: a token every few ms at the least, seconds when stalled.
+TOKEN_GAP_BUCKETS: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5,
+)  # fmt: skip
 
-    def collect(self) -> Iterator[Metric]:
-        fleet, connections = self.state.fleet, self.state.connections
-        ready = GaugeMetricFamily("mooncake_proxy_ready", "1 while PD requests are served.")
-        ready.add_metric([], float(self.state.serving))
-        usable = GaugeMetricFamily(
-            "mooncake_proxy_instance_usable",
-            "1 while an instance is in the rotation.",
-            labels=["role", "instance"],
-        )
-        prefill = GaugeMetricFamily(
-            "mooncake_proxy_prefill_in_flight",
-            "Prefill legs in flight per prefill engine (instance and DP rank).",
-            labels=["instance", "dp_rank", "engine_id"],
-        )
-        decode = GaugeMetricFamily(
-            "mooncake_proxy_decode_in_flight",
-            "Decode legs in flight per decode instance.",
-            labels=["instance"],
-        )
-        for instance in fleet.prefills:
-            usable.add_metric(["prefill", str(instance.url)], float(instance.usable))
-            for engine in instance.engines:
-                labels = [str(instance.url), str(engine.dp_rank), engine.engine_id]
-                prefill.add_metric(labels, engine.in_flight)
-        for backend in fleet.decodes:
-            usable.add_metric(["decode", str(backend.url)], float(backend.usable))
-            decode.add_metric([str(backend.url)], backend.in_flight)
-        open_connections = GaugeMetricFamily(
-            "mooncake_proxy_client_connections",
-            "Client connections open (counted by the daemon's listener).",
-        )
-        open_connections.add_metric([], connections.open)
-        rejected = CounterMetricFamily(
-            "mooncake_proxy_client_connections_rejected",
-            "Client connections answered 503 and closed: --max-client-connections were open.",
-        )
-        rejected.add_metric([], connections.rejected)
-        yield from (ready, usable, prefill, decode, open_connections, rejected)
+
+class TokenGaps:
+    """One stream's gaps between SSE events, counted in TOKEN_GAP_BUCKETS as they pass."""
+
+    __slots__ = ("counts", "last", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(TOKEN_GAP_BUCKETS) + 1)  # and +Inf
+        self.total = 0.0
+        self.last = 0.0
+
+    def events(self, count: int, now: float) -> None:
+        """``count`` events completed in one chunk: the first after the gap since the last
+        one (none before the first), the rest together with it."""
+        if self.last:
+            gap = now - self.last
+            self.counts[bisect.bisect_left(TOKEN_GAP_BUCKETS, gap)] += 1
+            self.total += gap
+        self.counts[0] += count - 1
+        self.last = now
+
+
+METRICS_REFRESH_SECONDS: Final = 1.0  # how stale, under --workers, another worker's gauges get
+
+
+async def refresh_metrics(app: web.Application) -> None:
+    """Under --workers a scrape reads every worker's gauges from their files: keep this
+    worker's current even while the scrapes go to the others."""
+    metrics = app[STATE_KEY].metrics
+    while True:
+        metrics.refresh()
+        await asyncio.sleep(METRICS_REFRESH_SECONDS)
+
+
+def metrics_across_workers() -> Callable[[], None]:
+    """Before the workers fork: prometheus_client's multiprocess mode, in the directory that
+    PROMETHEUS_MULTIPROC_DIR names (emptied: counts start again with the daemon) or in a new
+    one. prometheus_client picks how it stores values when imported; no metric exists yet,
+    so choosing again here is what it would have chosen with the variable set before.
+    Returns what to do at exit: remove a directory made here."""
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given:
+        os.makedirs(given, exist_ok=True)
+        for stale in glob.glob(os.path.join(given, "*.db")):
+            os.remove(stale)
+        path = given
+    else:
+        path = tempfile.mkdtemp(prefix="mooncake-proxy-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    prometheus_client.values.ValueClass = prometheus_client.values.get_value_class()  # type: ignore[no-untyped-call]
+    return (lambda: None) if given else functools.partial(shutil.rmtree, path, True)
 
 
 def route_label(request: web.Request) -> str:
@@ -1114,6 +1242,8 @@ def record_request(app: web.Application, stats: RequestStats, status: int) -> No
     if not probe:
         metrics.duration.labels(stats.route).observe(now - stats.started)
         metrics.first_byte.labels(stats.route).observe((stats.first_byte or now) - stats.started)
+        if stats.first_token is not None:
+            record_token_times(metrics, stats)
     level = logging.DEBUG if probe else logging.INFO
     if access_log.isEnabledFor(level):
         fields = stats.access_fields(status, now)
@@ -1121,10 +1251,21 @@ def record_request(app: web.Application, stats: RequestStats, status: int) -> No
             level,
             "%(request_id)s %(method)s %(path)s %(status)d model=%(model)s "
             "prefill=%(prefill)s decode=%(decode)s ttfb=%(ttfb_s).4fs total=%(total_s).4fs "
-            "bytes=%(bytes_out)d outcome=%(outcome)s",
+            "bytes=%(bytes_out)d outcome=%(outcome)s trace=%(trace_id)s",
             fields,
             extra={"access": fields},
         )
+
+
+def record_token_times(metrics: Metrics, stats: RequestStats) -> None:
+    """The latency a client felt: its first token, the KV wait before it, the gaps after."""
+    assert stats.first_token is not None
+    metrics.first_token.labels(stats.route).observe(stats.first_token - stats.started)
+    if stats.token_gaps is not None:
+        metrics.token_gaps(stats.route, stats.token_gaps)
+        if stats.prefill_answered is not None:
+            wait = max(0.0, stats.first_token - stats.prefill_answered)
+            metrics.kv_wait.labels(stats.route).observe(wait)
 
 
 # --- backends and selection
@@ -2280,7 +2421,29 @@ def upstream_headers(
     headers[REQUEST_ID_HEADER] = request_id
     if authorization := upstream_authorization(client_headers, config):
         headers[hdrs.AUTHORIZATION] = authorization
+    headers.update(trace_headers(client_headers))
     return headers
+
+
+def trace_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
+    """W3C trace context for both legs: the client's, if it is valid; else a new trace, so
+    that the prefill's and the decode's spans (vLLM's --otlp-traces-endpoint) share one trace
+    id all the same. Sampled: vLLM records what its parent asks to be recorded."""
+    given = client_headers.get("traceparent", "").strip()
+    if (match := TRACEPARENT_PATTERN.fullmatch(given)) is not None:
+        version, trace_id, span_id, _ = match.groups()[:4]
+        fields_fit = version != "00" or match[5] is None  # version 00 has four, no more
+        if version != "ff" and fields_fit and trace_id != "0" * 32 and span_id != "0" * 16:
+            headers = {"traceparent": given}
+            if state := client_headers.get("tracestate"):
+                headers["tracestate"] = state
+            return headers
+    trace_id, span_id = random.getrandbits(128) or 1, random.getrandbits(64) or 1
+    return {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}
+
+
+def trace_id_of(headers: Mapping[str, str]) -> str:
+    return headers["traceparent"][3:35]
 
 
 def upstream_authorization(client_headers: Mapping[str, str], config: ProxyConfig) -> str | None:
@@ -2562,6 +2725,7 @@ class Exchange:
     def of(cls, request: web.Request, body: dict[str, Any]) -> Exchange:
         state, stats = request.app[STATE_KEY], request[STATS_KEY]
         headers = upstream_headers(request.headers, stats.request_id, state.config)
+        stats.trace_id = trace_id_of(headers)
         route = None
         if state.fleet.routes_by_prefix:
             user = body.get("user")
@@ -2809,6 +2973,11 @@ async def relay_body(exchange: Exchange, upstream: aiohttp.ClientResponse) -> No
         # A whole answer of known size (not a stream): headers, body and end in one write
         # instead of a chunked body and its terminator.
         response.content_length = upstream.content_length
+    # Token timing for a stream: an SSE event ends with a blank line, and a JSON payload has
+    # no raw newline, so counting b"\n\n" finds the events without parsing them.
+    gaps = None
+    if upstream.status == 200 and response.headers[hdrs.CONTENT_TYPE].startswith(SSE_CONTENT_TYPE):
+        gaps = stats.token_gaps = TokenGaps()
     async for chunk in upstream.content.iter_any():
         if not response.prepared:
             await response.prepare(exchange.request)
@@ -2819,8 +2988,15 @@ async def relay_body(exchange: Exchange, upstream: aiohttp.ClientResponse) -> No
             await response.write(chunk)
         except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
             raise ClientGone from None
+        if gaps is not None and (events := chunk.count(b"\n\n")):
+            now = time.monotonic()
+            gaps.events(events, now)
+            if stats.first_token is None:
+                stats.first_token = now
     if not response.prepared:
         await response.prepare(exchange.request)
+    if gaps is None and upstream.status == 200:
+        stats.first_token = time.monotonic()  # a whole answer: its first token came with it
     # A client that closed as soon as it read the last bytes had its whole answer.
     with contextlib.suppress(ConnectionError):
         await response.write_eof()
@@ -2846,6 +3022,7 @@ async def send_prefill(exchange: Exchange, engine: PrefillEngine, payload: bytes
         problem, prompt_tokens = prefill_outcome(body)
         if problem:
             raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
+        exchange.stats.prefill_answered = time.monotonic()
         if exchange.route is not None:
             state.fleet.learn_bytes_per_token(exchange.route.length, prompt_tokens)
     except (aiohttp.ClientError, TimeoutError) as error:
@@ -3060,6 +3237,7 @@ async def scrape_load(state: ProxyState, backend: Backend) -> None:
             state.health_session, "metrics", backend.routes["/metrics"], limits
         )
     except CheckFailed as failure:
+        state.metrics.check_failures.labels(backend.role, str(backend.url)).inc()
         if backend.load_error is None:
             log.info("%s %s gives no load: %s", backend.role, backend.url, failure)
         backend.load_error = str(failure)
@@ -3402,6 +3580,9 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
         "ready": state.serving,
         "draining": state.draining,
         "pid": os.getpid(),  # which --workers process answered
+        # Under --workers this page is one worker's view (each checks the fleet itself, and
+        # in-flight counts are its own); /metrics adds up the whole daemon.
+        "scope": "daemon" if state.config.workers == 1 else f"worker of {state.config.workers}",
         "prefill_instances": len(fleet.prefills),
         "decode_instances": len(fleet.decodes),
         "tokenizer": state.tokenizer.path if state.tokenizer else None,  # with KV events
@@ -3771,6 +3952,7 @@ def create_app(config: ProxyConfig) -> web.Application:
             background(watch_kv_events, when=lambda: config.precise),
             background(watch_tokenizer, when=lambda: config.precise),
             background(report_to_systemd, when=lambda: bool(os.environ.get("NOTIFY_SOCKET"))),
+            background(refresh_metrics, when=lambda: config.workers > 1),
         )
     )
     app.router.add_get("/health", handle_health)
@@ -3978,6 +4160,7 @@ def run_workers(
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid:
                 children.pop(pid, None)
+                mark_process_dead(pid)  # type: ignore[no-untyped-call]  # its live gauges go
                 code = os.waitstatus_to_exitcode(status)
                 worst = max(worst, abs(code))
                 if code:
@@ -4103,7 +4286,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "%s %d listening on %s:%d (%s); %s", ID, VERSION, host, port, details, config.describe()
     )
     if config.workers > 1:
-        return run_workers(config, sockets, loop_factory)
+        remove_metrics_dir = metrics_across_workers()
+        try:
+            return run_workers(config, sockets, loop_factory)
+        finally:
+            remove_metrics_dir()
     return run_serve(config, sockets[0], loop_factory)
 
 

@@ -323,12 +323,12 @@ def test_upstream_headers_drop_hop_by_hop_and_client_dp_rank() -> None:
         "X-data-parallel-rank": "7",
         "X-Request-Id": "client-id",
         "Authorization": "Bearer client-key",
-        "traceparent": "00-abc-def-01",
+        "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
     }
     plain = mp.ProxyConfig(prefills=(SPEC,), decodes=(URL("http://d:1"),))
     headers = mp.upstream_headers(client, "rid", plain)
     assert headers == {
-        "traceparent": "00-abc-def-01",
+        "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         "Content-Type": "application/json",
         "X-Request-Id": "rid",
         "Authorization": "Bearer client-key",
@@ -716,6 +716,45 @@ async def test_unmatched_requests_are_logged_with_an_id_and_their_path(
     assert second["path"] == COMPLETIONS and second["status"] == 405
     assert second["request_id"] == wrong.headers["X-Request-Id"] != "-"
     assert "GET /v1/nothing?x=1 404" in caplog.records[-2].getMessage()
+
+
+async def test_trace_context_reaches_both_legs(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The prefill's and the decode's spans share one trace: the client's, or a new one."""
+    caplog.set_level("INFO", logger="mooncake_proxy.access")
+    cluster = await start_cluster()
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    client_trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    cases = [
+        ({}, None),
+        ({"traceparent": client_trace, "tracestate": "vendor=1"}, client_trace),
+        ({"TraceParent": client_trace}, client_trace),  # header names have no case
+        ({"traceparent": "00-" + "0" * 32 + "-00f067aa0ba902b7-01", "tracestate": "x=1"}, None),
+        ({"traceparent": client_trace + "-extra"}, None),  # version 00 has four fields
+        ({"traceparent": "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x"}, "01-"),
+        ({"traceparent": "garbage"}, None),
+    ]
+    seen = set()
+    for headers, kept in cases:
+        assert (
+            await cluster.client.post(COMPLETIONS, json=completion(), headers=headers)
+        ).status == 200
+        legs = [prefill.requests[-1].headers, decode.requests[-1].headers]
+        parents = {leg["traceparent"] for leg in legs}
+        assert len(parents) == 1 and len(legs[0].getall("traceparent")) == 1
+        (parent,) = parents
+        if kept is None:
+            assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", parent), parent
+            assert parent[3:35] != "0" * 32 and parent not in seen
+            assert all("tracestate" not in leg for leg in legs)
+        else:
+            assert parent.startswith(kept) and parent == next(iter(headers.values()))
+        if "tracestate" in headers and kept:
+            assert all(leg["tracestate"] == "vendor=1" for leg in legs)
+        seen.add(parent)
+        assert access_lines(caplog)[-1]["trace_id"] == parent[3:35]
+    assert any(f"trace={client_trace[3:35]}" in r.getMessage() for r in caplog.records)
 
 
 # --- the PD flow
@@ -2592,15 +2631,14 @@ async def test_metrics_parse_and_move_as_requests_flow(start_cluster: StartClust
     before = await scrape(cluster)
     assert sample(before, "mooncake_proxy_ready") == 1
     assert (
-        sample(before, "mooncake_proxy_instance_usable", role="decode", instance=decode.api_url)
-        == 1
+        sample(before, "mooncake_proxy_instance_usable", role="decode", backend=decode.api_url) == 1
     )
     stream = asyncio.create_task(
         cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=5))
     )
     await eventually(lambda: decode.running == 1)
     during = await scrape(cluster)
-    assert sample(during, "mooncake_proxy_decode_in_flight", instance=decode.api_url) == 1
+    assert sample(during, "mooncake_proxy_decode_in_flight", backend=decode.api_url) == 1
     await (await stream).read()
     for _ in range(2):
         assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
@@ -2619,10 +2657,47 @@ async def test_metrics_parse_and_move_as_requests_flow(start_cluster: StartClust
     )
     assert sample(after, "mooncake_proxy_request_duration_seconds_bucket", le="0.25", **route) == 2
     assert sample(after, "mooncake_proxy_prefill_duration_seconds_count") == 4
-    assert sample(after, "mooncake_proxy_decode_in_flight", instance=decode.api_url) == 0
+    assert sample(after, "mooncake_proxy_decode_in_flight", backend=decode.api_url) == 0
     engine = prefill.engine_ids[0]
-    labels = {"instance": prefill.api_url, "dp_rank": "0", "engine_id": engine}
+    labels = {"backend": prefill.api_url, "dp_rank": "0", "engine_id": engine}
     assert sample(after, "mooncake_proxy_prefill_in_flight", **labels) == 0
+
+
+async def test_latency_metrics_are_what_the_client_felt(start_cluster: StartCluster) -> None:
+    """TTFT to the first event relayed, the KV wait before it, the gaps between events."""
+    cluster = await start_cluster(
+        prefill={"delay": 0.05}, decode={"transfer_delay": 0.25, "token_delay": 0.05}
+    )
+    route = {"route": COMPLETIONS}
+    response = await cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=5))
+    events = sse_events(await response.read())
+    assert len(events) == 6  # five tokens and [DONE]
+    samples = await scrape(cluster)
+    ttft = sample(samples, "mooncake_proxy_time_to_first_token_seconds_sum", **route)
+    total = sample(samples, "mooncake_proxy_request_duration_seconds_sum", **route)
+    assert 0.3 <= ttft < total - 0.2  # the tokens' 5 x 0.05 s came after it
+    # The KV came 0.25 s after the prefill's answer.
+    assert sample(samples, "mooncake_proxy_kv_wait_seconds_count", **route) == 1
+    assert 0.2 <= sample(samples, "mooncake_proxy_kv_wait_seconds_sum", **route) < 0.6
+    gaps = "mooncake_proxy_inter_token_latency_seconds"
+    assert sample(samples, f"{gaps}_count", **route) == 5  # between six events
+    assert sample(samples, f"{gaps}_bucket", le="+Inf", **route) == 5
+    assert 0.2 <= sample(samples, f"{gaps}_sum", **route) < total - ttft + 0.01
+    # Not streamed: the whole answer is the first token; no gaps, no KV wait of its own.
+    assert (await cluster.client.post(CHAT, json=chat())).status == 200
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_time_to_first_token_seconds_count", route=CHAT) == 1
+    assert sample(samples, f"{gaps}_count", route=CHAT) == 0
+    assert sample(samples, "mooncake_proxy_kv_wait_seconds_count", route=CHAT) == 0
+
+
+async def test_a_chat_streams_gaps_count_every_event(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(decode={"token_delay": 0.01})
+    body = chat(stream=True, max_tokens=4, stream_options={"include_usage": True})
+    events = sse_events(await (await cluster.client.post(CHAT, json=body)).read())
+    samples = await scrape(cluster)
+    count = sample(samples, "mooncake_proxy_inter_token_latency_seconds_count", route=CHAT)
+    assert count == len(events) - 1  # the role, four tokens, the usage, [DONE]
 
 
 async def test_metrics_count_retries_engine_id_changes_and_check_failures(
@@ -2642,16 +2717,16 @@ async def test_metrics_count_retries_engine_id_changes_and_check_failures(
     assert sample(samples, "mooncake_proxy_errors_total", stage="decode", reason="refused") == 1
     assert (
         sample(
-            samples, "mooncake_proxy_engine_id_changes_total", instance=cluster.prefills[0].api_url
+            samples, "mooncake_proxy_engine_id_changes_total", backend=cluster.prefills[0].api_url
         )
         == 1
     )
     assert (
-        sample(samples, "mooncake_proxy_check_failures_total", role="decode", instance=dead.api_url)
+        sample(samples, "mooncake_proxy_check_failures_total", role="decode", backend=dead.api_url)
         >= 1
     )
     assert (
-        sample(samples, "mooncake_proxy_instance_usable", role="decode", instance=dead.api_url) == 0
+        sample(samples, "mooncake_proxy_instance_usable", role="decode", backend=dead.api_url) == 0
     )
 
 
@@ -3029,6 +3104,47 @@ async def test_workers_share_the_port_and_drain_together(aiohttp_server: Aiohttp
     await proxy.stop()
 
 
+async def test_metrics_add_up_across_workers(aiohttp_server: AiohttpServer, tmp_path: Path) -> None:
+    """Whichever worker answers the scrape, it reports the whole daemon."""
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    (metrics_dir / "counter_1.db").write_bytes(b"from an earlier start")
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
+    proxy, _ = await ProxyProcess.start(aiohttp_server, "--workers", "2", env=env)
+    connector = aiohttp.TCPConnector(force_close=True)  # a new connection, maybe a new worker
+    pids: set[int] = set()
+    sent = 0
+    async with aiohttp.ClientSession(connector=connector) as session, asyncio.timeout(30):
+        while len(pids) < 2 or sent < 12:
+            async with session.get(f"{proxy.base}/healthcheck") as health:
+                page = await health.json()
+                pids.add(page["pid"])
+                assert page["scope"] == "worker of 2"
+            body = completion(stream=True)
+            async with session.post(f"{proxy.base}/v1/completions", json=body) as answer:
+                assert sse_events(await answer.read())[-1] == "[DONE]"
+                sent += 1
+        assert len(pids) == 2
+        await asyncio.sleep(mp.METRICS_REFRESH_SECONDS + 0.5)  # every worker's gauges set
+        route = {"route": COMPLETIONS}
+        for _ in range(6):
+            async with session.get(f"{proxy.base}/metrics") as scraped:
+                families = text_string_to_metric_families(await scraped.text())
+            samples = {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in families
+                for s in family.samples
+            }
+            assert sample(samples, "mooncake_proxy_requests_total", status="200", **route) == sent
+            ttft = "mooncake_proxy_time_to_first_token_seconds_count"
+            assert sample(samples, ttft, **route) == sent
+            assert sample(samples, "mooncake_proxy_ready") == 1
+    proxy.process.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(proxy.process.wait(), 20) == 0
+    assert "Traceback" not in await proxy.stop()
+    assert not (metrics_dir / "counter_1.db").exists()  # cleared when the daemon started
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["orjson", "stdlib"])
 def test_leg_bodies_encode_alike_with_or_without_the_speed_extra(
     monkeypatch: pytest.MonkeyPatch, fast: bool
@@ -3072,3 +3188,4 @@ def test_loop_choice(monkeypatch: pytest.MonkeyPatch, installed: bool) -> None:
 
     assert mp.event_loop_factory("auto") is uvloop.new_event_loop
     assert mp.event_loop_factory("uvloop") is uvloop.new_event_loop
+
