@@ -3189,3 +3189,109 @@ def test_loop_choice(monkeypatch: pytest.MonkeyPatch, installed: bool) -> None:
     assert mp.event_loop_factory("auto") is uvloop.new_event_loop
     assert mp.event_loop_factory("uvloop") is uvloop.new_event_loop
 
+
+# --- observability checked by real tools: promtool and a Prometheus server
+
+
+def prometheus_tool(name: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        # CI installs Debian's prometheus package and sets this, so there it cannot skip.
+        assert not os.environ.get("MOONCAKE_PROXY_TEST_NEEDS_PROMETHEUS"), f"{name} missing"
+        pytest.skip(f"{name} is not installed here (apt-get install prometheus)")
+    return found
+
+
+def test_alert_rules_are_valid_and_fire_on_their_unit_series() -> None:
+    promtool = prometheus_tool("promtool")
+    for command in (
+        [promtool, "check", "rules", "prometheus-alerts.yml"],
+        [promtool, "test", "rules", "prometheus-alerts.test.yml"],
+    ):
+        result = subprocess.run(
+            command, cwd=HERE / "deploy", capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def shipped_expressions() -> list[str]:
+    """Every PromQL expression of the dashboard, and every alert's without its threshold (so
+    that a quiet cluster still returns the series it compares)."""
+    dashboard = json.loads((HERE / "deploy" / "grafana-dashboard.json").read_text())
+    expressions = [
+        target["expr"].replace("$__rate_interval", "1m")
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+    ]
+    alerts = (HERE / "deploy" / "prometheus-alerts.yml").read_text()
+    for rule in re.findall(r"expr: (\|\n(?:\s{10,}.*\n)+|.*\n)", alerts):
+        expr = " ".join(rule.removeprefix("|").split())
+        expressions.append(re.sub(r"\s*(==|>|<)\s*[\d.]+$", "", expr))
+    return expressions
+
+
+async def test_every_dashboard_and_alert_expression_finds_its_series(
+    start_cluster: StartCluster, tmp_path: Path
+) -> None:
+    """A real Prometheus scrapes the proxy in front of fakes, after traffic that makes every
+    kind of series (errors, a retry, a restart, failed checks, streams): no panel or alert
+    may refer to a metric or label that does not exist."""
+    binary = prometheus_tool("prometheus")
+    cluster = await start_cluster(
+        decodes=2, health_interval=0.05, decode_policy=mp.Policy.ROUND_ROBIN,
+        decode={"token_delay": 0.01},
+    )  # fmt: skip
+    port, web_port = cluster.client.port, free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: mooncake-proxy\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
+    )
+    server = await asyncio.create_subprocess_exec(
+        binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+        f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{web_port}",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        long = "a prompt long enough to be routed on its prefix . " * 40
+        for _ in range(3):
+            body = completion(stream=True, max_tokens=4, prompt=long)
+            assert sse_events(await (await cluster.client.post(COMPLETIONS, json=body)).read())
+        await cluster.kill(cluster.decodes[0])  # a refused decode: a retry, failed checks
+        assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+        cluster.prefills[0].fail_status = 500
+        assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 500
+        cluster.prefills[0].fail_status = None
+        cluster.prefills[0].restart()
+        fleet = fleet_of(cluster)
+        await eventually(
+            lambda: fleet.prefills[0].engine_ids == tuple(cluster.prefills[0].engine_ids)
+        )
+        for _ in range(3):
+            body = completion(stream=True, max_tokens=4, prompt=long)
+            assert sse_events(await (await cluster.client.post(COMPLETIONS, json=body)).read())
+        missing: list[str] = []
+        deadline = time.monotonic() + 30  # Prometheus starts, and scrapes twice (for rates)
+        async with aiohttp.ClientSession() as session:
+            for expr in shipped_expressions():
+                while not await query_finds(session, web_port, expr):
+                    if time.monotonic() > deadline:
+                        missing.append(expr)
+                        break
+                    await asyncio.sleep(0.5)
+    finally:
+        server.terminate()
+        await server.wait()
+    assert not missing, missing
+
+
+async def query_finds(session: aiohttp.ClientSession, port: int, expr: str) -> bool:
+    query = f"http://127.0.0.1:{port}/api/v1/query"
+    try:
+        async with session.get(query, params={"query": expr}) as answer:
+            payload = await answer.json()
+    except aiohttp.ClientError:
+        return False  # not listening yet
+    assert payload["status"] == "success", (expr, payload)
+    return bool(payload["data"]["result"])
