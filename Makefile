@@ -10,7 +10,7 @@ ARGS ?=
 
 .PHONY: demo test integration bench bench-quick bench-routing lint check clean
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-precise.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-precise.txt requirements-tracing.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	touch $@

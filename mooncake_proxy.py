@@ -573,6 +573,14 @@ class ProxyConfig:
         metavar=("URL", "ENDPOINT"),
         repeat="entries",
     )
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        "export the proxy's own span per request, with a child span per leg, over OTLP/HTTP to "
+        "this URL (e.g. http://collector:4318/v1/traces); needs pip install "
+        "'mooncake-proxy[tracing]'",
+        text_value,
+        metavar="URL",
+    )
     tokenizer: str | None = setting(
         None,
         "the model's tokenizer directory, for routing text prompts on KV events (default: the "
@@ -918,6 +926,8 @@ class ProxyState:
     lingering: set[asyncio.Task[None]] = field(default_factory=set)
     # The model's tokenizer, for routing text prompts on KV events (watch_tokenizer loads it).
     tokenizer: PromptTokenizer | None = None
+    # With --otlp-traces-endpoint and the [tracing] extra (tracing_ctx sets it up).
+    tracing: Tracing | None = None
 
     def __post_init__(self) -> None:
         self.fleet = Fleet(self.config)
@@ -960,6 +970,7 @@ class RequestStats:
     prefill_answered: float | None = None
     token_gaps: TokenGaps | None = None  # a stream's, as relayed
     trace_id: str = "-"
+    span: Any = None  # the proxy's own, with --otlp-traces-endpoint
     # The status whose headers already went out, for a client that leaves after them.
     status_sent: int | None = None
     bytes_out: int = 0
@@ -1238,6 +1249,9 @@ def record_request(app: web.Application, stats: RequestStats, status: int) -> No
     now = time.monotonic()
     metrics = app[STATE_KEY].metrics
     metrics.requests.labels(stats.route, str(status)).inc()
+    if stats.span is not None:
+        stats.span.set_attribute("http.response.status_code", status)
+        stats.span.end()
     probe = stats.route in PROBE_ROUTES
     if not probe:
         metrics.duration.labels(stats.route).observe(now - stats.started)
@@ -1266,6 +1280,71 @@ def record_token_times(metrics: Metrics, stats: RequestStats) -> None:
         if stats.prefill_answered is not None:
             wait = max(0.0, stats.first_token - stats.prefill_answered)
             metrics.kv_wait.labels(stats.route).observe(wait)
+
+
+class Tracing:
+    """The proxy's own spans (--otlp-traces-endpoint, the [tracing] extra): one per request,
+    a child per leg whose context the leg's traceparent carries, so vLLM's spans hang under
+    the proxy's. OpenTelemetry's SDK batches and exports them from a thread of its own."""
+
+    def __init__(self, endpoint: str) -> None:
+        from opentelemetry import trace
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.provider = TracerProvider(resource=Resource.create({"service.name": ID}))
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        self.tracer = self.provider.get_tracer(ID, str(VERSION))
+        self.propagator = TraceContextTextMapPropagator()
+        self.trace = trace
+
+    def request_span(self, client_headers: Mapping[str, str], route: str) -> Any:
+        """Under the client's trace context if it sent a valid one, else a new trace."""
+        parent = self.propagator.extract(client_headers)
+        span = self.tracer.start_span(
+            f"POST {route}", context=parent, kind=self.trace.SpanKind.SERVER
+        )
+        span.set_attribute("http.route", route)
+        return span
+
+    def leg(self, parent: Any, name: str, headers: dict[str, str]) -> tuple[Any, dict[str, str]]:
+        """A leg's span and its headers, whose traceparent names that span."""
+        context = self.trace.set_span_in_context(parent)
+        span = self.tracer.start_span(name, context=context, kind=self.trace.SpanKind.CLIENT)
+        headers = {**headers}
+        self.propagator.inject(headers, context=self.trace.set_span_in_context(span))
+        return span, headers
+
+
+def trace_id_of_span(span: Any) -> str:
+    return f"{span.get_span_context().trace_id:032x}"
+
+
+def span_error(message: str) -> Any:
+    from opentelemetry.trace import Status, StatusCode
+
+    return Status(StatusCode.ERROR, message)
+
+
+async def tracing_ctx(app: web.Application) -> AsyncIterator[None]:
+    """With --otlp-traces-endpoint: the exporter for the app's lifetime; at exit, what it
+    still holds is sent (the SDK gives that up after its own timeout)."""
+    state = app[STATE_KEY]
+    endpoint = state.config.otlp_traces_endpoint
+    if endpoint is not None:
+        try:
+            state.tracing = Tracing(endpoint)
+        except ImportError as missing:
+            log.warning(
+                "--otlp-traces-endpoint needs pip install 'mooncake-proxy[tracing]' (%s): "
+                "no spans are exported; the legs still carry the trace context", missing,
+            )  # fmt: skip
+    yield
+    if state.tracing is not None:
+        await asyncio.to_thread(state.tracing.provider.shutdown)
 
 
 # --- backends and selection
@@ -2726,6 +2805,10 @@ class Exchange:
         state, stats = request.app[STATE_KEY], request[STATS_KEY]
         headers = upstream_headers(request.headers, stats.request_id, state.config)
         stats.trace_id = trace_id_of(headers)
+        if state.tracing is not None:
+            stats.span = state.tracing.request_span(request.headers, stats.route)
+            stats.span.set_attribute("mooncake.request_id", stats.request_id)
+            stats.trace_id = trace_id_of_span(stats.span)
         route = None
         if state.fleet.routes_by_prefix:
             user = body.get("user")
@@ -2862,6 +2945,8 @@ class Attempt:
     engine: PrefillEngine
     decode: DecodeInstance
     prefill: asyncio.Task[None] | None = None
+    prefill_span: Any = None  # with --otlp-traces-endpoint
+    decode_span: Any = None
 
     @property
     def transfer_id(self) -> str:
@@ -2871,7 +2956,9 @@ class Attempt:
         """Step 4's prefill leg, as a task beside the decode; its claims go when it ends."""
         exchange = self.exchange
         payload = encode_json(prefill_body(exchange.body, self.transfer_id))
-        self.prefill = asyncio.create_task(send_prefill(exchange, self.engine, payload))
+        headers = {**exchange.headers, DP_RANK_HEADER: str(self.engine.dp_rank)}
+        self.prefill_span, headers = self.leg_span("prefill", self.engine.instance, headers)
+        self.prefill = asyncio.create_task(send_prefill(exchange, self.engine, payload, headers))
         # A done callback runs even for a task cancelled before it started: claims never leak.
         self.prefill.add_done_callback(self.prefill_ended)
         if log.isEnabledFor(logging.DEBUG):
@@ -2884,6 +2971,23 @@ class Attempt:
     def prefill_ended(self, _: object = None) -> None:
         self.exchange.state.fleet.release_prefill(self.engine)
         self.exchange.state.slots.release(1)
+        if self.prefill_span is not None:
+            if self.prefill is not None and (error := leg_error(self.prefill)) is not None:
+                self.prefill_span.set_status(span_error(str(error)))
+            self.prefill_span.end()
+
+    def leg_span(
+        self, stage: str, backend: Backend, headers: dict[str, str]
+    ) -> tuple[Any, dict[str, str]]:
+        """With tracing, the leg's own span, and its headers naming it as their parent."""
+        exchange = self.exchange
+        if exchange.stats.span is None or exchange.state.tracing is None:
+            return None, headers
+        span, headers = exchange.state.tracing.leg(exchange.stats.span, stage, headers)
+        span.set_attributes(
+            {"server.address": str(backend.url), "mooncake.transfer_id": self.transfer_id}
+        )
+        return span, headers
 
     async def abandon_prefill(self) -> None:
         """The client went away or the decode failed: closing the prefill's connection makes
@@ -2921,10 +3025,12 @@ class Attempt:
         payload = encode_json(decode_body(exchange.body, self.engine, self.transfer_id))
         while True:
             url = self.decode.routes[exchange.request.path]
+            self.decode_span, headers = self.leg_span("decode", self.decode, exchange.headers)
             try:
-                return await session.post(url, data=leg_data(payload), headers=exchange.headers)
+                return await session.post(url, data=leg_data(payload), headers=headers)
             except (aiohttp.ClientError, TimeoutError) as error:
                 failure = transport_error("decode", url, error, self.decode)
+                self.end_decode_span(failure.message)
             if not isinstance(failure, Unreachable):
                 raise failure
             exchange.fail_over("decode", self.decode, failure)
@@ -2959,7 +3065,18 @@ class Attempt:
             raise ProxyError(failure.status, failure.message, reason="broken") from None
         except ProxyError as failure:
             exchange.count_failure("decode", failure)
+            self.end_decode_span(failure.message)
             raise
+        finally:
+            self.end_decode_span()
+
+    def end_decode_span(self, error: str | None = None) -> None:
+        if (span := self.decode_span) is None:
+            return
+        if error is not None:
+            span.set_status(span_error(error))
+        span.end()
+        self.decode_span = None
 
 
 async def relay_body(exchange: Exchange, upstream: aiohttp.ClientResponse) -> None:
@@ -3002,12 +3119,13 @@ async def relay_body(exchange: Exchange, upstream: aiohttp.ClientResponse) -> No
         await response.write_eof()
 
 
-async def send_prefill(exchange: Exchange, engine: PrefillEngine, payload: bytes) -> None:
+async def send_prefill(
+    exchange: Exchange, engine: PrefillEngine, payload: bytes, headers: Mapping[str, str]
+) -> None:
     """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
     state = exchange.state
     url = engine.instance.routes[exchange.request.path]
     where = f"prefill rank {engine.dp_rank}"
-    headers = {**exchange.headers, DP_RANK_HEADER: str(engine.dp_rank)}
     started = time.monotonic()
     try:
         async with state.session.post(
@@ -3945,6 +4063,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     # Order matters: cleanup runs in reverse, so discovery stops before the pools close.
     app.cleanup_ctx.extend(
         (
+            tracing_ctx,
             pools_ctx,
             lingering_prefills_ctx,
             background(watch_fleet),

@@ -757,6 +757,84 @@ async def test_trace_context_reaches_both_legs(
     assert any(f"trace={client_trace[3:35]}" in r.getMessage() for r in caplog.records)
 
 
+class OtlpCollector:
+    """An OTLP/HTTP trace receiver on loopback: what an OpenTelemetry collector is sent."""
+
+    def __init__(self) -> None:
+        self.spans: list[Any] = []
+
+    def app(self) -> web.Application:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        async def traces(request: web.Request) -> web.Response:
+            export = ExportTraceServiceRequest.FromString(await request.read())
+            for resource in export.resource_spans:
+                for scope in resource.scope_spans:
+                    self.spans.extend(scope.spans)
+            return web.Response(content_type="application/x-protobuf")
+
+        app = web.Application()
+        app.router.add_post("/v1/traces", traces)
+        return app
+
+
+async def test_the_proxy_exports_its_span_and_one_per_leg(
+    start_cluster: StartCluster,
+    aiohttp_server: AiohttpServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM's spans hang under the proxy's legs: each leg's traceparent names its span."""
+    caplog.set_level("INFO", logger="mooncake_proxy.access")
+    collector = OtlpCollector()
+    receiver = await aiohttp_server(collector.app())
+    endpoint = f"http://127.0.0.1:{receiver.port}/v1/traces"
+    cluster = await start_cluster(otlp_traces_endpoint=endpoint)
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    client_trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    legs = []
+    for headers in ({}, {"traceparent": client_trace}):
+        body = completion(stream=True)
+        answer = await cluster.client.post(COMPLETIONS, json=body, headers=headers)
+        assert sse_events(await answer.read())[-1] == "[DONE]"
+        legs.append((prefill.requests[-1].headers, decode.requests[-1].headers))
+    trace_ids = [line["trace_id"] for line in access_lines(caplog)]
+    await cluster.client.close()  # the exporter sends what it holds as the proxy stops
+    async with asyncio.timeout(FAST):
+        while len(collector.spans) < 6:
+            await asyncio.sleep(0.05)
+    spans = {span.span_id.hex(): span for span in collector.spans}
+    for (prefill_leg, decode_leg), trace_id in zip(legs, trace_ids, strict=True):
+        for stage, leg in (("prefill", prefill_leg), ("decode", decode_leg)):
+            _, leg_trace, leg_span, _ = leg["traceparent"].split("-")
+            assert leg_trace == trace_id
+            span = spans[leg_span]
+            assert span.name == stage and span.trace_id.hex() == trace_id
+            proxy_span = spans[span.parent_span_id.hex()]
+            assert proxy_span.name == f"POST {COMPLETIONS}"
+            assert proxy_span.trace_id.hex() == trace_id
+    # The client's trace is continued: its span is the proxy span's parent.
+    assert trace_ids[1] == client_trace[3:35]
+    client_child = [s for s in spans.values() if s.parent_span_id.hex() == client_trace[36:52]]
+    assert len(client_child) == 1 and client_child[0].name == f"POST {COMPLETIONS}"
+    first_proxy_span = [s for s in spans.values() if s.trace_id.hex() == trace_ids[0]]
+    assert sum(not s.parent_span_id for s in first_proxy_span) == 1  # a new trace: its root
+
+
+async def test_without_the_tracing_extra_the_proxy_says_so_and_serves(
+    start_cluster: StartCluster,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # as if not installed
+    cluster = await start_cluster(otlp_traces_endpoint="http://127.0.0.1:9/v1/traces")
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    assert "traceparent" in cluster.decodes[0].requests[-1].headers
+    warnings = [r.getMessage() for r in caplog.records if "otlp" in r.getMessage()]
+    assert len(warnings) == 1 and "mooncake-proxy[tracing]" in warnings[0]
+
+
 # --- the PD flow
 
 
