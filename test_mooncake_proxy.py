@@ -3189,37 +3189,46 @@ async def test_metrics_add_up_across_workers(aiohttp_server: AiohttpServer, tmp_
     (metrics_dir / "counter_1.db").write_bytes(b"from an earlier start")
     env = {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
     proxy, _ = await ProxyProcess.start(aiohttp_server, "--workers", "2", env=env)
-    connector = aiohttp.TCPConnector(force_close=True)  # a new connection, maybe a new worker
-    pids: set[int] = set()
-    sent = 0
-    async with aiohttp.ClientSession(connector=connector) as session, asyncio.timeout(30):
-        while len(pids) < 2 or sent < 12:
-            async with session.get(f"{proxy.base}/healthcheck") as health:
-                page = await health.json()
-                pids.add(page["pid"])
-                assert page["scope"] == "worker of 2"
-            body = completion(stream=True)
-            async with session.post(f"{proxy.base}/v1/completions", json=body) as answer:
-                assert sse_events(await answer.read())[-1] == "[DONE]"
-                sent += 1
-        assert len(pids) == 2
-        await asyncio.sleep(mp.METRICS_REFRESH_SECONDS + 0.5)  # every worker's gauges set
-        route = {"route": COMPLETIONS}
-        for _ in range(6):
-            async with session.get(f"{proxy.base}/metrics") as scraped:
-                families = text_string_to_metric_families(await scraped.text())
-            samples = {
-                (s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in families
-                for s in family.samples
-            }
-            assert sample(samples, "mooncake_proxy_requests_total", status="200", **route) == sent
-            ttft = "mooncake_proxy_time_to_first_token_seconds_count"
-            assert sample(samples, ttft, **route) == sent
-            assert sample(samples, "mooncake_proxy_ready") == 1
-    proxy.process.send_signal(signal.SIGTERM)
-    assert await asyncio.wait_for(proxy.process.wait(), 20) == 0
-    assert "Traceback" not in await proxy.stop()
+    try:
+        connector = aiohttp.TCPConnector(force_close=True)  # a new connection, maybe a new worker
+        pids: set[int] = set()
+        sent = 0
+        async with aiohttp.ClientSession(connector=connector) as session, asyncio.timeout(30):
+            while len(pids) < 2 or sent < 12:
+                async with session.get(f"{proxy.base}/healthcheck") as health:
+                    page = await health.json()
+                    pids.add(page["pid"])
+                    assert page["scope"] == "worker of 2"
+                body = completion(stream=True)
+                async with session.post(f"{proxy.base}/v1/completions", json=body) as answer:
+                    assert sse_events(await answer.read())[-1] == "[DONE]"
+                    sent += 1
+            assert len(pids) == 2
+            await asyncio.sleep(mp.METRICS_REFRESH_SECONDS + 0.5)  # every worker's gauges set
+            route = {"route": COMPLETIONS}
+            for _ in range(6):
+                async with session.get(f"{proxy.base}/metrics") as scraped:
+                    families = text_string_to_metric_families(await scraped.text())
+                samples = {
+                    (s.name, tuple(sorted(s.labels.items()))): s.value
+                    for family in families
+                    for s in family.samples
+                }
+                assert (
+                    sample(samples, "mooncake_proxy_requests_total", status="200", **route) == sent
+                )
+                ttft = "mooncake_proxy_time_to_first_token_seconds_count"
+                assert sample(samples, ttft, **route) == sent
+                assert sample(samples, "mooncake_proxy_ready") == 1
+        proxy.process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proxy.process.wait(), 20) == 0
+        assert "Traceback" not in await proxy.stop()
+    finally:
+        if proxy.process.returncode is None:  # a failed check must not leave it serving
+            for _ in range(2):  # the second signal makes the workers exit at once
+                proxy.process.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)
+            await asyncio.wait_for(proxy.process.wait(), 20)
     assert not (metrics_dir / "counter_1.db").exists()  # cleared when the daemon started
 
 
