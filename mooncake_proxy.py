@@ -120,6 +120,7 @@ ENV_PREFIX: Final = "MOONCAKE_PROXY_"
 COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
 REQUEST_ID_HEADER: Final = "X-Request-Id"
 DP_RANK_HEADER: Final = "X-data-parallel-rank"
+PRIORITY_HEADER: Final = "X-Vllm-Priority"  # vLLM's, with --scheduling-policy priority
 SSE_CONTENT_TYPE: Final = "text/event-stream"
 
 # Headers that describe one hop, not the request (RFC 9110 section 7.6.1), plus the ones the
@@ -457,6 +458,18 @@ class ProxyConfig:
         "prefill's until the prefill answered, its decode's until its stream ends); health "
         "checks have a pool of their own",
         at_least(0),
+    )
+    max_in_flight: int = setting(
+        0,
+        "PD requests served at once by each process, 0 for no limit; more wait in a queue "
+        "(a lower X-Vllm-Priority or body priority first, then in order of arrival)",
+        at_least(0),
+    )
+    max_queue: int = setting(
+        1024, "PD requests that may wait for --max-in-flight; more are answered 429", at_least(0)
+    )
+    queue_timeout: float = setting(
+        30.0, "seconds a request may wait for --max-in-flight; then 429 with Retry-After", seconds
     )
     # httpx's default for the same wait.
     pool_timeout: float = setting(
@@ -915,6 +928,7 @@ class ProxyState:
     fleet: Fleet = field(init=False)
     slots: UpstreamSlots = field(init=False)
     connections: ClientConnections = field(init=False)
+    admission: Admission = field(init=False)
     metrics: Metrics = field(init=False)
     # Set by the first SIGTERM/SIGINT: in-flight requests finish, new ones get 503.
     draining: bool = False
@@ -933,6 +947,8 @@ class ProxyState:
         self.fleet = Fleet(self.config)
         self.slots = UpstreamSlots(self.config.max_connections)
         self.connections = ClientConnections(self.config.max_client_connections)
+        config = self.config
+        self.admission = Admission(config.max_in_flight, config.max_queue, config.queue_timeout)
         self.metrics = Metrics(self)
         self.fleet.prefill_router.observe = self.fleet.decode_router.observe = self.metrics.routed
 
@@ -1122,6 +1138,12 @@ class Metrics:
             "client_connections_rejected",
             "Client connections answered 503 and closed: --max-client-connections were open.",
         )
+        self.admission_queue = gauge(
+            "admission_queue", "PD requests waiting for --max-in-flight.", mode="livesum"
+        )
+        self.admission_wait = histogram(
+            "admission_wait_seconds", "Time PD requests waited for --max-in-flight."
+        )
         self.rejected_counted = 0
         self.engine_series: set[tuple[str, str, str]] = set()
         self.registry = own
@@ -1155,6 +1177,7 @@ class Metrics:
             self.usable.labels("decode", str(backend.url)).set(float(backend.usable))
             self.decode_in_flight.labels(str(backend.url)).set(backend.in_flight)
         self.client_connections.set(connections.open)
+        self.admission_queue.set(state.admission.queued)
         self.connections_rejected.inc(connections.rejected - self.rejected_counted)
         self.rejected_counted = connections.rejected
 
@@ -2586,6 +2609,72 @@ class UpstreamSlots:
                 granted.set_result(None)
 
 
+class Admission:
+    """--max-in-flight: PD requests past it wait for one to finish, the lowest priority value
+    first (vLLM's own order under --scheduling-policy priority), then first come first served;
+    a bounded queue and a bounded wait, each answered 429 with Retry-After when exceeded, so a
+    saturated cluster pushes back at the door instead of growing vLLM's queues."""
+
+    RETRY_AFTER: ClassVar[int] = 1  # seconds: come back soon, the queue moves
+
+    def __init__(self, limit: int, max_queue: int, timeout: float) -> None:
+        self.limit, self.max_queue, self.timeout = limit, max_queue, timeout
+        self.running = 0
+        self.queued = 0  # waiting now (the heap may still hold some that gave up)
+        self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrival = itertools.count()
+
+    async def enter(self, priority: int) -> float:
+        """Wait for a turn; the seconds waited. Raises ProxyError(429) when none comes."""
+        if not self.limit or (self.running < self.limit and not self.queued):
+            self.running += 1
+            return 0.0
+        if self.queued >= self.max_queue:
+            raise self.refused(f"{self.queued} requests already wait (--max-queue)", "queue_full")
+        turn = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (priority, next(self._arrival), turn))
+        self.queued += 1
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout):
+                await turn
+        except BaseException as error:
+            if turn.done() and not turn.cancelled():
+                self.leave()  # handed a turn just as the wait ended: pass it on
+            else:
+                turn.cancel()  # left in the heap, skipped when its turn comes
+                self.queued -= 1
+            if isinstance(error, TimeoutError):
+                waited = f"waited {self.timeout:g} s for one of --max-in-flight {self.limit}"
+                raise self.refused(waited, "queue_timeout") from None
+            raise
+        return time.monotonic() - started
+
+    def leave(self) -> None:
+        """A request ended: its turn goes to the first waiting one, if any."""
+        while self._heap:
+            _, _, turn = heapq.heappop(self._heap)
+            if not turn.done():
+                self.queued -= 1
+                turn.set_result(None)  # it runs in this one's place
+                return
+        self.running -= 1
+
+    def refused(self, why: str, reason: str) -> ProxyError:
+        message = f"the proxy is at capacity: {why}; try again shortly"
+        return ProxyError(429, message, reason=reason, retry_after=self.RETRY_AFTER)
+
+
+def request_priority(request: web.Request, body: Mapping[str, Any]) -> int:
+    """vLLM's request priority (lower runs first): the body's, else X-Vllm-Priority, else 0.
+    Both go to the legs unchanged; here it only orders the proxy's own queue."""
+    given = body.get("priority", request.headers.get(PRIORITY_HEADER))
+    try:
+        return int(given) if given is not None and not isinstance(given, bool) else 0
+    except (TypeError, ValueError):
+        return 0  # vLLM answers the bad value itself; the queue only needs an order
+
+
 def pool_exhausted(config: ProxyConfig, legs: str) -> ProxyError:
     return ProxyError(
         503,
@@ -3658,7 +3747,20 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     body = parse_request_json(await read_body(request))
     if isinstance(model := body.get("model"), str):
         request[STATS_KEY].model = model[:100]
-    return await run_pd_request(request, body)
+    state = request.app[STATE_KEY]
+    admission = state.admission
+    try:
+        waited = await admission.enter(request_priority(request, body))
+    except ProxyError as refused:
+        state.metrics.errors.labels("admission", refused.reason).inc()
+        raise
+    try:
+        if admission.limit:
+            state.metrics.admission_wait.observe(waited)
+            require_ready(request)  # the fleet may have changed while it waited
+        return await run_pd_request(request, body)
+    finally:
+        admission.leave()
 
 
 async def handle_models(request: web.Request) -> web.Response:

@@ -835,6 +835,69 @@ async def test_without_the_tracing_extra_the_proxy_says_so_and_serves(
     assert len(warnings) == 1 and "mooncake-proxy[tracing]" in warnings[0]
 
 
+async def test_past_max_in_flight_requests_wait_lowest_priority_value_first(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(max_in_flight=1, decode={"token_delay": 0.2})
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    first = asyncio.create_task(
+        cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=5))
+    )
+    await eventually(lambda: decode.running == 1)
+    waiting = []
+    for tag, headers, extra in (
+        ("later", {"X-Vllm-Priority": "3"}, {}),
+        ("first", {"X-Vllm-Priority": "-1"}, {}),
+        ("second", {}, {"priority": 1}),
+    ):
+        body = completion(prompt=tag, **extra)
+        waiting.append(
+            asyncio.create_task(cluster.client.post(COMPLETIONS, json=body, headers=headers))
+        )
+        await asyncio.sleep(0.05)  # in this order of arrival
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_admission_queue") == 3
+    assert len(prefill.requests) == 1  # only the first one reached an engine
+    assert (await (await first).read()).endswith(b"data: [DONE]\n\n")
+    for answer in await asyncio.gather(*waiting):
+        assert answer.status == 200
+    order = [r.body["prompt"] for r in prefill.requests[1:]]
+    assert order == ["first", "second", "later"]
+    # Priorities reach both legs as the client gave them.
+    legs = {r.body["prompt"]: r for r in decode.requests[1:]}
+    assert legs["first"].headers["X-Vllm-Priority"] == "-1" and legs["second"].body["priority"] == 1
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_admission_wait_seconds_count") == 4
+    assert sample(samples, "mooncake_proxy_admission_queue") == 0
+
+
+async def test_a_full_or_slow_queue_is_answered_429_with_retry_after(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(
+        max_in_flight=1, max_queue=1, queue_timeout=0.3, decode={"token_delay": 0.2}
+    )
+    running = asyncio.create_task(
+        cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=5))
+    )
+    await eventually(lambda: cluster.decodes[0].running == 1)
+    queued = asyncio.create_task(cluster.client.post(COMPLETIONS, json=completion()))
+    await asyncio.sleep(0.05)
+    full = await cluster.client.post(COMPLETIONS, json=completion())
+    slow = await queued
+    for answer, why in ((full, "--max-queue"), (slow, "waited 0.3 s")):
+        assert answer.status == 429 and answer.headers["Retry-After"] == "1"
+        payload = await answer.json()
+        assert_openai_error(payload, 429)
+        assert why in payload["error"]["message"]
+    assert (await (await running).read()).endswith(b"data: [DONE]\n\n")
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200  # none lost
+    samples = await scrape(cluster)
+    for reason in ("queue_full", "queue_timeout"):
+        assert sample(samples, "mooncake_proxy_errors_total", stage="admission", reason=reason) == 1
+    assert sample(samples, "mooncake_proxy_requests_total", route=COMPLETIONS, status="429") == 2
+
+
 # --- the PD flow
 
 
