@@ -1555,6 +1555,8 @@ class PromptPieces:
         markers = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
         self.split: Callable[[str], list[str]] = markers.split if self.ids else lambda t: [t]
         self.around = special_tokens_around(encoder)
+        # Without offsets (tokenizers 0.21+): the same ids, about a third faster.
+        self.encode_many = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
         self.known: dict[str, list[int]] = {}
         self.size = 0
         self.checks = {False: 0, True: 0}
@@ -1568,7 +1570,7 @@ class PromptPieces:
         texts = [cut(part) for part in parts[0::2]]
         known = self.known
         if new := [p for p in dict.fromkeys(itertools.chain(*texts)) if p not in known]:
-            encoded = self.encoder.encode_batch(new, add_special_tokens=False)
+            encoded = self.encode_many(new, add_special_tokens=False)
             known = known | {p: e.ids for p, e in zip(new, encoded, strict=True)}
             self.remember(new, known)
         before, after = self.around if special and self.around else ((), ())
