@@ -3545,7 +3545,7 @@ async def follow_kv_feed(
         if feed.replay:
             # Catch up on what the engine said before this process listened now, not when it
             # next speaks: that is when traffic comes, and a full buffer takes a while.
-            await replay_kv_events(state, feed, context, decode, None, joining=True)
+            await replay_kv_events(state, feed, context, decode, None)
         while True:
             frames = await subscriber.recv_multipart()
             try:
@@ -3611,13 +3611,14 @@ async def replay_kv_events(
     context: Any,
     decode: Callable[[bytes], Any],
     upto: int | None,
-    joining: bool = False,
 ) -> None:
     """Ask the engine's replay socket (a ROUTER) for the batches from feed.next_seq (before
-    ``upto``, if given); it answers each as (topic, seq, batch), then a sequence number of -1.
-    Joining, an engine that is not up yet is no problem: its first batch will bring us here."""
+    ``upto``, a live batch's seq; None when joining as this process subscribes); it answers
+    each as (topic, seq, batch), then a sequence number of -1. Joining, an engine that is not
+    up yet is no problem: its first batch will bring us here."""
     import zmq
 
+    joining = upto is None
     start = feed.next_seq or 0  # None: from the oldest batch it kept
     # Joining, the engine may replay thousands of batches: until they are applied its view is
     # not used, and other work gets the loop between every few of them.
@@ -3643,7 +3644,6 @@ async def replay_kv_events(
             if feed.next_seq is None:
                 feed.next_seq = start = seq  # joining: from the oldest batch kept, none missed
             take_kv_batch(state, feed, seq, decode(frames[3]))
-            feed.replayed = range(start, feed.next_seq) if joining else range(0)
             if (applied := applied + 1) % REPLAY_SLICE == 0:
                 await asyncio.sleep(0)
     except TimeoutError:
@@ -3652,6 +3652,8 @@ async def replay_kv_events(
             kv_feed_problem(state, feed, "replay", problem, count=False)
     finally:
         feed.joining = False
+        if joining and feed.next_seq is not None:  # the live stream repeats some of these
+            feed.replayed = range(start, feed.next_seq)
         dealer.close(linger=0)
 
 
