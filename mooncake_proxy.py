@@ -29,6 +29,7 @@ import glob
 import heapq
 import hmac
 import importlib
+import ipaddress
 import itertools
 import json
 import logging
@@ -44,6 +45,7 @@ import socket
 import sys
 import tempfile
 import time
+import tomllib
 import uuid
 import zlib
 from collections.abc import (
@@ -84,6 +86,7 @@ except ImportError as missing:  # one line instead of a traceback, saying what t
 
 log = logging.getLogger("mooncake_proxy")
 T = TypeVar("T")
+B = TypeVar("B", bound="Backend")
 
 # --- identity and defaults
 
@@ -203,6 +206,36 @@ class KvEventSource:
         return offset(self.endpoint), offset(self.replay) if self.replay else None
 
 
+@dataclass(frozen=True, slots=True)
+class DnsName:
+    """A name whose A and AAAA records are instances of one role, all on one port."""
+
+    role: str  # "prefill" or "decode"
+    name: str
+    port: int
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT  # a prefill's
+
+    def __str__(self) -> str:
+        tail = f":{self.bootstrap_port}" if self.role == "prefill" else ""
+        return f"{self.name}:{self.port}{tail}"
+
+    def url(self, address: str) -> URL:
+        return URL.build(scheme="http", host=address, port=self.port)
+
+    def spec(self, address: str) -> PrefillSpec:
+        bootstrap = URL.build(scheme="http", host=address, port=self.bootstrap_port)
+        return PrefillSpec(self.url(address), bootstrap)
+
+
+@dataclass(frozen=True, slots=True)
+class DnsServer:
+    host: str
+    port: int = 53
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
 # Parsers turn what a flag or variable said into a setting's value; their ValueError says
 # what was expected, and the loader adds where the value came from.
 
@@ -250,6 +283,50 @@ def parse_prefills(groups: Sequence[Sequence[str]]) -> tuple[PrefillSpec, ...]:
 
 def parse_decodes(groups: Sequence[Sequence[str]]) -> tuple[URL, ...]:
     return tuple(parse_backend_url(text) for group in groups for text in group)
+
+
+def dns_names(role: str) -> Callable[[Sequence[Sequence[str]]], tuple[DnsName, ...]]:
+    def parse(groups: Sequence[Sequence[str]]) -> tuple[DnsName, ...]:
+        return tuple(parse_dns_name(role, text) for group in groups for text in group)
+
+    return parse
+
+
+DNS_NAME: Final = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?")
+
+
+def parse_dns_name(role: str, text: str) -> DnsName:
+    """NAME:PORT, and for a prefill optionally :BOOTSTRAP_PORT (8998 by default)."""
+    shape = "NAME:PORT[:BOOTSTRAP_PORT]" if role == "prefill" else "NAME:PORT"
+    name, *ports = text.split(":")
+    if not DNS_NAME.fullmatch(name) or not 1 <= len(ports) <= (2 if role == "prefill" else 1):
+        raise ValueError(f"{text!r}: expected {shape}")
+    try:
+        numbers = [port_number(port) for port in ports]
+    except ValueError:
+        raise ValueError(f"{text!r}: expected {shape} with ports 1-65535") from None
+    if 0 in numbers:
+        raise ValueError(f"{text!r}: expected {shape} with ports 1-65535")
+    return DnsName(role, name.lower(), *numbers)
+
+
+def parse_dns_server(text: str) -> DnsServer | None:
+    """HOST[:PORT] of a DNS server; an IPv6 address in brackets when it has a port."""
+    if text.strip().lower() in ("", "none"):
+        return None
+    host, port = text, "53"
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest.removeprefix(":") or "53"
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    try:
+        number, address = port_number(port), ipaddress.ip_address(host)
+    except ValueError:
+        number = 0
+    if not number:
+        raise ValueError("expected the IP address of a DNS server, optionally with :PORT")
+    return DnsServer(str(address), number)
 
 
 def parse_kv_event_endpoint(text: str) -> URL:
@@ -388,22 +465,37 @@ def setting(
     metavar: str | tuple[str, str] | None = None,
     repeat: str | None = None,
     secret: bool = False,
+    restart: bool = False,
 ) -> Any:
-    """A ProxyConfig field that is also a flag (``--field-name``, or ``flag``) and an
-    environment variable (MOONCAKE_PROXY_FIELD_NAME), all declared here, once.
+    """A ProxyConfig field that is also a flag (``--field-name``, or ``flag``), an environment
+    variable (MOONCAKE_PROXY_FIELD_NAME) and a key of the --config file (``field-name``), all
+    declared here, once.
 
     ``repeat`` is for flags given several times with several values each: "entries" takes them
-    from the variable as comma-separated groups of words, "words" as one group.
+    from the variable as comma-separated groups of words, "words" as one group. ``restart``:
+    a reload cannot change it (it is built into the listener, the pools or the process).
     """
-    meta = {"help": description, "parse": parse, "flag": flag, "metavar": metavar, "repeat": repeat}
+    meta = {"help": description, "parse": parse, "flag": flag, "metavar": metavar}
+    meta |= {"repeat": repeat, "restart": restart}
     return field(default=default, repr=not secret, metadata=meta)
 
 
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
     """Everything the daemon needs. Each field that has a flag says so beside it; the command
-    line and the environment are read from these declarations (load_config)."""
+    line, the environment and the --config file are read from these declarations
+    (load_config)."""
 
+    config_file: str | None = setting(
+        None,
+        "a TOML file with any of these settings, keyed by their flag's name without the "
+        'dashes in front (prefill = ["http://10.0.0.1:8100 8998"], max-retries = 3); flags '
+        "and environment variables win over it. SIGHUP (systemctl reload) reads it again",
+        text_value,
+        flag="--config",
+        metavar="FILE",
+        restart=True,
+    )
     prefills: tuple[PrefillSpec, ...] = setting(
         (),
         "a prefill instance (repeatable): its OpenAI URL, then optionally its bootstrap server "
@@ -417,8 +509,33 @@ class ProxyConfig:
     decodes: tuple[URL, ...] = setting(
         (), "decode instance URL(s) (repeatable)", parse_decodes, flag="--decode", repeat="words"
     )
-    host: str = setting("127.0.0.1", "address to listen on", text_value)
-    port: int = setting(8000, "port to listen on", port_number)
+    prefill_dns: tuple[DnsName, ...] = setting(
+        (),
+        "prefill instances found in DNS (repeatable): every A and AAAA record of NAME is one, "
+        "its OpenAI server on PORT and its bootstrap server on BOOTSTRAP_PORT (8998), e.g. "
+        "a Kubernetes headless Service",
+        dns_names("prefill"),
+        metavar="NAME:PORT[:BOOTSTRAP_PORT]",
+        repeat="words",
+    )
+    decode_dns: tuple[DnsName, ...] = setting(
+        (),
+        "decode instances found in DNS (repeatable): every A and AAAA record of NAME, on PORT",
+        dns_names("decode"),
+        metavar="NAME:PORT",
+        repeat="words",
+    )
+    dns_interval: float = setting(
+        5.0, "seconds between two lookups of the --prefill-dns and --decode-dns names", seconds
+    )
+    dns_server: DnsServer | None = setting(
+        None,
+        "ask this DNS server (HOST[:PORT]) instead of the system's resolver",
+        parse_dns_server,
+        metavar="HOST[:PORT]",
+    )
+    host: str = setting("127.0.0.1", "address to listen on", text_value, restart=True)
+    port: int = setting(8000, "port to listen on", port_number, restart=True)
     upstream_api_key: str | None = setting(
         None,
         "send 'Authorization: Bearer KEY' to vLLM instead of the client's own header (without "
@@ -434,17 +551,23 @@ class ProxyConfig:
     max_request_bytes: int = setting(
         100 * 1024 * 1024, "largest request body accepted; larger is answered 413", at_least(1)
     )
-    connect_timeout: float = setting(5.0, "seconds to open a connection to an upstream", seconds)
+    connect_timeout: float = setting(
+        5.0, "seconds to open a connection to an upstream", seconds, restart=True
+    )
     # vLLM (uvicorn) closes idle keep-alive connections after 5 s; reusing one it already
     # closed fails the request, so the pool must forget idle connections before vLLM does.
     keepalive_timeout: float = setting(
-        4.0, "seconds an idle upstream connection is kept; keep it below vLLM's 5 s", seconds
+        4.0,
+        "seconds an idle upstream connection is kept; keep it below vLLM's 5 s",
+        seconds,
+        restart=True,
     )
     # None: a stream may last as long as the decode keeps producing tokens.
     request_timeout: float | None = setting(
         None,
         "total seconds for one upstream request, stream included; 0 for none",
         seconds_or_none,
+        restart=True,
     )
     # Past vLLM's default VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT the decode gives up on the KV.
     prefill_timeout: float | None = setting(
@@ -458,6 +581,7 @@ class ProxyConfig:
         "prefill's until the prefill answered, its decode's until its stream ends); health "
         "checks have a pool of their own",
         at_least(0),
+        restart=True,
     )
     max_in_flight: int = setting(
         0,
@@ -538,12 +662,14 @@ class ProxyConfig:
         "prompt blocks remembered per engine at most, for prefix_aware; fewer where an "
         "engine's /metrics says its KV cache holds fewer",
         at_least(1),
+        restart=True,
     )
     prefix_block_bytes: int = setting(
         ROUTING_BLOCK_BYTES,
         "bytes of prompt hashed as one block, for prefix_aware: about vLLM's block size in "
         "bytes (tokens per block x bytes per token); smaller matches finer and costs more",
         at_least(16),
+        restart=True,
     )
     balance_factor: float = setting(
         1.25,
@@ -570,6 +696,7 @@ class ProxyConfig:
         "r on PORT+r); needs the [precise] extra",
         port_or_none,
         metavar="PORT",
+        restart=True,
     )
     kv_events_replay_port: int | None = setting(
         None,
@@ -577,6 +704,7 @@ class ProxyConfig:
         "events missed in a gap are asked for again",
         port_or_none,
         metavar="PORT",
+        restart=True,
     )
     kv_events: tuple[KvEventSource, ...] = setting(
         (),
@@ -593,6 +721,7 @@ class ProxyConfig:
         "'mooncake-proxy[tracing]'",
         text_value,
         metavar="URL",
+        restart=True,
     )
     tokenizer: str | None = setting(
         None,
@@ -600,6 +729,7 @@ class ProxyConfig:
         "root vLLM's /v1/models names, when it is a local directory here)",
         text_value,
         metavar="DIR",
+        restart=True,
     )
     api_key: str | None = setting(
         None,
@@ -639,17 +769,21 @@ class ProxyConfig:
         64 * 1024, "bytes per second a large body earns its extra time at", at_least(1)
     )
     max_client_connections: int = setting(
-        4096, "open client connections per worker; more are answered 503 and closed", at_least(1)
+        4096,
+        "open client connections per worker; more are answered 503 and closed",
+        at_least(1),
+        restart=True,
     )
     # nginx's keepalive_timeout: longer than the idle timeouts of common load balancers (60 s).
     client_keepalive_timeout: float = setting(
-        75.0, "seconds an idle client connection is kept open", seconds
+        75.0, "seconds an idle client connection is kept open", seconds, restart=True
     )
     loop: str = setting(
         "auto",
         "event loop: uvloop when installed (auto), or the stdlib's",
         one_of("auto", "asyncio", "uvloop"),
         metavar="{auto,asyncio,uvloop}",
+        restart=True,
     )
     # Processes sharing the port (SO_REUSEPORT), each with its own pools and checks.
     workers: int = setting(
@@ -657,6 +791,7 @@ class ProxyConfig:
         "processes sharing the port through SO_REUSEPORT, each with its own connection pool "
         "and health checks; more than the cores available buys nothing",
         at_least(1),
+        restart=True,
     )
     log_level: str = setting(
         "INFO",
@@ -669,14 +804,15 @@ class ProxyConfig:
         "json: one object per line, for log shippers",
         one_of("text", "json"),
         metavar="{text,json}",
+        restart=True,
     )
 
     def __post_init__(self) -> None:
         # What no single value can say wrong on its own (parse_* check each value).
-        if not self.prefills:
-            raise ConfigError("at least one --prefill URL is required")
-        if not self.decodes:
-            raise ConfigError("at least one --decode URL is required")
+        if not self.prefills and not self.prefill_dns:
+            raise ConfigError("at least one --prefill URL (or --prefill-dns name) is required")
+        if not self.decodes and not self.decode_dns:
+            raise ConfigError("at least one --decode URL (or --decode-dns name) is required")
         for flag, urls in (
             ("--prefill", [p.url for p in self.prefills]),
             ("--decode", self.decodes),
@@ -684,7 +820,8 @@ class ProxyConfig:
             if twice := [str(url) for url, count in collections.Counter(urls).items() if count > 1]:
                 raise ConfigError(f"{flag} {twice[0]} is given twice")
         known = {*(p.url for p in self.prefills), *self.decodes}
-        if unknown := [str(s.url) for s in self.kv_events if s.url not in known]:
+        unknown = [str(s.url) for s in self.kv_events if s.url not in known]
+        if unknown and not self.prefill_dns and not self.decode_dns:  # DNS may add it
             raise ConfigError(f"--kv-events {unknown[0]} is not a --prefill or --decode URL")
         if self.kv_events_replay_port is not None and self.kv_events_port is None:
             raise ConfigError("--kv-events-replay-port needs --kv-events-port")
@@ -757,6 +894,7 @@ class Setting:
     env: str
     metavar: str | tuple[str, str] | None
     repeat: str | None
+    restart: bool  # a reload leaves it as it was
 
     @classmethod
     def of(cls, declared: dataclasses.Field[Any]) -> Setting:
@@ -765,8 +903,13 @@ class Setting:
         env = ENV_PREFIX + flag[2:].replace("-", "_").upper()
         return cls(
             declared.name, declared.default, meta["help"], meta["parse"], flag, env,
-            meta["metavar"], meta["repeat"],
+            meta["metavar"], meta["repeat"], meta["restart"],
         )  # fmt: skip
+
+    @property
+    def key(self) -> str:
+        """Its key in the --config file."""
+        return self.flag[2:]
 
     @property
     def is_switch(self) -> bool:
@@ -794,20 +937,68 @@ class Setting:
             return [text.split()]
         return text
 
+    def from_file(self, value: object) -> Any:
+        """A TOML value as the flag would have given it: a list for a repeated flag (of
+        strings, or for entries also of lists of words), a bool for a switch, else a scalar."""
+        if self.repeat:
+            groups: list[list[str]] = []
+            for item in value if isinstance(value, list) else [value]:
+                words = item.split() if isinstance(item, str) else item
+                if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+                    raise ValueError("expected a list of strings")
+                groups.append(words)
+            if self.repeat == "words":
+                return [[word for group in groups for word in group]]
+            return groups
+        if self.is_switch:
+            if not isinstance(value, bool):
+                raise ValueError("expected true or false")
+            return value
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise ValueError("expected a string or a number")
+        return str(value)
+
 
 SETTINGS: Final = tuple(
     Setting.of(declared) for declared in dataclasses.fields(ProxyConfig) if declared.metadata
 )
+SETTINGS_BY_KEY: Final = {option.key: option for option in SETTINGS}
+SETTINGS_BY_NAME: Final = {option.name: option for option in SETTINGS}
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The settings of a --config file, by key; ConfigError for a file that cannot be read or
+    parsed or names a setting there is not (a typo must not pass for a default)."""
+    try:
+        with open(path, "rb") as file:
+            table = tomllib.load(file)
+    except OSError as error:
+        raise ConfigError(f"cannot read --config {path}: {error.strerror or error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    settings = {}
+    for key, value in table.items():
+        name = key.replace("_", "-")
+        if name not in SETTINGS_BY_KEY or name == "config":
+            raise ConfigError(
+                f"{path}: {key!r} is not a setting (keys are the flags' names without the "
+                "leading dashes, as in --help)"
+            )
+        settings[name] = value
+    return settings
 
 
 def load_config(
     parser: argparse.ArgumentParser, argv: Sequence[str], environ: Mapping[str, str]
 ) -> ProxyConfig:
-    """The configuration from the command line, then the environment, then the defaults.
+    """The configuration from the command line, then the environment, then the --config
+    file, then the defaults.
 
-    Raises ConfigError naming the flag or the variable a bad value came from.
+    Raises ConfigError naming the flag, the variable or the file a bad value came from.
     """
     given = vars(parser.parse_args(argv))
+    path = given.get("config_file") or environ.get(SETTINGS_BY_KEY["config"].env)
+    in_file = read_config_file(path) if path else {}
     values: dict[str, Any] = {}
     for option in SETTINGS:
         if option.name in given:
@@ -816,6 +1007,14 @@ def load_config(
         elif option.env in environ:
             raw, source = option.from_environment(environ[option.env]), f"${option.env}"
             where = option.env if option.repeat else f"{option.env}={environ[option.env]!r}"
+        elif option.key in in_file:
+            source = where = f"{path}: {option.key}"
+            if not option.repeat:
+                where += f" = {in_file[option.key]!r}"
+            try:
+                raw = option.from_file(in_file[option.key])
+            except ValueError as error:
+                raise ConfigError(f"{where}: {error}") from None
         else:
             continue
         try:
@@ -942,6 +1141,12 @@ class ProxyState:
     tokenizer: PromptTokenizer | None = None
     # With --otlp-traces-endpoint and the [tracing] extra (tracing_ctx sets it up).
     tracing: Tracing | None = None
+    # The last good answer for each --prefill-dns and --decode-dns name (watch_dns).
+    dns_answers: dict[DnsName, tuple[str, ...]] = field(default_factory=dict)
+    # Why the last lookup of a name failed, while it fails.
+    dns_errors: dict[DnsName, str] = field(default_factory=dict)
+    # Set by a reload: the names are looked up again at once.
+    dns_changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.fleet = Fleet(self.config)
@@ -951,6 +1156,50 @@ class ProxyState:
         self.admission = Admission(config.max_in_flight, config.max_queue, config.queue_timeout)
         self.metrics = Metrics(self)
         self.fleet.prefill_router.observe = self.fleet.decode_router.observe = self.metrics.routed
+        self.sync_members()
+
+    def sync_members(self) -> None:
+        """The fleet as the configuration and the DNS answers name it now."""
+        config = self.config
+        prefills, decodes = list(config.prefills), list(config.decodes)
+        origins = dict.fromkeys((spec.url for spec in prefills), "--prefill")
+        origins |= dict.fromkeys(decodes, "--decode")
+        for name in (*config.prefill_dns, *config.decode_dns):
+            for address in self.dns_answers.get(name, ()):
+                if (url := name.url(address)) in origins:
+                    continue  # also named as it is: once is enough
+                origins[url] = f"dns {name}"
+                if name.role == "prefill":
+                    prefills.append(name.spec(address))
+                else:
+                    decodes.append(url)
+        self.fleet.set_members(prefills, decodes, origins)
+
+    def reconfigure(self, new: ProxyConfig) -> None:
+        """Apply a reloaded configuration: members join and leave, limits and routing take
+        their new values; what only a restart can change stays, and is logged."""
+        old = self.config
+        kept = {
+            option.name: getattr(old, option.name)
+            for option in SETTINGS
+            if option.restart and getattr(new, option.name) != getattr(old, option.name)
+        }
+        for name in kept:
+            log.warning(
+                "reload: %s changed, but only a restart applies it", SETTINGS_BY_NAME[name].flag
+            )
+        new = dataclasses.replace(new, **kept)
+        changed = [o.flag for o in SETTINGS if getattr(new, o.name) != getattr(old, o.name)]
+        self.config = new
+        self.admission.configure(new.max_in_flight, new.max_queue, new.queue_timeout)
+        self.fleet.configure(new)
+        logging.getLogger().setLevel(new.log_level)
+        self.dns_answers = {
+            n: a for n, a in self.dns_answers.items() if n in (*new.prefill_dns, *new.decode_dns)
+        }
+        self.sync_members()
+        self.dns_changed.set()
+        log.info("configuration reloaded: %s", ", ".join(changed) or "nothing changed")
 
     @property
     def serving(self) -> bool:
@@ -1180,6 +1429,21 @@ class Metrics:
         self.admission_queue.set(state.admission.queued)
         self.connections_rejected.inc(connections.rejected - self.rejected_counted)
         self.rejected_counted = connections.rejected
+
+    def forget(self, gone: Sequence[Backend]) -> None:
+        """Instances that left the fleet: their gauges go (under --workers, the files keep a
+        series to the end of the process: it reads 0)."""
+        for backend in gone:
+            url = str(backend.url)
+            series: list[tuple[Gauge, tuple[str, ...]]] = [(self.usable, (backend.role, url))]
+            if isinstance(backend, DecodeInstance):
+                series.append((self.decode_in_flight, (url,)))
+            for gauge, labels in series:
+                if self.across_workers:
+                    gauge.labels(*labels).set(0)
+                else:
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(*labels)
 
     def routed(self, stage: str, choice: Choice, key: RouteKey | None) -> None:
         self.routing.labels(stage, choice.reason).inc()
@@ -2121,6 +2385,15 @@ class Backend:
         self.slow = False
         # Why its /metrics gave no load (routing then counts this proxy's own requests).
         self.load_error: str | None = None
+        # Where it was named (--prefill, the file, a DNS name), and whether it was since
+        # dropped from there: it then takes no new requests once another is usable.
+        self.origin = ""
+        self.leaving = False
+
+    @property
+    def named(self) -> tuple[str, URL, str]:
+        """Role, URL and origin, for log lines."""
+        return self.role, self.url, self.origin or "configured"
 
     def check_passed(self, healthy_after: int) -> bool:
         """Count a good check; True if that brought the instance back into the rotation."""
@@ -2162,6 +2435,8 @@ class Backend:
             "last_error": self.last_error,
             "load_error": self.load_error,
             "in_flight": self.in_flight,
+            "origin": self.origin,
+            "leaving": self.leaving,
         }
 
 
@@ -2208,6 +2483,10 @@ class PrefillInstance(Backend):
         # Replaced as a whole tuple, never mutated: a request sees the old set or the new one.
         self.engines: tuple[PrefillEngine, ...] = ()
 
+    def move_bootstrap(self, spec: PrefillSpec) -> None:
+        self.spec, self.query_url = spec, spec.bootstrap.with_path("/query")
+        self.recheck.set()
+
     @property
     def engine_ids(self) -> tuple[str, ...]:
         return tuple(engine.engine_id for engine in self.engines)
@@ -2236,6 +2515,12 @@ class DecodeInstance(Backend, Target):
         return super().status() | self.routing_status(time.monotonic())
 
 
+def in_rotation(backends: Sequence[B]) -> tuple[B, ...]:
+    """The usable ones, but those leaving only while no other is: a reload never opens a gap."""
+    usable = tuple(backend for backend in backends if backend.usable)
+    return tuple(backend for backend in usable if not backend.leaving) or usable
+
+
 def choose_index(
     candidates: Sequence[T], turn: Iterator[int], policy: Policy, load: Callable[[T], int]
 ) -> int:
@@ -2259,20 +2544,27 @@ def choose_index(
 
 
 class Fleet:
-    """The configured instances, which of them are usable, and what is in flight on each."""
+    """The instances the configuration and DNS name, which of them are usable, and what is in
+    flight on each.
+
+    Membership changes as one step (set_members): an instance that joins is usable once its
+    checks pass; one that leaves takes no new request once another of its role is usable
+    (never a gap: until then it serves on) and is let go when its last request ended.
+    """
 
     def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
         self.index_blocks = config.prefix_index_blocks
         # Every engine's KV event stream by endpoint, with --kv-events-port; watch_kv_events
-        # follows each one added.
-        self.kv_event_source = config.kv_event_source
+        # follows each one there is.
         self.feeds: dict[str, KvFeed] = {}
-        self.feeds_added = asyncio.Event()
+        self.feeds_changed = asyncio.Event()
         self.prefills = tuple(PrefillInstance(spec) for spec in config.prefills)
         self.decodes = tuple(DecodeInstance(url, self.index_blocks) for url in config.decodes)
         for decode in self.decodes:
             decode.feed = self.feed_for(decode.url, 0)
-        self.prefill_policy, self.decode_policy = config.policies
+        # Set when an instance joins or may be let go: watch_fleet starts and stops checks.
+        self.changed = asyncio.Event()
         # Usable targets in configuration order; prefill engines are every (instance, DP rank)
         # pair, the seed's rotation. Rebuilt on every change, read without locks.
         self._engines: tuple[PrefillEngine, ...] = ()
@@ -2281,9 +2573,95 @@ class Fleet:
         balance = config.balance_factor
         self.prefill_router = Router("prefill", config.prefill_load_weight, balance, fresh_for)
         self.decode_router = Router("decode", config.decode_load_weight, balance, fresh_for)
+        self.prefill_policy, self.decode_policy = config.policies
         # Prompt bytes per token, learnt from the prefills' answers: sizes the indexes by the
         # engines' KV capacity, which /metrics gives in tokens.
         self.bytes_per_token = 4.0
+
+    def configure(self, config: ProxyConfig) -> None:
+        """A reloaded configuration's routing settings (members come with set_members)."""
+        self.config = config
+        self.prefill_policy, self.decode_policy = config.policies
+        for router, weight in (
+            (self.prefill_router, config.prefill_load_weight),
+            (self.decode_router, config.decode_load_weight),
+        ):
+            router.load_weight, router.balance = weight, config.balance_factor
+            router.fresh_for = 3 * config.load_interval
+
+    def set_members(
+        self, prefills: Sequence[PrefillSpec], decodes: Sequence[URL], origins: Mapping[URL, str]
+    ) -> None:
+        """The instances there are now: the ones not there yet join, the ones missing leave.
+        ``origins`` says where each was named (a flag, the file, a DNS name)."""
+        specs = {spec.url: spec for spec in prefills}
+        for instance in self.prefills:
+            if (spec := specs.pop(instance.url, None)) is None:
+                self.leave(instance)
+            else:
+                self.stay(instance, origins)
+                if spec.bootstrap != instance.spec.bootstrap:
+                    log.info("prefill %s: bootstrap now %s", instance.url, spec.bootstrap_addr)
+                    instance.move_bootstrap(spec)
+        urls = dict.fromkeys(decodes)
+        for decode in self.decodes:
+            if decode.url in urls:
+                del urls[decode.url]
+                self.stay(decode, origins)
+            else:
+                self.leave(decode)
+        joining: list[Backend] = [PrefillInstance(spec) for spec in specs.values()]
+        joining += [DecodeInstance(url, self.index_blocks) for url in urls]
+        for backend in joining:
+            backend.origin = origins.get(backend.url, "")
+            log.info("%s %s joins (%s): usable once its checks pass", *backend.named)
+            if isinstance(backend, DecodeInstance):
+                backend.feed = self.feed_for(backend.url, 0)
+        self.prefills += tuple(b for b in joining if isinstance(b, PrefillInstance))
+        self.decodes += tuple(b for b in joining if isinstance(b, DecodeInstance))
+        self.refresh()
+        self.changed.set()
+
+    def leave(self, backend: Backend) -> None:
+        if not backend.leaving:
+            backend.leaving = True
+            log.info(
+                "%s %s leaves (%s): no new requests once another %s is usable, gone when its "
+                "%d in flight have ended",
+                *backend.named, backend.role, backend.in_flight,
+            )  # fmt: skip
+
+    def stay(self, backend: Backend, origins: Mapping[URL, str]) -> None:
+        backend.origin = origins.get(backend.url, backend.origin)
+        if backend.leaving:
+            backend.leaving = False
+            log.info("%s %s stays (%s)", *backend.named)
+            self.refresh()
+
+    def let_go(self) -> list[Backend]:
+        """Leaving instances out of the rotation with nothing in flight: they are gone now."""
+        serving = {*(engine.instance for engine in self._engines), *self._decodes}
+        gone = [
+            backend
+            for backend in (*self.prefills, *self.decodes)
+            if backend.leaving and backend not in serving and not backend.in_flight
+        ]
+        if not gone:
+            return gone
+        self.prefills = tuple(p for p in self.prefills if p not in gone)
+        self.decodes = tuple(d for d in self.decodes if d not in gone)
+        for backend in gone:
+            log.info("%s %s has left the fleet", backend.role, backend.url)
+            targets: Sequence[Target] = ()
+            if isinstance(backend, PrefillInstance):
+                targets = backend.engines
+            elif isinstance(backend, DecodeInstance):
+                targets = (backend,)
+            for target in targets:
+                if target.feed is not None:
+                    self.feeds.pop(target.feed.endpoint, None)
+                    self.feeds_changed.set()
+        return gone
 
     @property
     def routes_by_prefix(self) -> bool:
@@ -2298,10 +2676,11 @@ class Fleet:
         return len(self._engines)
 
     def refresh(self) -> None:
-        self._engines = tuple(
-            itertools.chain.from_iterable(p.engines for p in self.prefills if p.usable)
-        )
-        self._decodes = tuple(d for d in self.decodes if d.usable)
+        prefills = in_rotation(self.prefills)
+        self._engines = tuple(itertools.chain.from_iterable(p.engines for p in prefills))
+        self._decodes = in_rotation(self.decodes)
+        if any(backend.leaving for backend in (*self.prefills, *self.decodes)):
+            self.changed.set()  # one may be let go now
 
     def set_engines(self, instance: PrefillInstance, engine_ids: Sequence[str]) -> None:
         engines = []
@@ -2315,12 +2694,12 @@ class Fleet:
     def feed_for(self, url: URL, rank: int, engine_id: str | None = None) -> KvFeed | None:
         """The KV event stream of an instance's DP rank, if it is configured; an engine id
         other than the last one it carried means a restart: the blocks it held are gone."""
-        if (source := self.kv_event_source(url)) is None:
+        if (source := self.config.kv_event_source(url)) is None:
             return None
         endpoint, replay = source.of_rank(rank)
         if (feed := self.feeds.get(endpoint)) is None:
             feed = self.feeds[endpoint] = KvFeed(endpoint, replay)
-            self.feeds_added.set()
+            self.feeds_changed.set()
         if engine_id is not None:
             if feed.engine_id not in (None, engine_id):
                 feed.restarted(f"engine id {engine_id} is new")
@@ -2356,6 +2735,8 @@ class Fleet:
     def release_prefill(self, engine: PrefillEngine) -> None:
         engine.released()
         engine.instance.in_flight -= 1
+        if engine.instance.leaving:
+            self.changed.set()
 
     def claim_decode(
         self, avoid: Collection[Backend] = (), key: RouteKey | None = None
@@ -2369,6 +2750,8 @@ class Fleet:
 
     def release_decode(self, decode: DecodeInstance) -> None:
         decode.released()
+        if decode.leaving:
+            self.changed.set()
 
     def learn_bytes_per_token(self, prompt_bytes: int, prompt_tokens: int) -> None:
         if prompt_tokens > 0 and prompt_bytes > 0:
@@ -2652,9 +3035,17 @@ class Admission:
             raise
         return time.monotonic() - started
 
+    def configure(self, limit: int, max_queue: int, timeout: float) -> None:
+        """New limits from a reload; a raised (or lifted) limit lets waiting requests in."""
+        self.limit, self.max_queue, self.timeout = limit, max_queue, timeout
+        while self.queued and (not limit or self.running < limit):
+            self.running += 1
+            self.leave()
+
     def leave(self) -> None:
-        """A request ended: its turn goes to the first waiting one, if any."""
-        while self._heap:
+        """A request ended: its turn goes to the first waiting one, if any (none while a
+        reload lowered the limit below what runs)."""
+        while self._heap and (not self.limit or self.running <= self.limit):
             _, _, turn = heapq.heappop(self._heap)
             if not turn.done():
                 self.queued -= 1
@@ -3514,16 +3905,17 @@ async def watch_kv_events(app: web.Application) -> None:
         return
     context = zmq.asyncio.Context()
     decode = msgspec.msgpack.Decoder().decode
-    followed: set[str] = set()
+    followed: dict[KvFeed, asyncio.Task[None]] = {}
     try:
         async with asyncio.TaskGroup() as tasks:
             while True:
-                fleet.feeds_added.clear()
-                for endpoint, feed in list(fleet.feeds.items()):
-                    if endpoint not in followed:
-                        followed.add(endpoint)
-                        tasks.create_task(follow_kv_feed(state, feed, context, decode))
-                await fleet.feeds_added.wait()
+                fleet.feeds_changed.clear()
+                feeds = set(fleet.feeds.values())
+                for feed in feeds - followed.keys():
+                    followed[feed] = tasks.create_task(follow_kv_feed(state, feed, context, decode))
+                for feed in followed.keys() - feeds:  # its instance left the fleet
+                    followed.pop(feed).cancel()
+                await fleet.feeds_changed.wait()
     finally:
         context.destroy(linger=0)
 
@@ -3691,12 +4083,117 @@ async def model_root(state: ProxyState) -> str | None:
     return None
 
 
+async def watch_dns(app: web.Application) -> None:
+    """Look up every --prefill-dns and --decode-dns name each --dns-interval, and at once
+    after a reload: each address is an instance; one that is no longer there leaves the fleet
+    as a removed instance does. A lookup that fails keeps the name's last good answer."""
+    state = app[STATE_KEY]
+    while True:
+        state.dns_changed.clear()
+        config = state.config
+        names = (*config.prefill_dns, *config.decode_dns)
+        outcomes = await asyncio.gather(
+            *(look_up(name, config) for name in names), return_exceptions=True
+        )
+        changed = [
+            take_dns_answer(state, name, outcome)
+            for name, outcome in zip(names, outcomes, strict=True)
+            if name in (*state.config.prefill_dns, *state.config.decode_dns)  # not reloaded away
+        ]
+        if any(changed):
+            state.sync_members()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(config.dns_interval if names else None):
+                await state.dns_changed.wait()
+
+
+def take_dns_answer(
+    state: ProxyState, name: DnsName, outcome: tuple[str, ...] | BaseException
+) -> bool:
+    """Keep a lookup's answer, or the last good one if it failed; True if the answer changed."""
+    if isinstance(outcome, BaseException):
+        if isinstance(outcome, asyncio.CancelledError):
+            raise outcome
+        reason = failure_detail(outcome)
+        if name not in state.dns_errors:  # once, until it answers again
+            kept = ", ".join(state.dns_answers.get(name, ())) or "none"
+            log.warning("DNS %s: lookup failed (%s); its last answer stays: %s", name, reason, kept)
+        state.dns_errors[name] = reason
+        return False
+    if state.dns_errors.pop(name, None) is not None:
+        log.info("DNS %s answers again", name)
+    if state.dns_answers.get(name) == outcome:
+        return False
+    state.dns_answers[name] = outcome
+    log.info("DNS %s: %s", name, ", ".join(outcome) or "no addresses")
+    return True
+
+
+# getaddrinfo's answers for a name that exists with no address, or does not exist.
+NO_ADDRESS_ERRORS: Final = frozenset(
+    {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+)
+
+
+async def look_up(name: DnsName, config: ProxyConfig) -> tuple[str, ...]:
+    async with asyncio.timeout(config.health_timeout):
+        return await resolve(name.name, config.dns_server)
+
+
+async def resolve(name: str, server: DnsServer | None) -> tuple[str, ...]:
+    """The A and AAAA addresses of ``name``, sorted; () when it has none (no such name, no
+    records). Raises when no answer came: a failing server, no resolver."""
+    if server is not None:
+        return await ask_dns_server(name, server)
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        if error.errno in NO_ADDRESS_ERRORS:
+            return ()
+        raise
+    families = (socket.AF_INET, socket.AF_INET6)
+    return tuple(sorted({str(info[4][0]) for info in infos if info[0] in families}))
+
+
+async def ask_dns_server(name: str, server: DnsServer) -> tuple[str, ...]:
+    """A and AAAA records from one given server (dnspython: the system's resolver cannot be
+    pointed at another server)."""
+    import dns.asyncresolver
+    import dns.resolver
+
+    resolver = dns.asyncresolver.Resolver(configure=False)
+    resolver.nameservers, resolver.port = [server.host], server.port
+    resolver.cache = None  # every interval asks anew
+    addresses: set[str] = set()
+    for record_type in ("A", "AAAA"):
+        try:
+            answer = await resolver.resolve(name, record_type, search=False)
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            continue
+        addresses.update(str(record.address) for record in answer)
+    return tuple(sorted(addresses))
+
+
 async def watch_fleet(app: web.Application) -> None:
-    fleet = app[STATE_KEY].fleet
-    # Side by side, each with its own timeout: one slow or dead host never delays the others.
-    await asyncio.gather(
-        *(watch_backend(app, backend) for backend in (*fleet.prefills, *fleet.decodes))
-    )
+    """Check every instance in a task of its own, side by side (one slow or dead host never
+    delays the others), from when it joins the fleet until it is let go."""
+    state = app[STATE_KEY]
+    fleet = state.fleet
+    checks: dict[Backend, asyncio.Task[None]] = {}
+    try:
+        while True:
+            fleet.changed.clear()
+            state.metrics.forget(fleet.let_go())
+            members = {*fleet.prefills, *fleet.decodes}
+            for backend in members - checks.keys():
+                checks[backend] = asyncio.create_task(watch_backend(app, backend))
+            for backend in checks.keys() - members:
+                checks.pop(backend).cancel()
+            await fleet.changed.wait()
+    finally:
+        for task in checks.values():
+            task.cancel()
+        await asyncio.gather(*checks.values(), return_exceptions=True)
 
 
 # --- HTTP handlers
@@ -3810,6 +4307,15 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
         "prefill_instances": len(fleet.prefills),
         "decode_instances": len(fleet.decodes),
         "tokenizer": state.tokenizer.path if state.tokenizer else None,  # with KV events
+        "dns": [
+            {
+                "name": str(name),
+                "role": name.role,
+                "addresses": list(state.dns_answers.get(name, ())),
+                "error": state.dns_errors.get(name),
+            }
+            for name in (*state.config.prefill_dns, *state.config.decode_dns)
+        ],
         "prefill": [instance.status() for instance in fleet.prefills],
         "decode": [instance.status() for instance in fleet.decodes],
     }
@@ -4173,6 +4679,7 @@ def create_app(config: ProxyConfig) -> web.Application:
             pools_ctx,
             lingering_prefills_ctx,
             background(watch_fleet),
+            background(watch_dns),
             background(watch_load),
             background(watch_kv_events, when=lambda: config.precise),
             background(watch_tokenizer, when=lambda: config.precise),
@@ -4341,18 +4848,26 @@ def ensure_file_descriptors(config: ProxyConfig) -> None:
         )
 
 
-def run_serve(config: ProxyConfig, sock: socket.socket, loop_factory: LoopFactory | None) -> int:
+Reread = Callable[[], ProxyConfig]
+
+
+def run_serve(
+    config: ProxyConfig, sock: socket.socket, loop_factory: LoopFactory | None, reread: Reread
+) -> int:
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(serve(config, sock))
+        return runner.run(serve(config, sock, reread))
 
 
 def run_workers(
-    config: ProxyConfig, sockets: list[socket.socket], loop_factory: LoopFactory | None
+    config: ProxyConfig,
+    sockets: list[socket.socket],
+    loop_factory: LoopFactory | None,
+    reread: Reread,
 ) -> int:
     """Fork one serving process per socket and supervise them; only this one talks to systemd.
 
     SIGTERM/SIGINT are passed on, so each worker drains its own requests; a second signal is
-    passed on too and makes them exit at once.
+    passed on too and makes them exit at once. SIGHUP is passed on: each worker reloads.
     """
     children: dict[int, int] = {}
     for index, sock in enumerate(sockets):
@@ -4363,7 +4878,7 @@ def run_workers(
             os.environ.pop("NOTIFY_SOCKET", None)
             code = 1
             try:
-                code = run_serve(config, sock, loop_factory)
+                code = run_serve(config, sock, loop_factory, reread)
             finally:
                 os._exit(code)
         children[pid] = index
@@ -4375,8 +4890,8 @@ def run_workers(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
-    signal.signal(signal.SIGTERM, pass_on)
-    signal.signal(signal.SIGINT, pass_on)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, pass_on)
     sd_notify("READY=1", f"STATUS=serving with {len(children)} workers")
     watchdog_usec = int(os.environ.get("WATCHDOG_USEC") or 0)
     worst = 0
@@ -4398,8 +4913,25 @@ def run_workers(
     return worst
 
 
-async def serve(config: ProxyConfig, sock: socket.socket) -> int:
-    """Serve until SIGTERM/SIGINT, then drain: stop accepting, let streams finish, exit 0."""
+def reload_config(app: web.Application, reread: Callable[[], ProxyConfig]) -> None:
+    """SIGHUP: read the configuration again and apply it, or keep the running one whole."""
+    sd_notify(
+        "RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}"
+    )
+    try:
+        new = reread()
+    except ConfigError as error:
+        log.error("SIGHUP: the configuration stays as it was: %s", error)
+    else:
+        app[STATE_KEY].reconfigure(new)
+    sd_notify("READY=1", f"STATUS={readiness_status(app)}")
+
+
+async def serve(
+    config: ProxyConfig, sock: socket.socket, reread: Callable[[], ProxyConfig] | None = None
+) -> int:
+    """Serve until SIGTERM/SIGINT, then drain: stop accepting, let streams finish, exit 0.
+    SIGHUP applies ``reread()``, the configuration as its sources say now."""
     app = create_app(config)
     runner = web.AppRunner(
         app,
@@ -4426,6 +4958,8 @@ async def serve(config: ProxyConfig, sock: socket.socket) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    if reread is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_config, app, reread)
     await stop.wait()
     app[STATE_KEY].draining = True
     sd_notify("STOPPING=1", f"STATUS={readiness_status(app)}")
@@ -4491,8 +5025,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    environ = dict(os.environ)  # as the process started: a reload rereads only the file
+    reread = functools.partial(load_config, parser, argv, environ)
     try:
-        config = load_config(parser, sys.argv[1:] if argv is None else argv, os.environ)
+        config = reread()
         loop_factory = event_loop_factory(config.loop)
     except ConfigError as error:
         parser.error(str(error))  # one line, exit status 2
@@ -4513,10 +5050,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.workers > 1:
         remove_metrics_dir = metrics_across_workers()
         try:
-            return run_workers(config, sockets, loop_factory)
+            return run_workers(config, sockets, loop_factory, reread)
         finally:
             remove_metrics_dir()
-    return run_serve(config, sockets[0], loop_factory)
+    return run_serve(config, sockets[0], loop_factory, reread)
 
 
 if __name__ == "__main__":

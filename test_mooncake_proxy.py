@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -450,8 +451,24 @@ def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complet
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--decode", "http://d:1"], "at least one --prefill URL is required"),
-        (["--prefill", "http://p:1"], "at least one --decode URL is required"),
+        (["--decode", "http://d:1"], "at least one --prefill URL (or --prefill-dns name)"),
+        (["--prefill", "http://p:1"], "at least one --decode URL (or --decode-dns name)"),
+        (
+            ["--prefill-dns", "vllm-prefill:8100:70000", "--decode", "http://d:1"],
+            "--prefill-dns 'vllm-prefill:8100:70000': expected NAME:PORT[:BOOTSTRAP_PORT]",
+        ),
+        (
+            ["--prefill", "http://p:1", "--decode-dns", "vllm-decode:8200:8998"],
+            "--decode-dns 'vllm-decode:8200:8998': expected NAME:PORT",
+        ),
+        (
+            ["--prefill", "http://p:1", "--decode", "http://d:1", "--dns-server", "dns.local"],
+            "--dns-server 'dns.local': expected the IP address of a DNS server",
+        ),
+        (
+            ["--prefill", "http://p:1", "--decode", "http://d:1", "--config", "/no/such.toml"],
+            "cannot read --config /no/such.toml: No such file or directory",
+        ),
         (
             ["--prefill", "p:1", "--decode", "http://d:1"],
             "--prefill 'p:1': expected http(s)://host:port",
@@ -896,6 +913,166 @@ async def test_a_full_or_slow_queue_is_answered_429_with_retry_after(
     for reason in ("queue_full", "queue_timeout"):
         assert sample(samples, "mooncake_proxy_errors_total", stage="admission", reason=reason) == 1
     assert sample(samples, "mooncake_proxy_requests_total", route=COMPLETIONS, status="429") == 2
+
+
+# --- a fleet that changes: the config file, reloads, DNS discovery
+
+
+def write_config(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_the_config_file_holds_any_setting_and_flags_and_environment_win(tmp_path: Path) -> None:
+    parser = mp.build_parser()
+    path = write_config(
+        tmp_path / "proxy.toml",
+        """
+        prefill = ["http://10.0.0.1:8100 8998", ["http://10.0.0.2:8100", "9000"]]
+        decode = ["http://10.0.0.3:8200"]
+        prefill-dns = ["vllm-prefill.ns.svc.cluster.local.:8100"]
+        max-retries = 3
+        max_in_flight = 64          # underscores too
+        balance-factor = 2
+        protect-metrics = true
+        api-key = "from-file"
+        """,
+    )
+    config = mp.load_config(parser, ["--config", str(path)], {})
+    assert [(str(p.url), p.bootstrap_addr) for p in config.prefills] == [
+        ("http://10.0.0.1:8100", "http://10.0.0.1:8998"),
+        ("http://10.0.0.2:8100", "http://10.0.0.2:9000"),
+    ]
+    (name,) = config.prefill_dns
+    assert (name.name, name.port, name.bootstrap_port) == (
+        "vllm-prefill.ns.svc.cluster.local.",
+        8100,
+        8998,
+    )
+    assert (config.max_retries, config.max_in_flight, config.balance_factor) == (3, 64, 2.0)
+    assert config.protect_metrics and config.api_key == "from-file"
+    # A flag wins over the environment, which wins over the file; the file names itself too.
+    env = {"MOONCAKE_PROXY_MAX_RETRIES": "4", "MOONCAKE_PROXY_DECODE": "http://d:1"}
+    config = mp.load_config(
+        parser, ["--max-retries", "5"], {**env, "MOONCAKE_PROXY_CONFIG": str(path)}
+    )
+    assert config.max_retries == 5 and [str(d) for d in config.decodes] == ["http://d:1"]
+    assert config.max_in_flight == 64
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("max-retriez = 3", "'max-retriez' is not a setting (keys are the flags' names"),
+        ("max-retries = 'many'", "proxy.toml: max-retries = 'many': expected a whole number"),
+        ("protect-metrics = 'yes'", "proxy.toml: protect-metrics = 'yes': expected true or false"),
+        ("port = [8000]", "proxy.toml: port = [8000]: expected a string or a number"),
+        ("decode = [8200]", "proxy.toml: decode: expected a list of strings"),
+        ("decode = ['http://d:1/v1']", "with no path, query or credentials"),
+        ("config = 'other.toml'", "'config' is not a setting"),
+        ("max-retries = ", "proxy.toml is not valid TOML: Invalid value (at line 3, column 15)"),
+    ],
+)
+def test_a_bad_config_file_is_refused_naming_the_file_and_the_key(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    base = (
+        "prefill = ['http://p:1']\ndecode = ['http://d:1']\n"
+        if "decode" not in text
+        else "prefill = ['http://p:1']\n"
+    )
+    path = write_config(tmp_path / "proxy.toml", base + text + "\n")
+    with pytest.raises(mp.ConfigError) as refused:
+        mp.load_config(mp.build_parser(), ["--config", str(path)], {})
+    assert message in str(refused.value)
+
+
+async def test_a_reload_swaps_a_decode_without_a_gap_and_lets_the_old_one_finish(
+    start_cluster: StartCluster, aiohttp_server: AiohttpServer
+) -> None:
+    cluster = await start_cluster(decode={"token_delay": 0.05}, health_interval=0.05)
+    state = cluster.client.app[mp.STATE_KEY]
+    (old,) = cluster.decodes
+    new = FakeVllm("decode", kv_timeout=KV_TIMEOUT)
+    new.api_url = f"http://127.0.0.1:{free_port()}"  # not serving yet
+    streaming = asyncio.create_task(
+        cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=30))
+    )
+    await eventually(lambda: old.running == 1)
+    state.reconfigure(dataclasses.replace(cluster.config, decodes=(URL(new.api_url),)))
+    # The new decode is not usable yet: the old one keeps serving (no gap), also new requests.
+    answer = await cluster.client.post(COMPLETIONS, json=completion(prompt="during"))
+    assert answer.status == 200 and old.requests[-1].body["prompt"] == "during"
+    health = await (await cluster.client.get("/healthcheck")).json()
+    assert [(d["url"], d["leaving"], d["usable"]) for d in health["decode"]] == [
+        (old.api_url, True, True),
+        (new.api_url, False, False),
+    ]
+    await serve(aiohttp_server, new.api_app(), URL(new.api_url).port)
+    # Once it is usable, new requests go there; the old one's stream is not cut.
+    await eventually(
+        lambda: any(d.usable for d in state.fleet.decodes if d.url == URL(new.api_url))
+    )
+    answer = await cluster.client.post(COMPLETIONS, json=completion(prompt="after"))
+    assert answer.status == 200 and new.requests[-1].body["prompt"] == "after"
+    assert old.running == 1  # still streaming, and so still listed until it ends
+    health = await (await cluster.client.get("/healthcheck")).json()
+    assert [(d["url"], d["leaving"], d["in_flight"]) for d in health["decode"]] == [
+        (old.api_url, True, 1),
+        (new.api_url, False, 0),
+    ]
+    response = await streaming
+    raw = await response.read()
+    assert raw == bytes(old.sent[response.headers["X-Request-Id"]])
+    assert sse_events(raw)[-1] == "[DONE]"
+    # ... and then it is let go: no longer checked, listed or counted.
+    await eventually(lambda: [str(d.url) for d in state.fleet.decodes] == [new.api_url])
+    checks = old.health_count
+    await asyncio.sleep(0.3)
+    assert old.health_count == checks
+    samples = await scrape(cluster)
+    assert (
+        sample(samples, "mooncake_proxy_instance_usable", role="decode", backend=new.api_url) == 1
+    )
+    assert not [key for key in samples if ("backend", old.api_url) in key[1]]
+
+
+async def test_a_reload_that_adds_instances_and_changes_limits_applies_them_at_once(
+    start_cluster: StartCluster, aiohttp_server: AiohttpServer
+) -> None:
+    cluster = await start_cluster(
+        max_in_flight=1, decode={"token_delay": 0.1}, policy=mp.Policy.ROUND_ROBIN
+    )
+    state = cluster.client.app[mp.STATE_KEY]
+    (decode,) = cluster.decodes
+    first = asyncio.create_task(
+        cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=10))
+    )
+    await eventually(lambda: decode.running == 1)
+    queued = asyncio.create_task(cluster.client.post(COMPLETIONS, json=completion(prompt="q")))
+    await eventually(lambda: state.admission.queued == 1)
+    extra = FakeVllm("prefill", dp_size=2)
+    api = await serve(aiohttp_server, extra.api_app())
+    bootstrap = await serve(aiohttp_server, extra.bootstrap_app())
+    extra.api_url = f"http://127.0.0.1:{api.port}"
+    spec = mp.PrefillSpec(URL(extra.api_url), URL(f"http://127.0.0.1:{bootstrap.port}"))
+    state.reconfigure(
+        dataclasses.replace(
+            cluster.config,
+            prefills=(*cluster.config.prefills, spec),
+            max_in_flight=0,
+            max_retries=7,
+        )
+    )
+    # The waiting request goes in at once: the limit is lifted.
+    assert (await asyncio.wait_for(queued, FAST)).status == 200
+    assert decode.running == 1  # the first still streams: the wait did not end with it
+    assert state.config.max_retries == 7
+    await eventually(lambda: state.fleet.engine_count == 3)
+    for _ in range(3):
+        assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    assert extra.requests  # the new instance's engines are in the rotation
+    await (await first).read()
 
 
 # --- the PD flow
