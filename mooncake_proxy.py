@@ -547,6 +547,8 @@ class ProxyConfig:
     )
     # Where the upstream key came from, for the startup line (never the key itself).
     upstream_api_key_source: str = "--upstream-api-key"
+    # Keys of the --config file that a flag or a variable also set (and so win over).
+    shadowed: tuple[str, ...] = ()
     # Long prompts and base64 images make big bodies; 100 MiB still stops a runaway upload.
     max_request_bytes: int = setting(
         100 * 1024 * 1024, "largest request body accepted; larger is answered 413", at_least(1)
@@ -854,16 +856,27 @@ class ProxyConfig:
 
     def describe(self) -> str:
         """The configuration for the startup log line: everything but the secrets."""
-        prefills = ", ".join(f"{p.url} (bootstrap {p.bootstrap_addr})" for p in self.prefills)
-        decodes = ", ".join(str(url) for url in self.decodes)
+        prefills = [f"{p.url} (bootstrap {p.bootstrap_addr})" for p in self.prefills]
+        prefills += [f"dns {name}" for name in self.prefill_dns]
+        decodes = [str(url) for url in self.decodes] + [f"dns {n}" for n in self.decode_dns]
         prefill_policy, decode_policy = self.policies
+        source = f"config {self.config_file}; " if self.config_file else ""
         return (
-            f"prefill {prefills}; decode {decodes}; policy prefill={prefill_policy} "
+            f"{source}prefill {', '.join(prefills)}; decode {', '.join(decodes)}; "
+            f"policy prefill={prefill_policy} "
             f"decode={decode_policy}; health every {self.health_interval:g} s "
             f"(timeout {self.health_timeout:g} s, out after {self.unhealthy_after}, back after "
             f"{self.healthy_after}); max retries {self.max_retries}; inbound key "
             f"{'set' if self.api_key else 'not set'}; {self.describe_upstream_key()}"
         )
+
+    def warn_shadowed(self) -> None:
+        """Say which keys of the file do nothing: a reload of it would not change them."""
+        if self.shadowed:
+            log.warning(
+                "%s: %s also set by a flag or an environment variable, which win: editing them "
+                "in the file changes nothing", self.config_file, ", ".join(self.shadowed),
+            )  # fmt: skip
 
     def describe_upstream_key(self) -> str:
         if self.upstream_api_key:
@@ -1026,6 +1039,8 @@ def load_config(
             ) from None
         if option.name == "upstream_api_key":
             values["upstream_api_key_source"] = source
+        if option.key in in_file and not source.startswith(f"{path}:"):
+            values["shadowed"] = (*values.get("shadowed", ()), option.key)
     return ProxyConfig(**values)
 
 
@@ -4115,6 +4130,8 @@ def take_dns_answer(
         if isinstance(outcome, asyncio.CancelledError):
             raise outcome
         reason = failure_detail(outcome)
+        if isinstance(outcome, TimeoutError):
+            reason = f"no answer within {state.config.health_timeout:g} s (--health-timeout)"
         if name not in state.dns_errors:  # once, until it answers again
             kept = ", ".join(state.dns_answers.get(name, ())) or "none"
             log.warning("DNS %s: lookup failed (%s); its last answer stays: %s", name, reason, kept)
@@ -4923,6 +4940,7 @@ def reload_config(app: web.Application, reread: Callable[[], ProxyConfig]) -> No
     except ConfigError as error:
         log.error("SIGHUP: the configuration stays as it was: %s", error)
     else:
+        new.warn_shadowed()
         app[STATE_KEY].reconfigure(new)
     sd_notify("READY=1", f"STATUS={readiness_status(app)}")
 
@@ -5047,6 +5065,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info(
         "%s %d listening on %s:%d (%s); %s", ID, VERSION, host, port, details, config.describe()
     )
+    config.warn_shadowed()
     if config.workers > 1:
         remove_metrics_dir = metrics_across_workers()
         try:

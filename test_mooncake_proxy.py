@@ -11,6 +11,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import getpass
 import json
 import logging
 import os
@@ -552,7 +553,10 @@ def test_version_and_help() -> None:
     help_text = run_cli("--help").stdout
     # Each setting is declared once, on its field: its flag, help and variable come from there.
     fields = {f.name for f in dataclasses.fields(mp.ProxyConfig)}
-    assert {option.name for option in mp.SETTINGS} == fields - {"upstream_api_key_source"}
+    assert {option.name for option in mp.SETTINGS} == fields - {
+        "upstream_api_key_source",
+        "shadowed",
+    }
     for option in mp.SETTINGS:
         assert f"  {option.flag} " in help_text and option.help
         assert option.env == "MOONCAKE_PROXY_" + option.flag[2:].replace("-", "_").upper()
@@ -958,6 +962,10 @@ def test_the_config_file_holds_any_setting_and_flags_and_environment_win(tmp_pat
     )
     assert config.max_retries == 5 and [str(d) for d in config.decodes] == ["http://d:1"]
     assert config.max_in_flight == 64
+    assert config.shadowed == ("decode", "max-retries")  # said at start and on each reload
+    # The example that deploy/ installs is a valid file.
+    example = HERE / "deploy" / "mooncake-proxy.toml"
+    assert mp.load_config(parser, ["--config", str(example)], {}).decodes
 
 
 @pytest.mark.parametrize(
@@ -1073,6 +1081,250 @@ async def test_a_reload_that_adds_instances_and_changes_limits_applies_them_at_o
         assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
     assert extra.requests  # the new instance's engines are in the rotation
     await (await first).read()
+
+
+class ProcessLog:
+    """A daemon's stderr, line by line, read as it comes."""
+
+    def __init__(self, stream: asyncio.StreamReader) -> None:
+        self.lines: list[str] = []
+        self.grew = asyncio.Event()
+        self.task = asyncio.create_task(self.read(stream))
+
+    async def read(self, stream: asyncio.StreamReader) -> None:
+        while line := await stream.readline():
+            self.lines.append(line.decode().rstrip())
+            self.grew.set()
+
+    async def wait_for(self, text: str, seconds: float = FAST) -> str:
+        async with asyncio.timeout(seconds):
+            while True:
+                self.grew.clear()
+                if found := [line for line in self.lines if text in line]:
+                    return found[-1]
+                await self.grew.wait()
+
+
+async def test_sighup_rereads_the_config_file_and_a_bad_one_changes_nothing(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    prefill = FakeVllm("prefill")
+    api = await serve(aiohttp_server, prefill.api_app())
+    bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
+    prefill.api_url = f"http://127.0.0.1:{api.port}"
+    old, new = (FakeVllm("decode", kv_timeout=KV_TIMEOUT) for _ in range(2))
+    for fake in (old, new):
+        fake.api_url = f"http://127.0.0.1:{(await serve(aiohttp_server, fake.api_app())).port}"
+    port = free_port()
+    file = tmp_path / "proxy.toml"
+
+    def configure(decode: FakeVllm, *extra: str, listen: int = port) -> None:
+        lines = [
+            f"port = {listen}",
+            f'prefill = ["{prefill.api_url} {bootstrap.port}"]',
+            f'decode = ["{decode.api_url}"]',
+            "discovery-interval = 0.05",
+            *extra,
+        ]
+        file.write_text("\n".join(lines) + "\n")
+
+    configure(old)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(HERE / "mooncake_proxy.py"), "--config", str(file),
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stderr is not None
+    log = ProcessLog(process.stderr)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            await log.wait_for(f"decode {old.api_url} is usable", seconds=15)
+            # A file that does not validate is refused whole: nothing of it applies.
+            configure(new, "max-retries = 'many'")
+            process.send_signal(signal.SIGHUP)
+            line = await log.wait_for("SIGHUP: the configuration stays as it was")
+            assert "max-retries = 'many': expected a whole number" in line
+            async with session.post(f"{base}/v1/completions", json=completion()) as answer:
+                assert answer.status == 200
+            assert len(old.requests) == 1 and not new.requests
+            # A good one applies; what only a restart can change is said and left alone.
+            configure(new, "log-level = 'DEBUG'", listen=free_port())
+            process.send_signal(signal.SIGHUP)
+            await log.wait_for("reload: --port changed, but only a restart applies it")
+            reloaded = await log.wait_for("configuration reloaded: ")
+            assert reloaded.endswith("configuration reloaded: --decode, --log-level")
+            await log.wait_for(f"decode {old.api_url} has left the fleet")
+            async with session.post(f"{base}/v1/completions", json=completion()) as answer:
+                assert answer.status == 200
+            assert len(new.requests) == 1 and len(old.requests) == 1
+            await log.wait_for("DEBUG")  # the new level took effect
+    finally:
+        process.terminate()
+        await process.wait()
+        await log.task
+    assert "Traceback" not in "\n".join(log.lines)
+
+
+@dataclass
+class Dnsmasq:
+    """A real DNS server on loopback, answering for *.test from a hosts file the test rewrites."""
+
+    process: subprocess.Popen[str]
+    hosts: Path
+    port: int
+
+    def publish(self, *records: str) -> None:
+        """``"127.0.0.2 prefill.test"`` lines; dnsmasq rereads its hosts files on SIGHUP."""
+        self.hosts.write_text("".join(f"{record}\n" for record in records))
+        self.process.send_signal(signal.SIGHUP)
+
+    @property
+    def server(self) -> mp.DnsServer:
+        return mp.DnsServer("127.0.0.1", self.port)
+
+
+@pytest.fixture
+def dnsmasq(tmp_path: Path) -> collections.abc.Iterator[Dnsmasq]:
+    binary = shutil.which("dnsmasq") or shutil.which("/usr/sbin/dnsmasq")
+    if binary is None:
+        # CI installs Debian's dnsmasq-base and sets this, so there it cannot skip.
+        assert not os.environ.get("MOONCAKE_PROXY_TEST_NEEDS_DNSMASQ"), "dnsmasq missing"
+        pytest.skip("dnsmasq is not installed here (apt-get install dnsmasq-base)")
+    hosts, port = tmp_path / "hosts", free_port()
+    hosts.write_text("")
+    process = subprocess.Popen(
+        [
+            binary, "--keep-in-foreground", "--log-facility=-", "--pid-file=",
+            f"--port={port}", "--listen-address=127.0.0.1", "--bind-interfaces",
+            # Authoritative for .test from the hosts file alone: no upstream, and a name with
+            # no AAAA record answers "no such record" rather than REFUSED.
+            "--no-resolv", "--no-hosts", "--local=/test/", f"--addn-hosts={hosts}",
+            f"--user={getpass.getuser()}",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + FAST
+        while not socket_answers(port) and time.monotonic() < deadline:
+            assert process.poll() is None, process.communicate()[1]
+            time.sleep(0.02)
+        yield Dnsmasq(process, hosts, port)
+    finally:
+        process.terminate()
+        process.communicate()
+
+
+def socket_answers(port: int) -> bool:
+    """Whether a DNS server on 127.0.0.1:port answers a query at all (any answer will do)."""
+    query = bytes.fromhex("abcd01000001000000000000") + b"\x04ping\x04test\x00\x00\x01\x00\x01"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.settimeout(0.1)
+        probe.sendto(query, ("127.0.0.1", port))
+        try:
+            return probe.recv(512)[:2] == query[:2]
+        except OSError:
+            return False
+
+
+async def start_fake_at(
+    aiohttp_server: AiohttpServer, fake: FakeVllm, host: str, port: int, bootstrap: int = 0
+) -> None:
+    fake.api_url = f"http://{host}:{port}"
+    await aiohttp_server(fake.api_app(), host=host, port=port)
+    if bootstrap:
+        await aiohttp_server(fake.bootstrap_app(), host=host, port=bootstrap)
+
+
+async def daemon_client(
+    aiohttp_client: AiohttpClient, config: mp.ProxyConfig
+) -> TestClient[web.Request, web.Application]:
+    # The client of a server (not of an app) is typed without the app: it is this one.
+    server = DaemonTestServer(mp.create_app(config))
+    return cast(TestClient[web.Request, web.Application], await aiohttp_client(server))
+
+
+async def test_instances_come_and_go_with_their_dns_records(
+    aiohttp_server: AiohttpServer,
+    aiohttp_client: AiohttpClient,
+    dnsmasq: Dnsmasq,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    api, bootstrap, decode_port = free_port(), free_port(), free_port()
+    first, second = FakeVllm("prefill"), FakeVllm("prefill")
+    decode = FakeVllm("decode", kv_timeout=KV_TIMEOUT)
+    await start_fake_at(aiohttp_server, first, "127.0.0.2", api, bootstrap)
+    await start_fake_at(aiohttp_server, second, "127.0.0.3", api, bootstrap)
+    await start_fake_at(aiohttp_server, decode, "127.0.0.4", decode_port)
+    dnsmasq.publish("127.0.0.2 prefill.test", "127.0.0.4 decode.test")
+    config = mp.ProxyConfig(
+        prefill_dns=(mp.parse_dns_name("prefill", f"prefill.test:{api}:{bootstrap}"),),
+        decode_dns=(mp.parse_dns_name("decode", f"decode.test:{decode_port}"),),
+        dns_server=dnsmasq.server,
+        dns_interval=0.1,
+        discovery_interval=0.02,
+        health_timeout=0.3,
+        policy=mp.Policy.ROUND_ROBIN,
+    )
+    client = await daemon_client(aiohttp_client, config)
+    fleet = client.app[mp.STATE_KEY].fleet
+
+    async def prefills() -> list[tuple[str, str, bool]]:
+        health = await (await client.get("/healthcheck")).json()
+        return [(p["url"], p["origin"], p["usable"]) for p in health["prefill"]]
+
+    await wait_ready_(client)
+    origin = f"dns prefill.test:{api}:{bootstrap}"
+    assert await prefills() == [(first.api_url, origin, True)]
+    assert (await client.post(COMPLETIONS, json=completion())).status == 200
+    # A new record is a new instance; one that goes leaves (once its requests are done).
+    dnsmasq.publish("127.0.0.2 prefill.test", "127.0.0.3 prefill.test", "127.0.0.4 decode.test")
+    await eventually(lambda: sum(p.usable for p in fleet.prefills) == 2)
+    for _ in range(2):
+        assert (await client.post(COMPLETIONS, json=completion())).status == 200
+    assert len(second.requests) == 1 and len(first.requests) == 2
+    dnsmasq.publish("127.0.0.3 prefill.test", "127.0.0.4 decode.test")
+    await eventually(lambda: [str(p.url) for p in fleet.prefills] == [second.api_url])
+    for _ in range(2):
+        assert (await client.post(COMPLETIONS, json=completion())).status == 200
+    assert len(second.requests) == 3 and len(first.requests) == 2
+    # The DNS server fails: the last answer stays, the failure is said once.
+    dnsmasq.process.terminate()
+    dnsmasq.process.wait()
+    await asyncio.sleep(1.0)  # several intervals
+    assert await prefills() == [(second.api_url, origin, True)]
+    assert (await client.post(COMPLETIONS, json=completion())).status == 200
+    failures = [r for r in caplog.records if "lookup failed" in r.getMessage()]
+    assert len(failures) == 2, failures  # one per name
+    health = await (await client.get("/healthcheck")).json()
+    assert [(d["name"], d["addresses"], bool(d["error"])) for d in health["dns"]] == [
+        (f"prefill.test:{api}:{bootstrap}", ["127.0.0.3"], True),
+        (f"decode.test:{decode_port}", ["127.0.0.4"], True),
+    ]
+
+
+async def test_the_system_resolver_serves_dns_names_by_default(
+    aiohttp_server: AiohttpServer, aiohttp_client: AiohttpClient
+) -> None:
+    prefill, decode = FakeVllm("prefill"), FakeVllm("decode", kv_timeout=KV_TIMEOUT)
+    api, bootstrap, decode_port = free_port(), free_port(), free_port()
+    await start_fake_at(aiohttp_server, prefill, "127.0.0.1", api, bootstrap)
+    await start_fake_at(aiohttp_server, decode, "127.0.0.1", decode_port)
+    config = mp.ProxyConfig(
+        prefill_dns=(mp.parse_dns_name("prefill", f"localhost:{api}:{bootstrap}"),),
+        decode_dns=(mp.parse_dns_name("decode", f"localhost:{decode_port}"),),
+        dns_interval=0.1,
+        discovery_interval=0.02,
+    )
+    client = await daemon_client(aiohttp_client, config)
+    async with asyncio.timeout(FAST):
+        while (await client.get("/health")).status != 200:
+            await asyncio.sleep(0.02)
+    assert (await client.post(COMPLETIONS, json=completion())).status == 200
+    health = await (await client.get("/healthcheck")).json()
+    # localhost may also have ::1, where nothing listens: that instance is simply not usable.
+    usable = [(d["url"], d["origin"]) for d in health["decode"] if d["usable"]]
+    assert usable == [(decode.api_url, f"dns localhost:{decode_port}")]
 
 
 # --- the PD flow
@@ -3374,6 +3626,7 @@ def test_the_unit_and_the_readme_install_it_the_same_way() -> None:
     for step in (
         "install -m 644 README.md /opt/mooncake-proxy/README.md",
         "install -m 600 deploy/mooncake-proxy.env /etc/mooncake-proxy.env",
+        "install -m 644 -D deploy/mooncake-proxy.toml /etc/mooncake-proxy/proxy.toml",
         "install -m 644 deploy/mooncake-proxy.service /etc/systemd/system/",
     ):
         assert step in unit and step in readme, step
