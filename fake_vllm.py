@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import random
+import signal
 import socket
 import sys
 import time
@@ -360,6 +361,8 @@ class FakeVllm:
     # transfer_id -> (engine id, prompt digest, prompt tokens) of finished prefills.
     _held_kv: dict[str, tuple[str, str, int]] = field(default_factory=dict)
     _kv_ready: asyncio.Condition | None = None
+    # Where decodes pull this prefill's KV (Mooncake's own channel); its API server by default.
+    worker_url: str = ""
     engine_prefix: str = field(default_factory=lambda: str(uuid.uuid4()))
     sims: list[EngineSim] = field(default_factory=list)
     metrics_status: int = 200  # 404: a server without /metrics
@@ -426,12 +429,16 @@ class FakeVllm:
         app.router.add_get("/_fake/kv", self.handle_kv_pull)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_post("/_fake/reset", self.handle_reset)
+        app.router.add_get("/_fake/stats", self.handle_stats)
         app.cleanup_ctx.append(self._session_ctx)
         return app
 
     def bootstrap_app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/query", self.handle_query)
+        # With worker_url here, KV is pulled from the bootstrap's server: it outlives the API
+        # server's drain, as Mooncake's transfer channel outlives vLLM's HTTP server.
+        app.router.add_get("/_fake/kv", self.handle_kv_pull)
         return app
 
     async def _session_ctx(self, app: web.Application) -> AsyncIterator[None]:
@@ -477,6 +484,11 @@ class FakeVllm:
                 f'num_gpu_blocks="{sim.capacity * self.dp_size}"}} 1.0',
             ]
         return web.Response(text="\n".join(["# a fake vLLM", *lines, ""]))
+
+    async def handle_stats(self, request: web.Request) -> web.Response:
+        """What a test in another process needs to know of this server."""
+        stats = {"requests": len(self.requests), "running": self.running}
+        return web.json_response(stats | {"engine_ids": self.engine_ids})
 
     async def handle_reset(self, request: web.Request) -> web.Response:
         """Empty caches and counters, between two benchmark runs: as vLLM's
@@ -535,7 +547,7 @@ class FakeVllm:
             if self.bootstrap_not_ready == 0:
                 return web.json_response({})
             return web.json_response({"detail": "topology is not ready."}, status=503)
-        worker = {"0": {"0": self.api_url}}
+        worker = {"0": {"0": self.worker_url or self.api_url}}
         return web.json_response(
             {
                 str(rank): {"engine_id": engine_id, "worker_addr": worker, "tp_size": 1}
@@ -935,12 +947,59 @@ async def demo(once: bool, port: int) -> int:
             await runner.cleanup()
 
 
+# --- one fake server in a process of its own, draining on SIGTERM as a rolling upgrade needs
+
+
+async def serve_one(args: argparse.Namespace) -> int:
+    """One fake vLLM server until SIGTERM; then it drains: /health answers 503 at once, new
+    requests are still served for ``--drain-delay`` seconds (while load balancers notice), then
+    it stops listening, lets its in-flight requests finish and exits 0."""
+    fake = FakeVllm(args.serve, token_delay=args.token_delay)
+    fake.api_url = f"http://{args.host}:{args.port}"
+    apps = [fake.api_app()]
+    if args.serve == "prefill":
+        fake.worker_url = f"http://{args.host}:{args.bootstrap_port}"
+        apps.append(fake.bootstrap_app())
+    runners = []
+    for app, port in zip(apps, (args.port, args.bootstrap_port), strict=False):
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, port).start()
+        runners.append(runner)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    fake.health_status = 503
+    await asyncio.sleep(args.drain_delay)
+    for runner in runners:  # the API server first: KV pulls of its requests still work
+        await runner.cleanup()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the proxy against a simulated cluster.")
     parser.add_argument("--once", action="store_true", help="exit after the first request")
     parser.add_argument("--port", type=int, default=8000, help="port for the proxy; 0 for any")
+    parser.add_argument(
+        "--serve",
+        choices=("prefill", "decode"),
+        help="instead: serve one fake vLLM server on --port (a prefill's bootstrap on "
+        "--bootstrap-port) until SIGTERM, then drain",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="with --serve: address to bind")
+    parser.add_argument("--bootstrap-port", type=int, default=8998)
+    parser.add_argument("--token-delay", type=float, default=0.0, help="seconds between tokens")
+    parser.add_argument(
+        "--drain-delay",
+        type=float,
+        default=0.0,
+        help="seconds a draining server still takes requests (0: stop listening at once, as "
+        "uvicorn does)",
+    )
     args = parser.parse_args(argv)
     try:
+        if args.serve:
+            return asyncio.run(serve_one(args))
         return asyncio.run(demo(args.once, args.port))
     except KeyboardInterrupt:
         return 0

@@ -24,6 +24,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import errno
 import functools
 import glob
 import heapq
@@ -3135,12 +3136,26 @@ class Unreachable(ProxyError):
         self.backend = backend
 
 
+# Seconds a decode's 5xx waits for its prefill leg to fail too (a refused or reset connection
+# shows within a round trip); a prefill still computing is not waited for longer than this.
+PREFILL_FAILURE_GRACE: Final = 0.25
 # Refused or reset connections and connect timeouts; not a slow answer, not an HTTP status.
 UNREACHABLE_ERRORS: Final = (
     aiohttp.ClientConnectorError,
     aiohttp.ServerDisconnectedError,
     aiohttp.ConnectionTimeoutError,
 )
+
+
+def was_reset(error: BaseException) -> bool:
+    """A connection reset before the answer came: a restarting server closing its idle
+    keep-alive connections as the request was written on one (uvicorn does on SIGTERM)."""
+    if isinstance(error, aiohttp.ClientConnectionResetError):
+        return True
+    return isinstance(error, aiohttp.ClientOSError) and error.errno in RESET_ERRNOS
+
+
+RESET_ERRNOS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
 
 
 def failure_detail(error: BaseException) -> str:
@@ -3163,7 +3178,7 @@ def transport_error(
     """The one place that turns a failure to reach an upstream into the client's error."""
     status = 504 if isinstance(error, TimeoutError) else 502
     detail = failure_detail(error)
-    if isinstance(error, UNREACHABLE_ERRORS):
+    if isinstance(error, UNREACHABLE_ERRORS) or was_reset(error):
         reason = "timeout" if status == 504 else "refused"
         message = f"{stage} {url} unreachable: {detail}"
         return Unreachable(status, message, reason=reason, backend=backend)
@@ -3552,6 +3567,8 @@ class Attempt:
             async with upstream:
                 if upstream.status >= 400:
                     body = await upstream.read()
+                    if upstream.status >= 500:
+                        await self.let_prefill_speak()
                     raise upstream_failure("decode", upstream, body, suspect=self.engine.instance)
                 self.decode.last_success = time.monotonic()
                 await relay_body(exchange, upstream)
@@ -3566,6 +3583,13 @@ class Attempt:
             raise
         finally:
             self.end_decode_span()
+
+    async def let_prefill_speak(self) -> None:
+        """A decode's 5xx is often the echo of a prefill that is gone (its bootstrap refused,
+        its engine id unknown): a moment for the prefill leg to fail first, so that its error
+        wins and the pair is tried elsewhere (stopped_if_prefill_fails) instead of failing."""
+        if self.prefill is not None and not self.prefill.done():
+            await asyncio.wait({self.prefill}, timeout=PREFILL_FAILURE_GRACE)
 
     def end_decode_span(self, error: str | None = None) -> None:
         if (span := self.decode_span) is None:

@@ -15,6 +15,7 @@ import getpass
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -1162,6 +1163,140 @@ async def test_sighup_rereads_the_config_file_and_a_bad_one_changes_nothing(
         process.terminate()
         await process.wait()
         await log.task
+    assert "Traceback" not in "\n".join(log.lines)
+
+
+@dataclass
+class FakeProcess:
+    """A fake vLLM server in a process of its own (fake_vllm.py --serve): SIGTERM drains it."""
+
+    role: str
+    port: int
+    bootstrap_port: int = 0
+    drain_delay: float = 0.0
+    process: asyncio.subprocess.Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, str(HERE / "fake_vllm.py"), "--serve", self.role,
+            "--port", str(self.port), "--bootstrap-port", str(self.bootstrap_port),
+            "--token-delay", "0.02", "--drain-delay", str(self.drain_delay),
+        )  # fmt: skip
+        async with asyncio.timeout(15):
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"{self.url}/health") as health:
+                        if health.status == 200:
+                            return
+                await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        """SIGTERM, and wait for the drain to end."""
+        assert self.process is not None
+        self.process.terminate()
+        assert await self.process.wait() == 0
+
+    async def requests(self, session: aiohttp.ClientSession) -> int:
+        async with session.get(f"{self.url}/_fake/stats") as stats:
+            count: int = (await stats.json())["requests"]
+            return count
+
+
+async def steady_load(
+    base: str, session: aiohttp.ClientSession, done: asyncio.Event, failures: list[str]
+) -> int:
+    """Streamed requests one after another until ``done``; each must end whole. Returns how
+    many were sent."""
+    sent = 0
+    while not done.is_set():
+        sent += 1
+        body = completion(prompt=f"rolling {random.random()}", stream=True, max_tokens=8)
+        try:
+            async with session.post(f"{base}/v1/completions", json=body) as answer:
+                raw = await answer.read()
+            events = sse_events(raw) if answer.status == 200 else []
+            if not events or events[-1] != "[DONE]" or any("error" in e for e in events[:-1]):
+                failures.append(f"{answer.status}: {raw[-300:]!r}")
+        except (aiohttp.ClientError, TimeoutError) as error:
+            failures.append(repr(error))
+    return sent
+
+
+@pytest.mark.parametrize(
+    "drain_delay",
+    [0.0, 0.5],
+    ids=["stops-listening-at-once", "health-503-first"],
+)
+async def test_a_rolling_upgrade_under_load_fails_no_request_and_cuts_no_stream(
+    tmp_path: Path, drain_delay: float
+) -> None:
+    """Every prefill and decode restarted one after another (each draining on SIGTERM: at once,
+    as uvicorn does, or answering /health 503 a while first), then a decode swapped by a
+    reload, all under steady streamed load through the proxy."""
+    ports = iter(free_port() for _ in range(12))
+    prefills = [FakeProcess("prefill", next(ports), next(ports), drain_delay) for _ in range(2)]
+    decodes = [FakeProcess("decode", next(ports), 0, drain_delay) for _ in range(3)]
+    port, file = next(ports), tmp_path / "proxy.toml"
+
+    def configure(members: list[FakeProcess]) -> None:
+        prefill = ", ".join(f'"{p.url} {p.bootstrap_port}"' for p in prefills)
+        decode = ", ".join(f'"{d.url}"' for d in members)
+        file.write_text(
+            f"port = {port}\nprefill = [{prefill}]\ndecode = [{decode}]\n"
+            "health-interval = 0.1\ndiscovery-interval = 0.05\n"
+        )
+
+    configure(decodes[:2])
+    async with aiohttp.ClientSession() as session:
+        for fake in (*prefills, *decodes):
+            await fake.start(session)
+        proxy = await asyncio.create_subprocess_exec(
+            sys.executable, str(HERE / "mooncake_proxy.py"), "--config", str(file),
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert proxy.stderr is not None
+        log = ProcessLog(proxy.stderr)
+        base = f"http://127.0.0.1:{port}"
+        done, failures = asyncio.Event(), list[str]()
+        try:
+            for fake in (*prefills, *decodes[:2]):
+                await log.wait_for(f"{fake.role} {fake.url} is usable", seconds=15)
+            load = [
+                asyncio.create_task(steady_load(base, session, done, failures)) for _ in range(4)
+            ]
+
+            async def took_traffic(fake: FakeProcess) -> None:
+                async with asyncio.timeout(10):
+                    while not await fake.requests(session):
+                        await asyncio.sleep(0.05)
+
+            for fake in (*prefills, *decodes[:2]):
+                await took_traffic(fake)
+                await fake.stop()
+                await fake.start(session)
+                await took_traffic(fake)  # a new process: it counts from 0
+            configure([decodes[0], decodes[2]])
+            proxy.send_signal(signal.SIGHUP)
+            await log.wait_for(f"decode {decodes[1].url} has left the fleet", seconds=15)
+            await took_traffic(decodes[2])
+            await asyncio.sleep(0.5)  # and a little more load on the swapped fleet
+            done.set()
+            sent = await asyncio.gather(*load)
+        finally:
+            done.set()
+            proxy.terminate()
+            await proxy.wait()
+            await log.task
+            for fake in (*prefills, *decodes):
+                if fake.process is not None and fake.process.returncode is None:
+                    fake.process.kill()
+                    await fake.process.wait()
+    assert not failures, failures
+    assert min(sent) > 10, sent
     assert "Traceback" not in "\n".join(log.lines)
 
 
