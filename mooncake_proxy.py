@@ -4367,6 +4367,12 @@ async def handle_healthcheck(request: web.Request) -> web.Response:
     return web.json_response(payload, status=200 if payload["ready"] else 503)
 
 
+async def handle_livez(request: web.Request) -> web.Response:
+    """Liveness: 200 while the process serves, draining included (unlike /health, which says
+    whether to send it requests); what a Kubernetes livenessProbe asks."""
+    return web.json_response({"alive": True, "draining": request.app[STATE_KEY].draining})
+
+
 async def handle_health(request: web.Request) -> web.Response:
     ready = request.app[STATE_KEY].serving
     return web.Response(status=200 if ready else 503)
@@ -4395,6 +4401,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         status = response.status
         if not response.prepared and isinstance(response, web.Response):
             stats.bytes_out = response.content_length or 0
+        if request.app[STATE_KEY].draining:
+            response.force_close()  # the client's next request goes to a proxy that stays
         return response
     except asyncio.CancelledError:
         # 499 (nginx's "client closed request") only if the client left before the answer began.
@@ -4729,6 +4737,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         )
     )
     app.router.add_get("/health", handle_health)
+    app.router.add_get("/livez", handle_livez)
     app.router.add_get("/healthcheck", handle_healthcheck)
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/v1/models", handle_models)
@@ -4979,7 +4988,9 @@ async def serve(
         app,
         handle_signals=False,
         handler_cancellation=True,  # a client gone cancels its handler, and so both legs
-        shutdown_timeout=config.shutdown_timeout,
+        # The drain is over when it cleans up (drained): what is left gets a second more,
+        # then is cancelled (0 would mean no limit to aiohttp).
+        shutdown_timeout=1.0,
     )
     await runner.setup()
     listener = await listen(runner, sock)
@@ -5003,14 +5014,29 @@ async def serve(
     if reread is not None:
         loop.add_signal_handler(signal.SIGHUP, reload_config, app, reread)
     await stop.wait()
-    app[STATE_KEY].draining = True
+    state = app[STATE_KEY]
+    state.draining = True
     sd_notify("STOPPING=1", f"STATUS={readiness_status(app)}")
-    listener.close()  # stop accepting
-    # Waits for in-flight handlers up to the shutdown timeout, cancels the rest (their legs'
-    # connections close, so vLLM aborts them), then runs the cleanups.
+    # Still accepting while draining: /livez says alive, /health 503, new requests get 503
+    # and a closed connection, where a closed port would look like a crash to probes.
+    await drained(state.admission, config.shutdown_timeout)
+    listener.close()
+    # Cancels what outlived the drain (their legs' connections close, so vLLM aborts them),
+    # then runs the cleanups.
     await runner.cleanup()
     log.info("stopped")
     return 0
+
+
+async def drained(admission: Admission, within: float) -> None:
+    """Until no PD request is in flight or waiting, or ``within`` seconds have passed."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(within):
+            while admission.running or admission.queued:
+                await asyncio.sleep(DRAIN_POLL_SECONDS)
+
+
+DRAIN_POLL_SECONDS: Final = 0.05
 
 
 # --- command line

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import getpass
+import importlib.util
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from typing import Any, cast
 
 import aiohttp
 import pytest
+import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
@@ -3671,16 +3674,47 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0(aiohttp_server: Aiohttp
         ) as response:
             first = await response.content.readany()
             proxy.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            # Draining: still answering on new connections, alive but not to be sent work.
+            fresh = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=fresh) as other:
+                async with other.get(f"{proxy.base}/livez") as live:
+                    assert live.status == 200 and (await live.json())["draining"] is True
+                async with other.get(f"{proxy.base}/health") as health:
+                    assert health.status == 503
+                async with other.post(f"{proxy.base}/v1/completions", json=completion()) as late:
+                    assert late.status == 503 and "draining" in (await late.text())
+                    assert late.headers["Connection"] == "close"
             rest = await response.read()
         raw = first + rest
         assert raw == bytes(decode.sent[response.headers["X-Request-Id"]])
         assert sse_events(raw)[-1] == "[DONE]"
         assert await proxy.process.wait() == 0
-        # It stopped accepting.
+        # Its last stream ended: it stopped accepting and exited.
         with pytest.raises(aiohttp.ClientConnectionError):
             await session.get(f"{proxy.base}/health")
     log = await proxy.stop()
     assert "SIGTERM: draining" in log and "Traceback" not in log
+
+
+async def test_a_stream_longer_than_the_shutdown_timeout_is_cut_and_its_legs_aborted(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    proxy, decode = await ProxyProcess.start(
+        aiohttp_server, "--shutdown-timeout", "0.5", decode={"token_delay": 0.2}
+    )
+    body = completion(stream=True, max_tokens=40)  # 8 s of tokens
+    async with aiohttp.ClientSession() as session, asyncio.timeout(20):
+        async with session.post(f"{proxy.base}/v1/completions", json=body) as response:
+            await response.content.readany()
+            started = time.monotonic()
+            proxy.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(aiohttp.ClientPayloadError):
+                await response.read()
+        assert await proxy.process.wait() == 0
+        assert 0.4 < time.monotonic() - started < 3
+    await eventually(lambda: len(decode.aborted) == 1)  # vLLM was told: its leg was closed
+    await proxy.stop()
 
 
 async def test_a_second_sigterm_exits_at_once(aiohttp_server: AiohttpServer) -> None:
@@ -3906,6 +3940,156 @@ def test_loop_choice(monkeypatch: pytest.MonkeyPatch, installed: bool) -> None:
 
     assert mp.event_loop_factory("auto") is uvloop.new_event_loop
     assert mp.event_loop_factory("uvloop") is uvloop.new_event_loop
+
+
+# --- deploy/kubernetes: the manifests against Kubernetes' schemas, the proxy and each other
+
+K8S = HERE / "deploy" / "kubernetes"
+# Kinds that kubernetes-validate has no schema for (a CRD, kustomize's own): checked by hand.
+K8S_UNSCHEMED = {"ServiceMonitor", "Kustomization"}
+# The fields of monitoring.coreos.com/v1 ServiceMonitor that these manifests may use.
+SERVICEMONITOR_SPEC_FIELDS = {
+    "selector", "endpoints", "namespaceSelector", "jobLabel", "targetLabels", "podTargetLabels",
+    "sampleLimit",
+}  # fmt: skip
+SERVICEMONITOR_ENDPOINT_FIELDS = {
+    "port", "path", "scheme", "interval", "scrapeTimeout", "honorLabels", "authorization",
+    "relabelings", "metricRelabelings", "tlsConfig",
+}  # fmt: skip
+
+
+def k8s_documents() -> list[dict[str, Any]]:
+    """Every YAML document in deploy/kubernetes, in file order."""
+    return [
+        document
+        for path in sorted(K8S.glob("*.yaml"))
+        for document in yaml.safe_load_all(path.read_text())
+        if document
+    ]
+
+
+def k8s_object(kind: str, name: str) -> dict[str, Any]:
+    found = [
+        d for d in k8s_documents() if (d["kind"], d.get("metadata", {}).get("name")) == (kind, name)
+    ]
+    assert len(found) == 1, f"{len(found)} {kind} named {name!r} in deploy/kubernetes"
+    return found[0]
+
+
+def test_kubernetes_manifests_pass_the_kubernetes_schemas() -> None:
+    if importlib.util.find_spec("kubernetes_validate") is None:
+        # CI installs it (requirements-dev.txt) and sets this, so there it cannot skip.
+        needed = os.environ.get("MOONCAKE_PROXY_TEST_NEEDS_KUBERNETES_VALIDATE") == "1"
+        assert not needed, "kubernetes-validate missing"
+        pytest.skip("kubernetes-validate is not installed here (pip install kubernetes-validate)")
+    versions = ("1.25.0", "1.37.0")  # the oldest and newest schemas that 1.37.0 bundles
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "kubernetes_validate", "--strict",  # unknown fields fail
+            *(arg for version in versions for arg in ("-k", version)),
+            *sorted(str(path) for path in K8S.glob("*.yaml")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    # A kind without a schema only warns (exit 0), a misspelled one too: allow just these.
+    for line in output.splitlines():
+        if not line.startswith("INFO"):
+            assert re.search(rf"for kind ({'|'.join(K8S_UNSCHEMED)}) with", line), output
+    schemed = [d for d in k8s_documents() if d["kind"] not in K8S_UNSCHEMED]
+    assert output.count(" passed for resource ") == len(schemed) * len(versions), output
+
+
+def test_kubernetes_manifests_agree_with_the_proxy_and_each_other(tmp_path: Path) -> None:
+    flags = {s.flag for s in mp.SETTINGS}
+    defaults = {s.flag: s.default for s in mp.SETTINGS}
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    manifests = {path.name for path in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert sorted(kustomization["resources"]) == sorted(manifests)
+    namespace = kustomization["namespace"]
+    assert not [d for d in k8s_documents() if "namespace" in d.get("metadata", {})]
+
+    deployment = k8s_object("Deployment", "mooncake-proxy")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    # --config names a key of the ConfigMap, mounted as a directory: a subPath is never updated.
+    command = container["command"]
+    assert "--config" in flags and command[0] == "mooncake-proxy"
+    config_path = Path(command[command.index("--config") + 1])
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(config_path.parent)]
+    assert "subPath" not in mount and mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    config_map = k8s_object("ConfigMap", volume["configMap"]["name"])
+    config = tomllib.loads(config_map["data"][config_path.name])
+    assert {"--" + key for key in config} <= flags, sorted({"--" + k for k in config} - flags)
+    assert "config" not in config
+    # ... and the proxy takes it, values included.
+    (tmp_path / config_path.name).write_text(config_map["data"][config_path.name])
+    mp.load_config(mp.build_parser(), ["--config", str(tmp_path / config_path.name)], {})
+    # Secrets come as MOONCAKE_PROXY_* variables, each a real setting's, optional.
+    assert {e["name"] for e in container["env"]} <= {s.env for s in mp.SETTINGS}
+    assert all(e["valueFrom"]["secretKeyRef"]["optional"] is True for e in container["env"])
+    # Else the Service "mooncake-proxy" puts MOONCAKE_PROXY_PORT=tcp://IP:8000 in the pod.
+    assert pod["enableServiceLinks"] is False
+
+    # Listening where the probes and the Services look, probing the right routes.
+    assert config["host"] in ("0.0.0.0", "::")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == config.get("port", defaults["--port"])
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+
+    # Draining: the kubelet's SIGKILL comes after the preStop pause and the proxy's own drain.
+    pre_stop = container["lifecycle"]["preStop"]
+    if "sleep" in pre_stop:
+        pause = float(pre_stop["sleep"]["seconds"])
+    else:
+        assert pre_stop["exec"]["command"][0] == "sleep"
+        pause = float(pre_stop["exec"]["command"][1])
+    drain = float(config.get("shutdown-timeout", defaults["--shutdown-timeout"]))
+    assert pod["terminationGracePeriodSeconds"] > pause + drain > pause > 0
+
+    # Rollouts and evictions keep one replica serving; the pod runs unprivileged.
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    budget = k8s_object("PodDisruptionBudget", "mooncake-proxy")["spec"]
+    assert deployment["spec"]["replicas"] > budget["minAvailable"] >= 1
+    assert budget["selector"] == deployment["spec"]["selector"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+    # Each DNS name is a headless Service of this namespace that has the ports named.
+    for key in ("prefill-dns", "decode-dns"):
+        assert config[key], key
+        for entry in config[key]:
+            host, *entry_ports = entry.split(":")
+            name, in_namespace, svc, *_ = host.split(".")
+            assert (in_namespace, svc) == (namespace, "svc"), entry
+            service = k8s_object("Service", name)["spec"]
+            assert service["clusterIP"] == "None", entry
+            assert service["publishNotReadyAddresses"] is False, entry
+            assert {int(p) for p in entry_ports} <= {p["port"] for p in service["ports"]}, entry
+
+    # The proxy's Service reaches its pods; the ServiceMonitor scrapes that Service's pods.
+    proxy = k8s_object("Service", "mooncake-proxy")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert proxy["spec"]["type"] == "ClusterIP"
+    assert proxy["spec"]["selector"].items() <= labels.items()
+    assert {p["targetPort"] for p in proxy["spec"]["ports"]} <= set(ports) | set(ports.values())
+    monitor = k8s_object("ServiceMonitor", "mooncake-proxy")["spec"]
+    assert set(monitor) <= SERVICEMONITOR_SPEC_FIELDS, set(monitor) - SERVICEMONITOR_SPEC_FIELDS
+    assert monitor["selector"]["matchLabels"].items() <= proxy["metadata"]["labels"].items()
+    for endpoint in monitor["endpoints"]:
+        assert set(endpoint) <= SERVICEMONITOR_ENDPOINT_FIELDS, endpoint
+        assert endpoint["path"] == "/metrics"
+        assert endpoint["port"] in {p["name"] for p in proxy["spec"]["ports"]}
 
 
 # --- observability checked by real tools: promtool and a Prometheus server
