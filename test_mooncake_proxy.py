@@ -999,6 +999,17 @@ def test_a_bad_config_file_is_refused_naming_the_file_and_the_key(
     assert message in str(refused.value)
 
 
+def test_the_readme_names_exactly_what_a_reload_cannot_change() -> None:
+    readme = (HERE / "README.md").read_text()
+    for option in mp.SETTINGS:  # and the table of flags has a row for each
+        assert re.search(rf"(\| |, )`{option.flag}[ `]", readme), option.flag
+    start = readme.index("except those built into the listener")
+    listed = set(
+        re.findall(r"`(--[a-z-]+)`", readme[start : readme.index("A change to one", start)])
+    )
+    assert listed == {option.flag for option in mp.SETTINGS if option.restart}
+
+
 async def test_a_reload_swaps_a_decode_without_a_gap_and_lets_the_old_one_finish(
     start_cluster: StartCluster, aiohttp_server: AiohttpServer
 ) -> None:

@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -429,3 +430,68 @@ def test_restarted_prefill_is_served_again_with_its_new_engine_id(cluster: RealC
     assert kv_tokens(cluster) - before == prompt_tokens
     local, _ = completion_text(cluster.client(cluster.decode.url), False, **params)
     assert text == local
+
+
+def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_flight(
+    cluster: RealCluster, tmp_path: Path
+) -> None:
+    """A second prefill beside the cluster's, a proxy in front of both, one client sending
+    streamed requests one after another (so at most one in flight), and the second prefill
+    stopped with SIGTERM and started again meanwhile: at most one request fails (the one that
+    may have been on it), and it takes requests again with its new engine id."""
+    root = Path(os.environ["VLLM_ENV_ROOT"])
+    second = vllm_server(root, tmp_path, "kv_producer", PREFILL_MAX_MODEL_LEN, name="prefill-2")
+    port = free_port()
+    argv = [sys.executable, str(PROXY), "--port", str(port), "--decode", cluster.decode.url]
+    for prefill in (cluster.prefill, second):
+        argv += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+    argv += ["--connect-timeout", "30", "--health-interval", "1", "--discovery-interval", "0.5"]
+    argv += ["--policy", "round_robin"]  # both prefills take requests in turn
+    proxy = Server(
+        "proxy-2", argv, dict(os.environ), tmp_path / "proxy-2.log", f"http://127.0.0.1:{port}"
+    )
+    second.start()
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def light_load() -> None:
+        client = cluster.client(proxy.url)
+        while not stop.is_set():
+            try:
+                complete(client, True, prompt=unique_prompt(), max_tokens=8)
+                outcomes.append("ok")
+            except openai.OpenAIError as error:
+                outcomes.append(f"failed: {error}")
+            # Light: back to back, the load would slow the restart down on these 2 cores.
+            stop.wait(0.25)
+
+    def engine_ids() -> list[str]:
+        health = json.loads(http_get(f"{proxy.url}/healthcheck")[1])
+        (entry,) = [p for p in health["prefill"] if p["url"] == second.url]
+        return list(entry["engine_ids"]) if entry["usable"] else []
+
+    try:
+        second.wait_healthy(300)
+        proxy.start()
+        proxy.wait_healthy(60)
+        assert wait_for(lambda: bool(engine_ids()), 30)
+        before = engine_ids()
+        load = threading.Thread(target=light_load)
+        load.start()
+        served = metric(second, "vllm:request_success_total")
+        assert wait_for(lambda: metric(second, "vllm:request_success_total") > served + 2, 60)
+        second.stop(signal.SIGTERM)
+        second.start()
+        second.wait_healthy(300)
+        assert wait_for(lambda: engine_ids() not in ([], before), 30)
+        # Back in the rotation: the restarted server counts from 0.
+        assert wait_for(lambda: metric(second, "vllm:request_success_total") >= 2, 60)
+        stop.set()
+        load.join(120)
+    finally:
+        stop.set()
+        proxy.stop()
+        second.stop()
+    failures = [outcome for outcome in outcomes if outcome != "ok"]
+    assert len(failures) <= 1, failures
+    assert len(outcomes) - len(failures) > 10, outcomes
