@@ -1111,6 +1111,16 @@ class ProcessLog:
             self.lines.append(line.decode().rstrip())
             self.grew.set()
 
+    async def wait_for_processes(self, text: str, count: int, seconds: float = FAST) -> None:
+        """Until ``count`` processes (the pid in each line) have logged ``text``."""
+        async with asyncio.timeout(seconds):
+            while True:
+                self.grew.clear()
+                pids = {re.search(r"\[(\d+)\]: ", line) for line in self.lines if text in line}
+                if len({match[1] for match in pids if match}) >= count:
+                    return
+                await self.grew.wait()
+
     async def wait_for(self, text: str, seconds: float = FAST) -> str:
         async with asyncio.timeout(seconds):
             while True:
@@ -1178,6 +1188,27 @@ async def test_sighup_rereads_the_config_file_and_a_bad_one_changes_nothing(
         await process.wait()
         await log.task
     assert "Traceback" not in "\n".join(log.lines)
+
+
+async def test_under_workers_sighup_reaches_every_worker(tmp_path: Path) -> None:
+    file, port = tmp_path / "proxy.toml", free_port()
+    lines = [f"port = {port}", "workers = 2", 'prefill = ["http://127.0.0.1:9"]']
+    file.write_text("\n".join([*lines, 'decode = ["http://127.0.0.1:10"]', ""]))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(HERE / "mooncake_proxy.py"), "--config", str(file),
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stderr is not None
+    log = ProcessLog(process.stderr)
+    try:
+        await log.wait_for_processes("decode http://127.0.0.1:10 check failed", 2, seconds=15)
+        file.write_text("\n".join([*lines, 'decode = ["http://127.0.0.1:11"]', ""]))
+        process.send_signal(signal.SIGHUP)  # to the parent, which passes it on
+        await log.wait_for_processes("configuration reloaded: --decode", 2)
+    finally:
+        process.terminate()
+        assert await process.wait() == 0
+        await log.task
 
 
 @dataclass
