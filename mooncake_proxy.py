@@ -5079,8 +5079,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prefill/decode disaggregation proxy for vLLM's MooncakeConnector.",
         epilog=(
             f"Every flag can also be given as an environment variable {ENV_PREFIX}<FLAG> "
-            f"(e.g. {ENV_PREFIX}MAX_RETRIES=3, {ENV_PREFIX}PROTECT_METRICS=1); a flag on the "
-            f"command line wins. Repeated flags take several values: {ENV_PREFIX}PREFILL="
+            f"(e.g. {ENV_PREFIX}MAX_RETRIES=3, {ENV_PREFIX}PROTECT_METRICS=1) and as a key "
+            "of the --config file (max-retries = 3); a flag on the command line wins over the "
+            "environment, which wins over the file. Repeated flags take several values: "
+            f"{ENV_PREFIX}PREFILL="
             "'http://10.0.0.1:8100 8998, http://10.0.0.2:8100' (entries separated by commas), "
             f"{ENV_PREFIX}DECODE='http://10.0.0.3:8200 http://10.0.0.4:8200'."
         ),
