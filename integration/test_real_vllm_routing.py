@@ -73,6 +73,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
     )
     prefill.kv_events = [prefill.url, *prefill_endpoints]
     decode.kv_events = [decode.url, *decode_endpoints]
+    for server in (prefill, decode):  # for /reset_prefix_cache: each policy starts cold
+        server.env["VLLM_SERVER_DEV_MODE"] = "1"
     try:
         prefill.start()
         decode.start()
@@ -103,6 +105,20 @@ def proxy(prefill: Server, decode: Server, policy: str, logs: Path) -> Server:
     server.start()
     server.wait_healthy(60)
     return server
+
+
+def reset_prefix_caches(*servers: Server) -> None:
+    """Empty the engines' prefix caches (vLLM publishes AllBlocksCleared): each policy is
+    measured from the same cold start, not on what the one before it left behind."""
+    for server in servers:
+        deadline = time.monotonic() + 30
+        while True:  # refused while blocks are still held by requests finishing
+            request = urllib.request.Request(f"{server.url}/reset_prefix_cache", method="POST")
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                if json.loads(answer.read()).get("success"):
+                    break
+            assert time.monotonic() < deadline, f"{server.name} kept refusing to reset"
+            time.sleep(0.5)
 
 
 def hits_and_queries(prefill: Server) -> tuple[float, float]:
@@ -178,6 +194,7 @@ def test_prefix_aware_finds_the_prefix_where_vllm_cached_it(
     prefill, decode = servers
     rates = {}
     for policy in POLICIES:
+        reset_prefix_caches(prefill, decode)
         router = proxy(prefill, decode, policy, tmp_path)
         try:
             if policy == "kv_events":
