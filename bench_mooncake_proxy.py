@@ -43,6 +43,10 @@ from fake_vllm import free_port
 
 HERE = Path(__file__).resolve().parent
 TOKENS = 16
+LONG_TOKENS = 1000  # the long-answer scenario: the relay's cost per chunk dominates
+# Seconds between its tokens, as a decode paces them (500 tokens/s): written back to back they
+# would arrive at the proxy in a few large reads, and the cost per chunk would not show.
+LONG_TOKEN_GAP = 0.002
 PROMPT = "x" * 200  # the 200-byte prompt of the issue's table
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -51,10 +55,10 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # --- the fake cluster: precomputed answers, as cheap as aiohttp allows
 
 
-def sse_chunks(chat: bool) -> list[bytes]:
+def sse_chunks(chat: bool, tokens: int = TOKENS) -> list[bytes]:
     chunks = []
-    for index in range(TOKENS):
-        finish = "length" if index == TOKENS - 1 else None
+    for index in range(tokens):
+        finish = "length" if index == tokens - 1 else None
         if chat:
             choice: dict[str, Any] = {
                 "index": 0,
@@ -100,7 +104,11 @@ PREFILLED = json.dumps(
 
 
 def fake_app(role: str) -> web.Application:
-    chunks = {False: sse_chunks(False), True: sse_chunks(True)}
+    chunks = {
+        (chat, tokens): sse_chunks(chat, tokens)
+        for chat in (False, True)
+        for tokens in (TOKENS, LONG_TOKENS)
+    }
 
     async def health(request: web.Request) -> web.Response:
         return web.Response()
@@ -116,13 +124,17 @@ def fake_app(role: str) -> web.Application:
             return web.Response(body=COMPLETE, content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
-        frames = chunks[request.path.endswith("/chat/completions")]
+        tokens = LONG_TOKENS if body.get("max_tokens", 0) >= LONG_TOKENS else TOKENS
+        frames = chunks[request.path.endswith("/chat/completions"), tokens]
         if body.get("bench_idle"):
             # An open stream that sends one token and then waits: the idle-memory scenario.
             await response.write(frames[0])
             await asyncio.Event().wait()
+        gap = LONG_TOKEN_GAP if tokens == LONG_TOKENS else 0.0
         for frame in frames:
             await response.write(frame)  # one write per token, as vLLM streams them
+            if gap:
+                await asyncio.sleep(gap)
         await response.write_eof()
         return response
 
@@ -222,13 +234,14 @@ async def load(
     stream: bool,
     prompt_bytes: int,
     both_legs: str | None,
+    max_tokens: int = TOKENS,
 ) -> dict[str, Any]:
     """Keep `concurrency` requests in flight for `seconds` (bounded by `max_requests`)."""
     prompt = "x" * prompt_bytes
     body: dict[str, Any] = {
         "model": "bench",
         "prompt": prompt,
-        "max_tokens": TOKENS,
+        "max_tokens": max_tokens,
         "stream": stream,
     }
     payload = json.dumps(body).encode()
@@ -328,6 +341,7 @@ def loadgen_main(argv: list[str]) -> None:
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--prompt-bytes", type=int, default=len(PROMPT))
     parser.add_argument("--both-legs", default=None, help="prefill URL: send both legs")
+    parser.add_argument("--max-tokens", type=int, default=TOKENS)
     parser.add_argument("--idle", type=int, default=0)
     parser.add_argument("--hold", type=float, default=3)
     parser.add_argument("--out", help="write the samples here (a pipe would fill up)")
@@ -348,6 +362,7 @@ def loadgen_main(argv: list[str]) -> None:
                 args.stream,
                 args.prompt_bytes,
                 args.both_legs,
+                args.max_tokens,
             )
         )
     if args.out:
@@ -513,11 +528,12 @@ class Bench:
         seconds: float,
         prompt_bytes: int = len(PROMPT),
         both_legs: str | None = None,
+        max_tokens: int = TOKENS,
     ) -> Result:
         argv = [
             sys.executable, __file__, "loadgen", "--url", f"{target.url}/v1/completions",
             "--concurrency", str(concurrency), "--seconds", str(seconds),
-            "--prompt-bytes", str(prompt_bytes),
+            "--prompt-bytes", str(prompt_bytes), "--max-tokens", str(max_tokens),
         ]  # fmt: skip
         if stream:
             argv.append("--stream")
@@ -657,6 +673,9 @@ def bench_main(args: argparse.Namespace) -> int:
             for concurrency in concurrencies:
                 for target in targets:
                     bench.run_load(target, "sweep", concurrency, stream, seconds)
+        # Long answers: 1,000 one-token chunks each, where the relay's cost per chunk counts.
+        for target in targets:  # each stream takes 2 s or more: a few rounds of them
+            bench.run_load(target, "long stream", 32, True, 3 * seconds, max_tokens=LONG_TOKENS)
         # The 1 MiB prompt: the proxy against a client that sends both legs itself.
         mib = 1 << 20
         both = Target("client does both legs", bench.decode_url)
@@ -789,6 +808,14 @@ def summarize(results: list[Result], summary: dict[str, Any]) -> str:
     if router and direct32:
         ratio = router.rps / direct32.rps
         lines.append(f"| vllm-router | streamed req/s at 32 vs direct | {ratio:.2f}x | - | - |")
+    for name in ("proxy", "vllm-router", "plain aiohttp (ref)"):
+        long = find(scenario="long stream", target=name)
+        if long and long.cpu_ms_per_request is not None:
+            per_token = 1000 * long.cpu_ms_per_request / LONG_TOKENS
+            lines.append(
+                f"| {name} | CPU per relayed token, {LONG_TOKENS}-token streams at 32 (us) | "
+                f"{per_token:.2f} | - | - |"
+            )
     return "\n".join(lines)
 
 
