@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -679,7 +680,7 @@ def bench_main(args: argparse.Namespace) -> int:
         # The 1 MiB prompt: the proxy against a client that sends both legs itself.
         mib = 1 << 20
         both = Target("client does both legs", bench.decode_url)
-        for target in (both, proxy):
+        for target in (both, proxy, *([router] if router else [])):
             bench.run_load(
                 target,
                 "1 MiB prompt",
@@ -689,8 +690,12 @@ def bench_main(args: argparse.Namespace) -> int:
                 prompt_bytes=mib,
                 both_legs=f"{bench.prefill_url}/v1/completions" if target is both else None,
             )
-        summary["idle"] = bench.idle_memory(proxy, 500 if quick else 2000, 2.0 if quick else 4.0)
+        idle = (500 if quick else 2000, 2.0 if quick else 4.0)
+        summary["idle"] = bench.idle_memory(proxy, *idle)
         print(f"idle streams: {summary['idle']}", flush=True)
+        if router is not None:
+            summary["idle_router"] = bench.idle_memory(router, *idle)
+            print(f"idle streams through vllm-router: {summary['idle_router']}", flush=True)
         bench.stop(proxy)
         # Peak memory of one large request, in multiples of its body.
         summary["large_body"] = [bench.large_body_memory(16 if quick else 64)]
@@ -707,6 +712,8 @@ def bench_main(args: argparse.Namespace) -> int:
         bench.close()
     table = summarize(bench.results, summary)
     print("\n" + table)
+    if (versus := against_router(bench.results, summary)) is not None:
+        print("\n" + versus)
     if args.json:
         Path(args.json).write_text(
             json.dumps({"results": [asdict(r) for r in bench.results], **summary}, indent=2)
@@ -816,6 +823,69 @@ def summarize(results: list[Result], summary: dict[str, Any]) -> str:
                 f"| {name} | CPU per relayed token, {LONG_TOKENS}-token streams at 32 (us) | "
                 f"{per_token:.2f} | - | - |"
             )
+    return "\n".join(lines)
+
+
+def against_router(results: list[Result], summary: dict[str, Any]) -> str | None:
+    """Issue 15's table: each figure for this proxy and for vllm-router, from the same run;
+    None without the router. Lower is better except for the req/s ratio."""
+
+    def find(target: str, **match: Any) -> Result | None:
+        return median_of(results, target=target, **match)
+
+    if find("vllm-router") is None:
+        return None
+    lines = ["| figure | proxy | vllm-router | goal | met |", "|---|---|---|---|---|"]
+
+    goals: dict[str, Callable[[float, float], bool]] = {
+        "<= router": lambda ours, theirs: ours <= theirs,
+        ">= router": lambda ours, theirs: ours >= theirs,
+        "<= half the router": lambda ours, theirs: ours <= theirs / 2,
+    }
+
+    def row(figure: str, ours: float | None, theirs: float | None, goal: str, fmt: str) -> None:
+        if ours is not None and theirs is not None:
+            met = "yes" if goals[goal](ours, theirs) else "NO"
+            lines.append(
+                f"| {figure} | {fmt.format(ours)} | {fmt.format(theirs)} | {goal} | {met} |"
+            )
+
+    def cpu(target: str, stream: bool) -> float | None:
+        r = find(target, scenario="sweep", stream=stream, concurrency=32)
+        return r.cpu_ms_per_request if r else None
+
+    def added_ttft(target: str) -> float | None:
+        r, d = (find(t, scenario="sweep", stream=True, concurrency=1) for t in (target, "direct"))
+        return r.ttft_p50_ms - d.ttft_p50_ms if r and d else None
+
+    def ratio(target: str) -> float | None:
+        r, d = (find(t, scenario="sweep", stream=True, concurrency=32) for t in (target, "direct"))
+        return r.rps / d.rps if r and d else None
+
+    def big(target: str) -> float | None:
+        r, both = (find(t, scenario="1 MiB prompt") for t in (target, "client does both legs"))
+        return r.e2e_p50_ms - both.e2e_p50_ms if r and both else None
+
+    def per_token(target: str) -> float | None:
+        r = find(target, scenario="long stream")
+        cost = r.cpu_ms_per_request if r else None
+        return 1000 * cost / LONG_TOKENS if cost is not None else None
+
+    idle, idle_router = summary.get("idle"), summary.get("idle_router")
+    for kind, stream in (("streamed", True), ("non-streamed", False)):
+        figure = f"CPU per {kind} request, 32 concurrent (ms)"
+        row(figure, cpu("proxy", stream), cpu("vllm-router", stream), "<= router", "{:.3f}")
+    row("streamed req/s at 32, ratio to direct", ratio("proxy"), ratio("vllm-router"),
+        ">= router", "{:.2f}x")  # fmt: skip
+    row("TTFT added at concurrency 1 (ms)", added_ttft("proxy"), added_ttft("vllm-router"),
+        "<= router", "{:+.2f}")  # fmt: skip
+    row("a 1 MiB prompt, added end to end (ms)", big("proxy"), big("vllm-router"), "<= router",
+        "{:+.1f}")  # fmt: skip
+    row("memory per idle open stream (KiB)", idle["kib_per_stream"] if idle else None,
+        idle_router["kib_per_stream"] if idle_router else None, "<= half the router",
+        "{:.1f}")  # fmt: skip
+    row(f"CPU per relayed token, {LONG_TOKENS}-token streams at 32 (us)", per_token("proxy"),
+        per_token("vllm-router"), "<= router", "{:.2f}")  # fmt: skip
     return "\n".join(lines)
 
 
