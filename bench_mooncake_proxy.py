@@ -488,7 +488,8 @@ class Bench:
         return Target("plain aiohttp (ref)", url, process.pid, process)
 
     def start_vllm_router(self) -> Target | None:
-        binary = shutil.which("vllm-router")
+        here = str(Path(sys.executable).parent)  # the venv's bin, when it is not on PATH
+        binary = shutil.which("vllm-router") or shutil.which("vllm-router", path=here)
         if binary is None:
             return None
         port = free_port()
