@@ -451,7 +451,7 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
         "proxy-2", argv, dict(os.environ), tmp_path / "proxy-2.log", f"http://127.0.0.1:{port}"
     )
     second.start()
-    outcomes: list[str] = []
+    outcomes: list[tuple[float, str]] = []  # (when it ended, "ok" or why it failed)
     stop = threading.Event()
 
     def light_load() -> None:
@@ -459,9 +459,9 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
         while not stop.is_set():
             try:
                 complete(client, True, prompt=unique_prompt(), max_tokens=8)
-                outcomes.append("ok")
+                outcomes.append((time.monotonic(), "ok"))
             except openai.OpenAIError as error:
-                outcomes.append(f"failed: {error}")
+                outcomes.append((time.monotonic(), f"failed: {error}"))
             # Light: back to back, the load would slow the restart down on these 2 cores.
             stop.wait(0.25)
 
@@ -469,6 +469,14 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
         health = json.loads(http_get(f"{proxy.url}/healthcheck")[1])
         (entry,) = [p for p in health["prefill"] if p["url"] == second.url]
         return list(entry["engine_ids"]) if entry["usable"] else []
+
+    def served() -> float:
+        """The second prefill's finished requests; -1 while it is too busy to say (a vLLM
+        starting on these 2 cores answered /metrics in over 5 s)."""
+        try:
+            return metric(second, "vllm:request_success_total")
+        except OSError:
+            return -1.0
 
     try:
         second.wait_healthy(300)
@@ -478,20 +486,23 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
         before = engine_ids()
         load = threading.Thread(target=light_load)
         load.start()
-        served = metric(second, "vllm:request_success_total")
-        assert wait_for(lambda: metric(second, "vllm:request_success_total") > served + 2, 60)
+        before_load = max(served(), 0.0)
+        assert wait_for(lambda: served() > before_load + 2, 120)
         second.stop(signal.SIGTERM)
         second.start()
         second.wait_healthy(300)
         assert wait_for(lambda: engine_ids() not in ([], before), 30)
         # Back in the rotation: the restarted server counts from 0.
-        assert wait_for(lambda: metric(second, "vllm:request_success_total") >= 2, 60)
+        assert wait_for(lambda: served() >= 2, 120)
+        back = time.monotonic()  # and requests through the proxy still succeed
+        assert wait_for(lambda: any(at > back and ok == "ok" for at, ok in outcomes), 90)
         stop.set()
         load.join(120)
     finally:
         stop.set()
         proxy.stop()
         second.stop()
-    failures = [outcome for outcome in outcomes if outcome != "ok"]
+    # How many requests the load sent varies: on these 2 cores a restart takes minutes and a
+    # request may wait out a stalled transfer. What matters is how many failed.
+    failures = [outcome for _, outcome in outcomes if outcome != "ok"]
     assert len(failures) <= 1, failures
-    assert len(outcomes) - len(failures) > 10, outcomes
