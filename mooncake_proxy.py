@@ -322,10 +322,10 @@ def parse_dns_server(text: str) -> DnsServer | None:
     elif text.count(":") == 1:
         host, port = text.split(":")
     try:
-        number, address = port_number(port), ipaddress.ip_address(host)
+        address, number = ipaddress.ip_address(host), port_number(port)
     except ValueError:
         number = 0
-    if not number:
+    if not number:  # a bad address or port, or port 0
         raise ValueError("expected the IP address of a DNS server, optionally with :PORT")
     return DnsServer(str(address), number)
 
@@ -832,6 +832,10 @@ class ProxyConfig:
             raise ConfigError("--protect-metrics needs --api-key: it is the key /metrics asks for")
 
     @property
+    def dns_names(self) -> tuple[DnsName, ...]:
+        return (*self.prefill_dns, *self.decode_dns)
+
+    @property
     def precise(self) -> bool:
         """Whether to route on the engines' KV cache events."""
         return self.kv_events_port is not None or bool(self.kv_events)
@@ -1180,7 +1184,7 @@ class ProxyState:
         prefills, decodes = list(config.prefills), list(config.decodes)
         origins = dict.fromkeys((spec.url for spec in prefills), "--prefill")
         origins |= dict.fromkeys(decodes, "--decode")
-        for name in (*config.prefill_dns, *config.decode_dns):
+        for name in config.dns_names:
             for address in self.dns_answers.get(name, ()):
                 if (url := name.url(address)) in origins:
                     continue  # also named as it is: once is enough
@@ -1210,9 +1214,7 @@ class ProxyState:
         self.admission.configure(new.max_in_flight, new.max_queue, new.queue_timeout)
         self.fleet.configure(new)
         logging.getLogger().setLevel(new.log_level)
-        self.dns_answers = {
-            n: a for n, a in self.dns_answers.items() if n in (*new.prefill_dns, *new.decode_dns)
-        }
+        self.dns_answers = {n: a for n, a in self.dns_answers.items() if n in new.dns_names}
         self.sync_members()
         self.dns_changed.set()
         log.info("configuration reloaded: %s", ", ".join(changed) or "nothing changed")
@@ -4129,14 +4131,14 @@ async def watch_dns(app: web.Application) -> None:
     while True:
         state.dns_changed.clear()
         config = state.config
-        names = (*config.prefill_dns, *config.decode_dns)
+        names = config.dns_names
         outcomes = await asyncio.gather(
             *(look_up(name, config) for name in names), return_exceptions=True
         )
         changed = [
             take_dns_answer(state, name, outcome)
             for name, outcome in zip(names, outcomes, strict=True)
-            if name in (*state.config.prefill_dns, *state.config.decode_dns)  # not reloaded away
+            if name in state.config.dns_names  # not reloaded away meanwhile
         ]
         if any(changed):
             state.sync_members()
@@ -4354,7 +4356,7 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
                 "addresses": list(state.dns_answers.get(name, ())),
                 "error": state.dns_errors.get(name),
             }
-            for name in (*state.config.prefill_dns, *state.config.decode_dns)
+            for name in state.config.dns_names
         ],
         "prefill": [instance.status() for instance in fleet.prefills],
         "decode": [instance.status() for instance in fleet.decodes],
