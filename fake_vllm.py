@@ -214,6 +214,7 @@ class KvEventPublisher:
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=10_000)
         self.drop: set[int] = set()  # sequence numbers to lose on the way (still replayable)
         self.replay_delay = 0.0  # seconds a replay request waits before it is answered
+        self.replay_requests = 0
         self.replay_task: asyncio.Task[None] | None = None
         if replay_port is not None:
             self.router = self.context.socket(zmq.ROUTER)
@@ -228,22 +229,35 @@ class KvEventPublisher:
         seq, self.seq = self.seq, self.seq + 1
         self.buffer.append((seq, payload))
         if seq not in self.drop:
-            self.send([b"", seq.to_bytes(8, "big"), payload])
+            self.send(self.frames(seq, payload))
 
     def send(self, frames: list[bytes]) -> None:
         self.pub.send_multipart(frames)  # a PUB socket never blocks: it drops at its limit
 
     async def serve_replay(self) -> None:
+        answers: set[asyncio.Task[None]] = set()  # each in its own task: a delay holds one
         while True:
             client, _, start = await self.router.recv_multipart()
-            await asyncio.sleep(self.replay_delay)
-            for seq, payload in list(self.buffer):
-                if seq >= int.from_bytes(start, "big"):
-                    frames = [client, b"", b"", seq.to_bytes(8, "big"), payload]
-                    await self.router.send_multipart(frames)
-            await self.router.send_multipart(
-                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
-            )
+            self.replay_requests += 1
+            answer = asyncio.ensure_future(self.answer_replay(client, int.from_bytes(start, "big")))
+            answers.add(answer)
+            answer.add_done_callback(answers.discard)
+
+    async def answer_replay(self, client: bytes, start: int) -> None:
+        """The buffer from ``start`` on, sent as vLLM's publisher thread sends it: all at
+        once, whatever the reader's pace (its ROUTER drops what its queue cannot hold), but
+        giving the fake's HTTP server turns, as vLLM's thread leaves its API server alone."""
+        await asyncio.sleep(self.replay_delay)
+        for n, (seq, payload) in enumerate(list(self.buffer)):
+            if seq >= start:
+                await self.router.send_multipart([client, b"", *self.frames(seq, payload)])
+            if n % 256 == 255:
+                await asyncio.sleep(0)
+        await self.router.send_multipart([client, b"", *self.frames(-1, b"")])  # the end
+
+    @staticmethod
+    def frames(seq: int, payload: bytes) -> list[bytes]:
+        return [b"", seq.to_bytes(8, "big", signed=True), payload]
 
     def close(self) -> None:
         if self.replay_task is not None:

@@ -2123,6 +2123,10 @@ class KvFeed:
         self.logged: set[str] = set()  # kinds of problem logged: each once
         self.joining = False  # replaying what the engine said before this process listened
         self.replayed = range(0)  # what that replay applied: the live stream repeats some of it
+        self.replay_paused_until = -math.inf  # monotonic; see REPLAY_PAUSE
+
+    def may_replay(self) -> bool:
+        return time.monotonic() >= self.replay_paused_until
 
     @property
     def live(self) -> bool:
@@ -3926,6 +3930,9 @@ KV_EVENTS_HWM: Final = 100_000
 # wait meanwhile, never a request.
 REPLAY_TIMEOUT: Final = 10.0
 REPLAY_SLICE: Final = 32  # replayed batches applied between two turns of the event loop
+# After a replay that did not answer, gaps are counted as missed for this long instead of
+# asked for again: each ask would hold this engine's live events back for REPLAY_TIMEOUT.
+REPLAY_PAUSE: Final = 30.0
 
 
 async def watch_kv_events(app: web.Application) -> None:
@@ -3992,7 +3999,7 @@ async def follow_kv_feed(
                     feed.next_seq = None
                 # A gap, or joining an engine that was already publishing (this proxy, or
                 # the engine, started again): what it said before is in its replay buffer.
-                if feed.replay and seq > (feed.next_seq or 0):
+                if feed.replay and seq > (feed.next_seq or 0) and feed.may_replay():
                     await replay_kv_events(state, feed, context, decode, seq)
                 take_kv_batch(state, feed, seq, decode(frames[2]))
             except Exception as error:  # msgspec's DecodeError is a ValueError
@@ -4059,6 +4066,11 @@ async def replay_kv_events(
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.IPV6, 1)
+    # vLLM sends the whole buffer at once (10,000 batches by default), and its ROUTER drops
+    # what exceeds its queue (1,000) while we read slower than it sends; ZMQ's I/O thread
+    # takes them all in here, our reading pace aside. Dropped, the batches were missed
+    # again, and the end marker with them: the join waited REPLAY_TIMEOUT.
+    dealer.setsockopt(zmq.RCVHWM, KV_EVENTS_HWM)
     dealer.connect(feed.replay)
     try:
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -4079,6 +4091,7 @@ async def replay_kv_events(
             if (applied := applied + 1) % REPLAY_SLICE == 0:
                 await asyncio.sleep(0)
     except TimeoutError:
+        feed.replay_paused_until = time.monotonic() + REPLAY_PAUSE
         if not joining:
             problem = f"replay {feed.replay} did not answer"
             kv_feed_problem(state, feed, "replay", problem, count=False)

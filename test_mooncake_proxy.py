@@ -3252,6 +3252,25 @@ async def test_kv_event_gaps_are_replayed_or_counted(
         await cluster.client.close()
 
 
+async def test_a_replay_that_does_not_answer_is_not_asked_again_at_once(
+    start_cluster: StartCluster, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each ask holds the engine's live events back until it times out: after one that did
+    not answer, the next gaps are counted as missed for a while instead."""
+    monkeypatch.setattr(mp, "REPLAY_TIMEOUT", 0.5)
+    cluster = await start_cluster(prefill=precise(tokenizer), kv_events=True, kv_replay=True)
+    publisher = cluster.prefills[0].sim(0).events
+    assert publisher is not None
+    (feed,) = (f for f in feeds(cluster).values() if f.engine_id is not None)
+    await eventually(lambda: publisher.replay_requests == 1 and not feed.joining)  # the join
+    publisher.replay_delay, publisher.drop = 60.0, {1, 3}  # two batches lost, replay stuck
+    for i in range(5):
+        await warm(cluster.prefills[0], 0, completion(prompt=f"prompt {i} . " + "red . " * 40))
+    await eventually(lambda: feed.next_seq == 5, seconds=FAST + 1)
+    assert publisher.replay_requests == 2  # the first gap's, not the second's
+    assert feed.gaps == 2 and "replay" in feed.logged  # "replay ... did not answer"
+
+
 async def test_a_proxy_that_joins_late_learns_earlier_blocks_by_replay(
     start_cluster: StartCluster, tokenizer: Any, aiohttp_client: AiohttpClient
 ) -> None:
@@ -3272,6 +3291,39 @@ async def test_a_proxy_that_joins_late_learns_earlier_blocks_by_replay(
     await warm(prefill, 0, completion(prompt="red green blue yellow . " * 12))
     await eventually(lambda: feed.next_seq == 2)
     assert feed.gaps == 0 and feed.held.match(chain) == len(chain)
+
+
+async def test_a_proxy_that_joins_a_full_replay_buffer_misses_nothing(
+    start_cluster: StartCluster, tokenizer: Any, aiohttp_client: AiohttpClient
+) -> None:
+    """vLLM answers a replay with its whole buffer at once, and its ROUTER drops what its
+    queue (1,000) cannot hold while the reader is slower: the proxy must take it all in,
+    end marker included, or its join waits out the replay's timeout with batches missed."""
+    cluster = await start_cluster(prefill=precise(tokenizer), kv_events=True, kv_replay=True)
+    (prefill,) = cluster.prefills
+    publisher = prefill.sim(0).events
+    assert publisher is not None
+    # 8,000 batches of 3 KB: more than both sockets' queues (1,000 each) and the loopback's
+    # buffers hold, since the fake, like vLLM, sends them all before the proxy reads one.
+    batches, blocks, size = 8000, 4, 256
+    for n in range(batches):  # one chain, as a long run of prompts leaves it
+        hashes = [n * blocks + i for i in range(blocks)]
+        publisher.publish([{
+            "type": "BlockStored", "block_hashes": hashes, "block_size": size,
+            "parent_block_hash": hashes[0] - 1 if n else None,
+            "token_ids": [(n + i) % 1000 for i in range(blocks * size)],
+        }])  # fmt: skip
+    started = time.monotonic()
+    late = cast(
+        TestClient[web.Request, web.Application],
+        await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
+    )
+    await wait_ready_(late)
+    (feed,) = (f for f in late.app[mp.STATE_KEY].fleet.feeds.values() if f.engine_id)
+    await eventually(lambda: feed.live, seconds=mp.REPLAY_TIMEOUT + 5)
+    assert feed.gaps == 0 and feed.next_seq == batches
+    assert len(feed.held) == batches * blocks
+    assert time.monotonic() - started < mp.REPLAY_TIMEOUT  # the end marker came too
 
 
 async def test_batches_published_while_a_proxy_catches_up_are_applied_once(
