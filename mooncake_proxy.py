@@ -1159,6 +1159,9 @@ class ProxyState:
     lingering: set[asyncio.Task[None]] = field(default_factory=set)
     # The model's tokenizer, for routing text prompts on KV events (watch_tokenizer loads it).
     tokenizer: PromptTokenizer | None = None
+    # The rest of a prompt whose reading stopped early, being read in a thread after its
+    # decision (TokenReading.rest): one at a time, as it only saves later requests' work.
+    reading_rest: asyncio.Future[None] | None = None
     # With --otlp-traces-endpoint and the [tracing] extra (tracing_ctx sets it up).
     tracing: Tracing | None = None
     # The last good answer for each --prefill-dns and --decode-dns name (watch_dns).
@@ -1177,6 +1180,10 @@ class ProxyState:
         self.metrics = Metrics(self)
         self.fleet.prefill_router.observe = self.fleet.decode_router.observe = self.metrics.routed
         self.sync_members()
+
+    def read_rest(self, reading: TokenReading) -> None:
+        if self.reading_rest is None or self.reading_rest.done():
+            self.reading_rest = asyncio.ensure_future(asyncio.to_thread(reading.rest))
 
     def sync_members(self) -> None:
         """The fleet as the configuration and the DNS answers name it now."""
@@ -1687,11 +1694,17 @@ class RouteKey:
     # token_chain per block size.
     tokens: Sequence[int] | None = None
     token_chains: dict[int, list[int]] = field(default_factory=dict, compare=False)
+    token_share: float = 1.0  # of the prompt that ``tokens`` cover (TokenReading stops early)
 
     def token_chain(self, size: int) -> list[int]:
         if (chain := self.token_chains.get(size)) is None:
             chain = self.token_chains[size] = token_chain(self.tokens or (), size)
         return chain
+
+    def token_blocks(self, size: int) -> float:
+        """How many blocks of ``size`` tokens the whole prompt has (estimated from the share
+        read, where the reading stopped early)."""
+        return len(self.token_chain(size)) / self.token_share
 
 
 def prompt_bytes(path: str, body: Mapping[str, Any]) -> bytes:
@@ -1761,7 +1774,14 @@ class PromptTokenizer:
         return cls(transformers.AutoTokenizer.from_pretrained(path, local_files_only=True), path)
 
     def tokens(self, path: str, body: Mapping[str, Any]) -> list[int] | None:
-        """None where the request is not one this can tokenize as vLLM would."""
+        """All of a prompt's ids; None where the request is not one this can tokenize as
+        vLLM would."""
+        if (prompt := self.text(path, body)) is None:
+            return None
+        return [token for ids, _ in self.steps(*prompt) for token in ids]
+
+    def text(self, path: str, body: Mapping[str, Any]) -> tuple[str, bool] | None:
+        """The text vLLM tokenizes for this request, and whether with special tokens."""
         try:
             if path.endswith("/chat/completions"):
                 text = self.chat_text(body)
@@ -1770,14 +1790,19 @@ class PromptTokenizer:
                 text, special = body.get("prompt"), body.get("add_special_tokens", True)
                 if isinstance(text, list) and text and isinstance(text[0], str):
                     text = text[0]
-            if not isinstance(text, str) or not isinstance(special, bool):
-                return None
-            if (ids := self.pieces.encode(text, special)) is not None:
-                return ids
-            whole = self.encoder.encode_batch([text], add_special_tokens=special)[0]
-            return list(whole.ids)
         except Exception:  # a template that refuses these messages: vLLM answers it, not us
             return None
+        if not isinstance(text, str) or not isinstance(special, bool):
+            return None
+        return text, special
+
+    def steps(self, text: str, special: bool) -> Iterator[tuple[list[int], int]]:
+        """The text's ids in order, a step at a time, each with the characters read so far:
+        piece by piece where that encodes as the whole does, else whole in one step."""
+        if (steps := self.pieces.steps(text, special)) is not None:
+            return steps
+        whole = self.encoder.encode_batch([text], add_special_tokens=special)[0]
+        return iter([(list(whole.ids), len(text))])
 
     def chat_text(self, body: Mapping[str, Any]) -> Any:
         messages = body.get("messages")
@@ -1823,6 +1848,7 @@ class PromptPieces:
     one difference and this stops (logged), and every prompt is encoded whole."""
 
     CHECKS: Final = 8  # requests of each kind (with special tokens or not) checked
+    STEP_CHARS: Final = 4096  # of pieces not seen before, encoded in one step (about 0.5 ms)
     LIMIT: Final = 16 << 20  # characters of pieces remembered, at most
 
     def __init__(self, encoder: Any) -> None:
@@ -1843,35 +1869,58 @@ class PromptPieces:
         self.size = 0
         self.checks = {False: 0, True: 0}
 
-    def encode(self, text: str, special: bool) -> list[int] | None:
-        """The ids of ``text`` (with the post-processor's special tokens if ``special``), or
-        None where only a whole encoding is right."""
+    def steps(self, text: str, special: bool) -> Iterator[tuple[list[int], int]] | None:
+        """The ids of ``text`` (with the post-processor's special tokens if ``special``) in
+        steps, each encoding at most STEP_CHARS of pieces not seen before, with the characters
+        read so far; None where only a whole encoding is right. The first requests of each
+        kind are read whole here and checked."""
         if not self.usable or (special and self.around is None):
             return None
         parts = self.split(text)
-        texts = [cut(part) for part in parts[0::2]]
-        known = self.known
-        if new := [p for p in dict.fromkeys(itertools.chain(*texts)) if p not in known]:
-            encoded = self.encode_many(new, add_special_tokens=False)
-            known = known | {p: e.ids for p, e in zip(new, encoded, strict=True)}
-            self.remember(new, known)
-        before, after = self.around if special and self.around else ((), ())
-        ids = list(before)
+        items: list[str | int] = []  # pieces of text, and the ids of the markers between them
         for i, part in enumerate(parts):
-            if i % 2:
-                ids.append(self.ids[part])
-            else:
-                for piece in texts[i // 2]:
-                    ids += known[piece]
-        ids += after
-        if self.checks[special] < self.CHECKS:
-            self.checks[special] += 1
-            if self.encoder.encode_batch([text], add_special_tokens=special)[0].ids != ids:
-                log.warning("this tokenizer encodes a prompt's pieces otherwise than the whole: "
-                            "prompts are tokenized whole (slower for long ones)")  # fmt: skip
-                self.usable = False
-                return None
-        return ids
+            items += cut(part) if i % 2 == 0 else [self.ids[part]]
+        before, after = self.around if special and self.around else ((), ())
+        steps = self.read(items, list(before), list(after))
+        if self.checks[special] >= self.CHECKS:
+            return steps
+        self.checks[special] += 1
+        ids = [token for step, _ in steps for token in step]
+        if self.encoder.encode_batch([text], add_special_tokens=special)[0].ids != ids:
+            log.warning("this tokenizer encodes a prompt's pieces otherwise than the whole: "
+                        "prompts are tokenized whole (slower for long ones)")  # fmt: skip
+            self.usable = False
+            return None
+        return iter([(ids, len(text))])
+
+    def read(
+        self, items: list[str | int], before: list[int], after: list[int]
+    ) -> Iterator[tuple[list[int], int]]:
+        ids, read, at = before, 0, 0
+        while at < len(items):
+            known = self.known
+            new: dict[str, None] = {}  # the next pieces not seen before, up to STEP_CHARS
+            size = 0
+            for item in itertools.islice(items, at, None):
+                if isinstance(item, str) and item not in known and item not in new:
+                    if new and size + len(item) > self.STEP_CHARS:
+                        break
+                    new[item], size = None, size + len(item)
+            if new:
+                encoded = self.encode_many(list(new), add_special_tokens=False)
+                known = known | {p: e.ids for p, e in zip(new, encoded, strict=True)}
+                self.remember(list(new), known)
+            while at < len(items) and ((item := items[at]) in known or isinstance(item, int)):
+                if isinstance(item, int):
+                    ids.append(item)
+                else:
+                    ids += known[item]
+                    read += len(item)
+                at += 1
+            yield ids, read
+            ids = []
+        if ids or after:  # an empty text's special tokens, or those after the text
+            yield ids + after, read
 
     def remember(self, new: list[str], known: dict[str, list[int]]) -> None:
         self.size += sum(map(len, new))
@@ -1925,9 +1974,74 @@ def token_chain(tokens: Sequence[int], size: int) -> list[int]:
     """A hash per full block of ``size`` token ids, chained with every block before it, the
     same way as HeldBlocks.stored hashes the token ids of vLLM's BlockStored events. Hashes of
     ints and tuples of ints are the same in every process (unlike those of str and bytes)."""
-    starts = range(0, len(tokens) // size * size, size)
-    blocks = (tuple(tokens[start : start + size]) for start in starts)
-    return list(itertools.accumulate(map(hash, zip(itertools.count(), blocks)), operator.xor))
+    chain: list[int] = []
+    extend_chain(chain, tokens, size)
+    return chain
+
+
+def extend_chain(chain: list[int], tokens: Sequence[int], size: int) -> None:
+    """Append to ``chain`` (token_chain's of a prefix of ``tokens``) the blocks it lacks."""
+    last = chain[-1] if chain else 0
+    for position in range(len(chain), len(tokens) // size):
+        last ^= hash((position, tuple(tokens[position * size : (position + 1) * size])))
+        chain.append(last)
+
+
+class TokenReading:
+    """A text prompt's token ids, read only as far as routing needs them: up to the first
+    block that no engine's KV events say it holds or evicted lately, at every block size the
+    engines use. A prompt never seen costs a step (STEP_CHARS), not the whole of it. The rest
+    is read after the decision (rest), off the request's path: a chat's next turn then finds
+    this one's pieces encoded."""
+
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        path: str,
+        body: Mapping[str, Any],
+        views: list[HeldBlocks],
+    ) -> None:
+        self.tokenizer, self.path, self.body = tokenizer, path, body
+        self.views = views
+        self.tokens: list[int] | None = None  # None: not a prompt this can tokenize
+        self.chains: dict[int, list[int]] = {view.block_size: [] for view in views}
+        self.share = 0.0
+        self.steps: Iterator[tuple[list[int], int]] = iter(())
+
+    def read(self) -> None:
+        """Runs in a thread for long prompts: the views are only looked up, never iterated."""
+        if (prompt := self.tokenizer.text(self.path, self.body)) is None:
+            return
+        text, special = prompt
+        self.tokens, self.steps = [], self.tokenizer.steps(text, special)
+        for ids, read in self.steps:
+            self.tokens += ids
+            self.share = read / len(text)
+            for size, chain in self.chains.items():
+                extend_chain(chain, self.tokens, size)
+            if self.past_held():
+                return
+        self.share = 1.0
+
+    def past_held(self) -> bool:
+        for view in self.views:
+            chain = self.chains[view.block_size]
+            if not chain or chain[-1] in view.chains or chain[-1] in view.evicted:
+                return False
+        return True
+
+    def key(self, route: RouteKey) -> RouteKey:
+        if self.tokens is None:
+            return route
+        chains = dict(self.chains)
+        share = max(self.share, 1e-3)
+        return dataclasses.replace(
+            route, tokens=self.tokens, token_chains=chains, token_share=share
+        )
+
+    def rest(self) -> None:
+        for _ in self.steps:  # each encoded piece is remembered
+            pass
 
 
 def leading(chain: Sequence[int], held: Container[int]) -> int:
@@ -2208,8 +2322,11 @@ class Target:
         feed = self.feed
         if feed is None or not self.hears_events or key.tokens is None:
             return self.index.match(key.chain)
-        chain = key.token_chain(feed.held.block_size)
-        reported = feed.held.match(chain) * len(key.chain) / len(chain) if chain else 0.0
+        size = feed.held.block_size
+        chain = key.token_chain(size)
+        reported = (
+            feed.held.match(chain) * len(key.chain) / key.token_blocks(size) if chain else 0.0
+        )
         # A prompt's blocks reach the events once its prefill ran: what this process sent
         # there a moment ago is on its way, and counts too.
         return max(reported, self.index.match_sent_lately(key.chain))
@@ -2731,6 +2848,10 @@ class Fleet:
     def hears_kv_events(self) -> bool:
         """Whether any engine has published KV events: only then are prompts tokenized."""
         return any(feed.live for feed in self.feeds.values())
+
+    def kv_views(self) -> list[HeldBlocks]:
+        """What the engines that publish KV events hold, as they say."""
+        return [f.held for f in self.feeds.values() if f.live and f.held.block_size > 0]
 
     def take_out(self, backend: Backend, error: str) -> None:
         """A live request could not reach ``backend``: out of the rotation at once."""
@@ -3336,17 +3457,23 @@ class Exchange:
         return cls(request, state, body, stats, headers, state.config.max_retries, route)
 
     async def learn_tokens(self) -> None:
-        """With KV events heard, the prompt's token ids as vLLM computes them, to match the
-        blocks the engines hold (a long prompt is tokenized in a thread, off the loop)."""
+        """With KV events heard, the prompt's token ids as vLLM computes them, as far as they
+        match blocks the engines hold (a long prompt is tokenized in a thread, off the loop)."""
         state = self.state
         if self.route is None or not state.fleet.hears_kv_events:
             return
-        tokens = prompt_token_ids(self.request.path, self.body)
-        if tokens is None and (tokenizer := state.tokenizer) is not None:
-            work = functools.partial(tokenizer.tokens, self.request.path, self.body)
-            tokens = await asyncio.to_thread(work) if self.route.length > INLINE_TOKENS else work()
-        if tokens is not None:
+        if (tokens := prompt_token_ids(self.request.path, self.body)) is not None:
             self.route = dataclasses.replace(self.route, tokens=tokens)
+        elif (tokenizer := state.tokenizer) is not None:
+            views = state.fleet.kv_views()
+            reading = TokenReading(tokenizer, self.request.path, self.body, views)
+            if self.route.length > INLINE_TOKENS:
+                await asyncio.to_thread(reading.read)
+            else:
+                reading.read()
+            self.route = reading.key(self.route)
+            if reading.share < 1.0:
+                state.read_rest(reading)
 
     @contextlib.asynccontextmanager
     async def attempt(self) -> AsyncIterator[Attempt]:

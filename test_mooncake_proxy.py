@@ -3145,6 +3145,57 @@ def test_earlier_turns_and_shared_prefixes_are_not_tokenized_again(tokenizer_dir
     assert stripping.tokens(CHAT, chat(messages=messages)) is not None
 
 
+def test_a_prompt_is_read_only_as_far_as_the_engines_hold_it(tokenizer_dir: Path) -> None:
+    """A long prompt no engine holds costs one step of tokenizing on its request's path; one
+    whose head an engine holds is read past that head, and matches it as the whole would;
+    the rest, read after the decision, leaves every piece encoded for the next turn."""
+    prompt_tokenizer = mp.PromptTokenizer.load(str(tokenizer_dir))
+    for _ in range(2 * mp.PromptPieces.CHECKS):  # past the first requests, read whole to check
+        prompt_tokenizer.tokens(COMPLETIONS, completion(prompt=f"{_} red green ."))
+        prompt_tokenizer.tokens(CHAT, chat(messages=[{"role": "user", "content": "hi"}]))
+    words = "the proxy sends the prompt to the prefill server . decode pulls it . "
+    turns = [{"role": "user", "content": f"turn {i} . " + words * 60} for i in range(8)]
+    body = chat(messages=turns)  # about 34,000 characters, 9,000 tokens
+    whole = prompt_tokenizer.tokens(CHAT, body)
+    assert whole is not None
+    prompt_tokenizer.pieces.known = {}
+    held = mp.HeldBlocks()  # an engine that holds another prompt only
+    held.stored(None, [b"other"], [3] * BLOCK_TOKENS, BLOCK_TOKENS)
+    route = mp.route_key(CHAT, body, None)
+    reading = mp.TokenReading(prompt_tokenizer, CHAT, body, [held])
+    reading.read()
+    assert reading.tokens is not None and reading.tokens == whole[: len(reading.tokens)]
+    assert reading.share < 0.25  # one step of new pieces, not the whole prompt
+    assert sum(map(len, prompt_tokenizer.pieces.known)) <= mp.PromptPieces.STEP_CHARS + 2048
+    key = reading.key(route)
+    assert key.token_blocks(BLOCK_TOKENS) == pytest.approx(len(whole) / BLOCK_TOKENS, rel=0.15)
+    reading.rest()  # what the proxy does after the decision, in a thread
+    assert prompt_tokenizer.tokens(CHAT, body) == whole
+    # An engine that holds the first 70% of it: read past that, and matched as the whole is.
+    head = whole[: len(whole) * 7 // 10 // BLOCK_TOKENS * BLOCK_TOKENS]
+    held.stored(None, [f"b{i}".encode() for i in range(len(head) // BLOCK_TOKENS)],
+                head, BLOCK_TOKENS)  # fmt: skip
+    prompt_tokenizer.pieces.known = {}
+    reading = mp.TokenReading(prompt_tokenizer, CHAT, body, [held])
+    reading.read()
+    assert reading.tokens is not None and 0.7 < reading.share < 1.0
+    chain = reading.key(route).token_chain(BLOCK_TOKENS)
+    assert held.match(chain) == held.match(mp.token_chain(whole, BLOCK_TOKENS))
+    assert held.match(chain) == len(head) // BLOCK_TOKENS
+    # Held all through, or evicted lately there: read to the end.
+    held.stored(None, [f"w{i}".encode() for i in range(len(whole) // BLOCK_TOKENS)],
+                whole, BLOCK_TOKENS)  # fmt: skip
+    held.removed([f"w{i}".encode() for i in range(len(whole) // BLOCK_TOKENS)])
+    held.removed([f"b{i}".encode() for i in range(len(head) // BLOCK_TOKENS)])
+    reading = mp.TokenReading(prompt_tokenizer, CHAT, body, [held])
+    reading.read()
+    assert reading.share == 1.0 and reading.tokens == whole
+    # Not a prompt it can tokenize: the key stays as it was.
+    odd = mp.TokenReading(prompt_tokenizer, CHAT, chat(messages="not a list"), [held])
+    odd.read()
+    assert odd.key(route) is route
+
+
 def precise(tokenizer: Any, cache_blocks: int = 256) -> dict[str, Any]:
     return {"cache_blocks": cache_blocks, "tokenizer": tokenizer}
 
@@ -3199,6 +3250,38 @@ async def test_routing_follows_the_blocks_engines_report(
     status = (await (await cluster.client.get("/healthcheck")).json())["prefill"][0]
     assert status["engines"][0]["kv_source"].startswith("kv events (tcp://127.0.0.1:")
     assert status["engines"][0]["kv_blocks"] > 0
+
+
+async def test_long_prompts_go_to_the_engine_that_holds_the_most_of_them(
+    start_cluster: StartCluster, tokenizer: Any, tokenizer_dir: Path
+) -> None:
+    """Long prefixes another router put on two engines, a short head of each on one and the
+    whole on the other: the proxy reads each prompt past the head (it stops only where no
+    engine holds it) and sends it where the whole is."""
+    cluster = await start_cluster(
+        prefill_dp=(2, 2), prefill=precise(tokenizer, cache_blocks=4096), kv_events=True,
+        tokenizer=str(tokenizer_dir),
+    )  # fmt: skip
+    await eventually(lambda: cluster.client.app[mp.STATE_KEY].tokenizer is not None)
+    words = "the proxy sends the prompt to the prefill server . decode pulls it . "
+    engines = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    placed = {}
+    for i in range(4):
+        prefix = f"tenant {i} . {words}" * 180  # 14 KB, its own throughout: steps of reading
+        short, whole = engines[i], engines[3 - i]
+        await warm(cluster.prefills[short[0]], short[1], completion(prompt=prefix[:5000]))
+        await warm(cluster.prefills[whole[0]], whole[1], completion(prompt=prefix))
+        placed[prefix + " and a question"] = whole
+    await eventually(lambda: sum(f.batches for f in feeds(cluster).values()) == 8)
+    for i in range(mp.PromptPieces.CHECKS):  # read whole, to check the reading by pieces
+        body = completion(prompt=f"warming up {i} . " + words)
+        assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+    for prompt, (instance, rank) in placed.items():
+        before = len(cluster.prefills[instance].requests)
+        body = completion(prompt=prompt)
+        assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+        assert len(cluster.prefills[instance].requests) == before + 1
+        assert cluster.prefills[instance].requests[-1].headers["X-data-parallel-rank"] == str(rank)
 
 
 async def test_an_evicted_prefix_goes_back_to_the_engine_that_evicted_it(
