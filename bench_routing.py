@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import random
@@ -41,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -464,10 +463,11 @@ def costs_fleet() -> mp.Fleet:
 
 
 def precise_costs(tokenizer_dir: Path) -> list[tuple[str, float]]:
-    """What routing on KV events costs on the request path for a 32k-token chat: its
-    tokenization (the chat template and the tokenizer, as vLLM applies them), then the
-    decision for both stages with every engine's event view holding half of it; and the
-    memory of an event view per block."""
+    """What routing on KV events costs on the request path for a 32k-token chat: reading its
+    tokens as far as routing needs them (the chat template and the tokenizer, as vLLM applies
+    them) as engines hold none, half or all of it, and all of its tokens; then the decision
+    for both stages with every engine's event view holding half of it; and the memory of an
+    event view per block."""
     import tracemalloc
 
     import mooncake_proxy as mp
@@ -478,22 +478,44 @@ def precise_costs(tokenizer_dir: Path) -> list[tuple[str, float]]:
     while len(tokenizer.tokens(CHAT, body) or ()) < 32768:
         messages.append({"role": "user", "content": filler(f"turn {len(messages)}", 4096)})
     tokens = tokenizer.tokens(CHAT, body) or []
-    first, next_turn = [], []
-    for turn in range(20):
+    for _ in range(2 * mp.PromptPieces.CHECKS):  # past the first requests, read whole to check
+        tokenizer.tokens(CHAT, {"messages": [{"role": "user", "content": "hi"}]})
+    # Engines that hold another prompt, half of this one, or all of it.
+    other, half_held, all_held = mp.HeldBlocks(), mp.HeldBlocks(), mp.HeldBlocks()
+    other.stored(None, [b"other"], [3] * BLOCK, BLOCK)
+    for view, share in ((half_held, 2), (all_held, 1)):
+        ids = [b"%d" % n for n in range(len(tokens) // share // BLOCK)]
+        view.stored(None, ids, tokens[: len(ids) * BLOCK], BLOCK)
+    question = {"role": "user", "content": filler("question", 1024)}
+    grown = body | {"messages": [*messages, question]}
+
+    def read(prompt: dict[str, Any], views: list[mp.HeldBlocks], seen: bool) -> float:
         tokenizer.pieces.known = {}  # a chat never seen
+        if seen:
+            tokenizer.tokens(CHAT, body)
         started = time.perf_counter()
-        tokenizer.tokens(CHAT, body)
-        first.append(time.perf_counter() - started)
-        question = {"role": "user", "content": filler(f"question {turn}", 1024)}
-        grown = body | {"messages": [*messages, question]}
+        mp.TokenReading(tokenizer, CHAT, prompt, views).read()
+        return time.perf_counter() - started
+
+    def whole(prompt: dict[str, Any]) -> float:
+        tokenizer.pieces.known = {}
         started = time.perf_counter()
-        tokenizer.tokens(CHAT, grown)  # its earlier turns were seen: only the new one is encoded
-        next_turn.append(time.perf_counter() - started)
-    rows = [
-        (f"tokenize a {len(tokens):,}-token chat never seen (a thread's work)",
-         statistics.median(first) * 1e6),
-        ("tokenize its next turn (+1 KiB)", statistics.median(next_turn) * 1e6),
+        tokenizer.tokens(CHAT, prompt)
+        return time.perf_counter() - started
+
+    measures: list[tuple[str, Callable[[], float]]] = [
+        (f"read a {len(tokens):,}-token chat never seen, as routing needs it",
+         lambda: read(body, [other], False)),
+        ("read it, its first half held by an engine (sent there by another proxy)",
+         lambda: read(body, [half_held], False)),
+        ("read its next turn (+1 KiB), every earlier turn held",
+         lambda: read(grown, [all_held], True)),
+        ("tokenize all of it (a never-seen chat's rest: after the decision, in a thread)",
+         lambda: whole(body)),
     ]  # fmt: skip
+    rows = []
+    for label, measure in measures:
+        rows.append((label, statistics.median(measure() for _ in range(20)) * 1e6))
     fleet = costs_fleet()
     held = mp.HeldBlocks()
     half = tokens[: len(tokens) // 2]
@@ -503,15 +525,18 @@ def precise_costs(tokenizer_dir: Path) -> list[tuple[str, float]]:
     for target in (*engines, *fleet.decodes):
         target.feed = mp.KvFeed("tcp://bench:5557", None)
         target.feed.held, target.feed.batches = held, 1
+    tokenizer.tokens(CHAT, body)  # its pieces seen
     times = []
     for _ in range(40):
+        reading = mp.TokenReading(tokenizer, CHAT, body, [held])
+        reading.read()  # measured above; what the decision is given
         started = time.perf_counter()
-        key = dataclasses.replace(mp.route_key(CHAT, body, None), tokens=tokens)
+        key = reading.key(mp.route_key(CHAT, body, None))
         engine, decode = fleet.claim_prefill((), key), fleet.claim_decode((), key)
         times.append(time.perf_counter() - started)
         fleet.release_prefill(engine)
         fleet.release_decode(decode)
-    rows.append(("routing decision on KV events (both stages), that chat, tokenized",
+    rows.append(("routing decision on KV events (both stages), that chat, its tokens read",
                  statistics.median(times) * 1e6))  # fmt: skip
     tracemalloc.start()
     view = mp.HeldBlocks()

@@ -1848,7 +1848,10 @@ class PromptPieces:
     one difference and this stops (logged), and every prompt is encoded whole."""
 
     CHECKS: Final = 8  # requests of each kind (with special tokens or not) checked
-    STEP_CHARS: Final = 4096  # of pieces not seen before, encoded in one step (about 0.5 ms)
+    # Characters of pieces not seen before that one step encodes: one piece first (about
+    # 0.2 ms), twice as many each next step, so a prompt held deep takes a few steps only.
+    FIRST_STEP: Final = PIECE_CHARS
+    LAST_STEP: Final = 64 * PIECE_CHARS
     LIMIT: Final = 16 << 20  # characters of pieces remembered, at most
 
     def __init__(self, encoder: Any) -> None:
@@ -1871,7 +1874,7 @@ class PromptPieces:
 
     def steps(self, text: str, special: bool) -> Iterator[tuple[list[int], int]] | None:
         """The ids of ``text`` (with the post-processor's special tokens if ``special``) in
-        steps, each encoding at most STEP_CHARS of pieces not seen before, with the characters
+        steps, each encoding a few pieces not seen before (FIRST_STEP), with the characters
         read so far; None where only a whole encoding is right. The first requests of each
         kind are read whole here and checked."""
         if not self.usable or (special and self.around is None):
@@ -1896,20 +1899,21 @@ class PromptPieces:
     def read(
         self, items: list[str | int], before: list[int], after: list[int]
     ) -> Iterator[tuple[list[int], int]]:
-        ids, read, at = before, 0, 0
+        ids, read, at, step = before, 0, 0, self.FIRST_STEP
         while at < len(items):
             known = self.known
-            new: dict[str, None] = {}  # the next pieces not seen before, up to STEP_CHARS
+            new: dict[str, None] = {}  # the next pieces not seen before, up to ``step``
             size = 0
             for item in itertools.islice(items, at, None):
                 if isinstance(item, str) and item not in known and item not in new:
-                    if new and size + len(item) > self.STEP_CHARS:
+                    if new and size + len(item) > step:
                         break
                     new[item], size = None, size + len(item)
             if new:
                 encoded = self.encode_many(list(new), add_special_tokens=False)
                 known = known | {p: e.ids for p, e in zip(new, encoded, strict=True)}
                 self.remember(list(new), known)
+                step = min(2 * step, self.LAST_STEP)
             while at < len(items) and ((item := items[at]) in known or isinstance(item, int)):
                 if isinstance(item, int):
                     ids.append(item)
@@ -1981,16 +1985,20 @@ def token_chain(tokens: Sequence[int], size: int) -> list[int]:
 
 def extend_chain(chain: list[int], tokens: Sequence[int], size: int) -> None:
     """Append to ``chain`` (token_chain's of a prefix of ``tokens``) the blocks it lacks."""
-    last = chain[-1] if chain else 0
-    for position in range(len(chain), len(tokens) // size):
-        last ^= hash((position, tuple(tokens[position * size : (position + 1) * size])))
-        chain.append(last)
+    start = len(chain)
+    rest = iter(tokens[start * size : len(tokens) // size * size])
+    # One iterator zipped with itself: tuples of ``size`` ids, as many as whole blocks.
+    blocks = zip(itertools.count(start), zip(*[rest] * size, strict=True))
+    hashes = itertools.accumulate(
+        map(hash, blocks), operator.xor, initial=chain[-1] if chain else 0
+    )
+    chain += itertools.islice(hashes, 1, None)
 
 
 class TokenReading:
     """A text prompt's token ids, read only as far as routing needs them: up to the first
     block that no engine's KV events say it holds or evicted lately, at every block size the
-    engines use. A prompt never seen costs a step (STEP_CHARS), not the whole of it. The rest
+    engines use. A prompt never seen costs a step (FIRST_STEP), not the whole of it. The rest
     is read after the decision (rest), off the request's path: a chat's next turn then finds
     this one's pieces encoded."""
 
