@@ -344,6 +344,7 @@ class FakeVllm:
     hang: bool = False  # never answer completions
     token_delay: float = 0.0  # seconds between streamed tokens
     transfer_delay: float = 0.0  # decode: seconds a KV transfer takes once the KV is there
+    pull_delay: float = 0.0  # decode: seconds before it asks for the KV (its scheduler busy)
     keepalive_first: bool = False  # a streaming decode sends ": keep-alive" before its KV
     break_after_tokens: int | None = None  # drop the connection mid-stream
     linger_after_done: float = 0.0  # seconds between a stream's [DONE] and its end
@@ -650,6 +651,7 @@ class FakeVllm:
             if self.keepalive_first:
                 await self.write(response, request_id, b": keep-alive\n\n")
         if worker is not None:
+            await asyncio.sleep(self.pull_delay)
             failure = await self.pull_kv(worker, params, prompt)
             await asyncio.sleep(self.transfer_delay)
             if failure is None and self.cache_blocks:

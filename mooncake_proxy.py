@@ -2535,6 +2535,9 @@ class Backend:
         # dropped from there: it then takes no new requests once another is usable.
         self.origin = ""
         self.leaving = False
+        # Told why, when what it held is lost (it went down, or restarted): decodes waiting
+        # for a prefill's KV there.
+        self.down_watchers: set[Callable[[str], None]] = set()
 
     @property
     def named(self) -> tuple[str, URL, str]:
@@ -2558,7 +2561,7 @@ class Backend:
         self.slow = False
         if not self.usable or self.failures < unhealthy_after:
             return False
-        self.usable, self.since = False, time.time()
+        self.went_down()
         return True
 
     def connection_refused(self, error: str) -> bool:
@@ -2569,8 +2572,16 @@ class Backend:
         self.recheck.set()
         if not self.usable:
             return False
-        self.usable, self.since = False, time.time()
+        self.went_down()
         return True
+
+    def went_down(self) -> None:
+        self.usable, self.since = False, time.time()
+        self.lost_all(f"went down ({self.last_error})")
+
+    def lost_all(self, why: str) -> None:
+        for watcher in list(self.down_watchers):
+            watcher(why)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -3376,27 +3387,42 @@ def leg_error(task: asyncio.Task[None]) -> BaseException | None:
 
 
 @contextlib.asynccontextmanager
-async def stopped_if_prefill_fails(prefill: asyncio.Task[None]) -> AsyncIterator[None]:
+async def stopped_if_prefill_fails(
+    attempt: Attempt, prefill: asyncio.Task[None]
+) -> AsyncIterator[None]:
     """Runs the decode leg (the block) while ``prefill`` runs beside it.
 
     A prefill that fails while the block runs means its KV will never come: the block is
     cancelled at once rather than after vLLM's KV timeout, and the prefill's error leaves it in
-    place of whatever the decode did, as the root cause. The block runs in the handler's own
-    task (one task less per request); a client gone at the same time still wins.
+    place of whatever the decode did, as the root cause. So does a prefill instance that goes
+    down (its checks fail, its port refuses) before the decode's first bytes, even after the
+    prefill answered: the KV it held went with it, and the decode would wait out Mooncake's
+    timeouts; no byte has reached the client, so the pair is tried again elsewhere. The block
+    runs in the handler's own task (one task less per request); a client gone at the same
+    time still wins.
     """
     handler = asyncio.current_task()
     assert handler is not None
+    instance, response = attempt.engine.instance, attempt.exchange.response
     running = True
+    lost: list[Unreachable] = []
 
     def stop_the_decode(done: asyncio.Task[None]) -> None:
         if running and leg_error(done) is not None:
             handler.cancel()
 
+    def instance_down(why: str) -> None:
+        if running and not response.prepared and not lost:
+            message = f"prefill {instance.url} {why} before its KV was pulled"
+            lost.append(Unreachable(502, message, reason="kv_lost", backend=instance))
+            handler.cancel()
+
     prefill.add_done_callback(stop_the_decode)
+    instance.down_watchers.add(instance_down)
     try:
         yield
     except (asyncio.CancelledError, ProxyError) as error:
-        cause = leg_error(prefill)
+        cause = leg_error(prefill) or (lost[0] if lost else None)
         if cause is None:
             raise
         if isinstance(error, asyncio.CancelledError) and handler.uncancel() > 0:
@@ -3404,6 +3430,7 @@ async def stopped_if_prefill_fails(prefill: asyncio.Task[None]) -> AsyncIterator
         raise cause from None
     finally:
         running = False
+        instance.down_watchers.discard(instance_down)
 
 
 # --- the PD flow
@@ -3418,7 +3445,7 @@ async def run_pd_request(request: web.Request, body: dict[str, Any]) -> web.Stre
         try:
             async with (
                 exchange.attempt() as attempt,  # 2, 3: a prefill engine, a decode, the ids
-                stopped_if_prefill_fails(attempt.send_prefill()),  # 4; 6 if the prefill fails
+                stopped_if_prefill_fails(attempt, attempt.send_prefill()),  # 4; 6, 7 if it fails
             ):
                 await attempt.relay_decode()  # 4, 5; and 7 while a decode is unreachable
             return exchange.response
@@ -3926,6 +3953,7 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
                 "prefill %s engine ids changed (restarted?): %s -> %s",
                 *(backend.url, ", ".join(backend.engine_ids), ", ".join(engine_ids)),
             )
+            backend.lost_all("restarted (new engine ids)")
         # Swapped in one assignment: no request after this names an old engine id.
         fleet.set_engines(backend, engine_ids)
     if backend.check_passed(config.healthy_after):

@@ -2565,6 +2565,39 @@ async def test_a_refused_prefill_is_retried_elsewhere_with_a_new_transfer_id(
     assert not fleet_of(cluster).prefills[0].usable
 
 
+@pytest.mark.parametrize("how", ["down", "restarted"])
+async def test_a_prefill_lost_before_its_kv_was_pulled_is_tried_again(
+    start_cluster: StartCluster, how: str
+) -> None:
+    """The prefill answered, then its instance went down (or restarted) with the KV it held,
+    before the decode pulled it: the decode would wait out its KV timeout (vLLM: 90 s and
+    more). Once the proxy finds the instance down, or its engine ids new, the pair starts
+    again; no byte had reached the client."""
+    cluster = await start_cluster(
+        prefill_dp=(1, 1), health_interval=0.05, decode={"pull_delay": 1.0},  # a busy decode
+        prefill_policy=mp.Policy.ROUND_ROBIN,
+    )  # fmt: skip
+    started = time.monotonic()
+    sent = asyncio.ensure_future(cluster.client.post(COMPLETIONS, json=completion(stream=True)))
+    await eventually(lambda: any(p.requests for p in cluster.prefills))
+    (first,) = (p for p in cluster.prefills if p.requests)
+    await eventually(lambda: first.running == 0)  # it answered: the KV waits for its pull
+    first.restart()  # the KV it held is gone, and its engine ids are new
+    if how == "down":
+        first.health_status = 503
+    response = await sent
+    assert response.status == 200
+    events = sse_events(await response.read())
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    assert time.monotonic() - started < KV_TIMEOUT / 2
+    transfers = [r.body["kv_transfer_params"]["transfer_id"] for r in cluster.decodes[0].requests]
+    assert len(transfers) == 2 and len(set(transfers)) == 2  # the first decode was abandoned
+    await eventually(lambda: cluster.decodes[0].running == 0)
+    assert len(cluster.decodes[0].aborted) == 1
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_errors_total", stage="prefill", reason="kv_lost") == 1
+
+
 async def test_retries_are_bounded_and_the_error_names_what_was_tried(
     start_cluster: StartCluster,
 ) -> None:
