@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -693,14 +694,42 @@ def plot(results: list[Result], path: str) -> None:
 
 
 async def bench(args: argparse.Namespace, cluster: Cluster) -> list[Result]:
+    """Every target on every workload; with --rounds, each again in rounds whose order turns
+    (the machine's noise spread over all), and the median of each figure kept."""
     results: list[Result] = []
     for name, requests in workloads(args):
         if args.workload and name not in args.workload:
             continue
-        for target, argvs in targets(cluster, args.quick):
-            if (result := await run(cluster, name, target, argvs, requests)) is not None:
-                results.append(result)
+        runs: dict[str, list[Result]] = {}
+        for round_ in range(args.rounds):
+            chosen = targets(cluster, args.quick)
+            turn = round_ % len(chosen)
+            for target, argvs in chosen[turn:] + chosen[:turn]:
+                if (result := await run(cluster, name, target, argvs, requests)) is not None:
+                    runs.setdefault(target, []).append(result)
+        results += [median_of(rows) for rows in runs.values()]
     return results
+
+
+def median_of(rows: list[Result]) -> Result:
+    """One target's rounds on one workload as one row: each figure's median."""
+    if len(rows) == 1:
+        return rows[0]
+
+    def median(figure: str) -> float:
+        return float(statistics.median(float(getattr(r, figure)) for r in rows))
+
+    return dataclasses.replace(
+        rows[0],
+        requests=sum(r.requests for r in rows),
+        errors=sum(r.errors for r in rows),
+        hit_rate=median("hit_rate"),
+        ttft_p50_ms=median("ttft_p50_ms"),
+        ttft_p90_ms=median("ttft_p90_ms"),
+        max_over_mean=median("max_over_mean"),
+        decode_local=median("decode_local"),
+        extra={"rounds": [dataclasses.asdict(r) for r in rows]},
+    )
 
 
 def unit(label: str) -> str:
@@ -722,6 +751,9 @@ def main() -> int:
         help="engines with a real tokenizer that publish KV events: the estimate against them",
     )
     parser.add_argument("--workload", action="append", help="only these workloads (by name)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run every row this many times; medians kept"
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     args = parser.parse_args()
