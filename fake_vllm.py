@@ -342,7 +342,7 @@ class FakeVllm:
     force_finish_reason: str | None = None  # e.g. "stop": the one-token prefill ends early
     delay: float = 0.0  # seconds of "compute" before answering (prefill) or pulling (decode)
     hang: bool = False  # never answer completions
-    token_delay: float = 0.0  # seconds between streamed tokens
+    token_delay: float = 0.0  # seconds between tokens (a non-streamed answer waits for all)
     transfer_delay: float = 0.0  # decode: seconds a KV transfer takes once the KV is there
     pull_delay: float = 0.0  # decode: seconds before it asks for the KV (its scheduler busy)
     keepalive_first: bool = False  # a streaming decode sends ": keep-alive" before its KV
@@ -768,6 +768,7 @@ class FakeVllm:
             "total_tokens": generation.prompt_tokens + len(generation.tokens),
         }
         if not body.get("stream"):
+            await asyncio.sleep(self.token_delay * len(generation.tokens))  # generating them
             text = "".join(generation.tokens)
             choice: dict[str, Any] = {"index": 0, "logprobs": None}
             if chat:

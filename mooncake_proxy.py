@@ -3395,15 +3395,16 @@ async def stopped_if_prefill_fails(
     A prefill that fails while the block runs means its KV will never come: the block is
     cancelled at once rather than after vLLM's KV timeout, and the prefill's error leaves it in
     place of whatever the decode did, as the root cause. So does a prefill instance that goes
-    down (its checks fail, its port refuses) before the decode's first bytes, even after the
-    prefill answered: the KV it held went with it, and the decode would wait out Mooncake's
-    timeouts; no byte has reached the client, so the pair is tried again elsewhere. The block
-    runs in the handler's own task (one task less per request); a client gone at the same
-    time still wins.
+    down (its checks fail, its port refuses) or restarts before a streamed decode's first
+    bytes, even after the prefill answered: the KV it held went with it, and the decode would
+    wait out Mooncake's timeouts; no byte has reached the client, so the pair is tried again
+    elsewhere. Not a non-streamed one: it sends nothing before its whole answer, so a decode
+    still waiting for the KV cannot be told from one generating. The block runs in the
+    handler's own task (one task less per request); a client gone at the same time still wins.
     """
     handler = asyncio.current_task()
     assert handler is not None
-    instance, response = attempt.engine.instance, attempt.exchange.response
+    instance, exchange = attempt.engine.instance, attempt.exchange
     running = True
     lost: list[Unreachable] = []
 
@@ -3412,13 +3413,14 @@ async def stopped_if_prefill_fails(
             handler.cancel()
 
     def instance_down(why: str) -> None:
-        if running and not response.prepared and not lost:
+        if running and not exchange.response.prepared and not lost:
             message = f"prefill {instance.url} {why} before its KV was pulled"
             lost.append(Unreachable(502, message, reason="kv_lost", backend=instance))
             handler.cancel()
 
     prefill.add_done_callback(stop_the_decode)
-    instance.down_watchers.add(instance_down)
+    if exchange.body.get("stream") is True:
+        instance.down_watchers.add(instance_down)
     try:
         yield
     except (asyncio.CancelledError, ProxyError) as error:

@@ -2598,6 +2598,25 @@ async def test_a_prefill_lost_before_its_kv_was_pulled_is_tried_again(
     assert sample(samples, "mooncake_proxy_errors_total", stage="prefill", reason="kv_lost") == 1
 
 
+async def test_a_non_streamed_decode_is_left_to_finish_when_its_prefill_goes_down(
+    start_cluster: StartCluster,
+) -> None:
+    """A non-streamed decode sends nothing before its whole answer: one that pulled its KV
+    and is generating cannot be told from one still waiting, and is not started again."""
+    cluster = await start_cluster(
+        prefill_dp=(1, 1), health_interval=0.05, decode={"token_delay": 0.1},
+        prefill_policy=mp.Policy.ROUND_ROBIN,
+    )  # fmt: skip
+    sent = asyncio.ensure_future(cluster.client.post(COMPLETIONS, json=completion()))
+    await eventually(lambda: cluster.decodes[0].kv_tokens_received > 0)  # it pulled the KV
+    (first,) = (p for p in cluster.prefills if p.requests)
+    first.health_status = 503
+    await eventually(lambda: not fleet_of(cluster).prefills[cluster.prefills.index(first)].usable)
+    response = await sent
+    assert response.status == 200, await response.text()
+    assert len(cluster.decodes[0].requests) == 1  # not started again
+
+
 async def test_retries_are_bounded_and_the_error_names_what_was_tried(
     start_cluster: StartCluster,
 ) -> None:
@@ -3562,6 +3581,7 @@ async def test_metrics_parse_and_move_as_requests_flow(start_cluster: StartClust
     during = await scrape(cluster)
     assert sample(during, "mooncake_proxy_decode_in_flight", backend=decode.api_url) == 1
     await (await stream).read()
+    decode.token_delay = 0.0  # two quick non-streamed answers
     for _ in range(2):
         assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
     prefill.fail_status = 500
