@@ -490,8 +490,14 @@ def precise_costs(tokenizer_dir: Path) -> list[tuple[str, float]]:
     question = {"role": "user", "content": filler("question", 1024)}
     grown = body | {"messages": [*messages, question]}
 
-    def read(prompt: dict[str, Any], views: list[mp.HeldBlocks], seen: bool) -> float:
-        tokenizer.pieces.known = {}  # a chat never seen
+    # What a busy proxy remembers: its piece cache near full (16 M characters).
+    full = {f"piece {n} " + "x" * 1016: [1] * 250 for n in range(mp.PromptPieces.LIMIT // 1030)}
+
+    def read(
+        prompt: dict[str, Any], views: list[mp.HeldBlocks], seen: bool, busy: bool = False
+    ) -> float:
+        tokenizer.pieces.known = dict(full) if busy else {}  # a chat never seen
+        tokenizer.pieces.size = sum(map(len, tokenizer.pieces.known))
         if seen:
             tokenizer.tokens(CHAT, body)
         started = time.perf_counter()
@@ -507,6 +513,8 @@ def precise_costs(tokenizer_dir: Path) -> list[tuple[str, float]]:
     measures: list[tuple[str, Callable[[], float]]] = [
         (f"read a {len(tokens):,}-token chat never seen, as routing needs it",
          lambda: read(body, [other], False)),
+        ("the same, the piece cache full (16 M characters of other prompts)",
+         lambda: read(body, [other], False, busy=True)),
         ("read it, its first half held by an engine (sent there by another proxy)",
          lambda: read(body, [half_held], False)),
         ("read its next turn (+1 KiB), every earlier turn held",
