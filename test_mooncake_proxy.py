@@ -3248,6 +3248,24 @@ def test_a_prompt_is_read_only_as_far_as_the_engines_hold_it(tokenizer_dir: Path
     assert odd.key(route) is route
 
 
+def test_the_piece_cache_starts_again_when_full(
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its limit the cache keeps only the newest pieces, and prompts still come out
+    whole and right."""
+    prompt_tokenizer = mp.PromptTokenizer.load(str(tokenizer_dir))
+    monkeypatch.setattr(mp.PromptPieces, "LIMIT", 5000)
+    whole = prompt_tokenizer.tokenizer
+    for n in range(6):
+        text = f"prompt {n} . " + "the proxy sends the prompt to the prefill server . " * 40
+        assert (
+            prompt_tokenizer.tokens(COMPLETIONS, completion(prompt=text))
+            == whole(text)["input_ids"]
+        )
+        assert prompt_tokenizer.pieces.size <= 5000
+        assert prompt_tokenizer.pieces.size == sum(map(len, prompt_tokenizer.pieces.known))
+
+
 def precise(tokenizer: Any, cache_blocks: int = 256) -> dict[str, Any]:
     return {"cache_blocks": cache_blocks, "tokenizer": tokenizer}
 
