@@ -1778,7 +1778,10 @@ class PromptTokenizer:
         vLLM would."""
         if (prompt := self.text(path, body)) is None:
             return None
-        return [token for ids, _ in self.steps(*prompt) for token in ids]
+        try:
+            return [token for ids, _ in self.steps(*prompt) for token in ids]
+        except Exception:  # text the tokenizer refuses (a lone surrogate): vLLM answers it
+            return None
 
     def text(self, path: str, body: Mapping[str, Any]) -> tuple[str, bool] | None:
         """The text vLLM tokenizes for this request, and whether with special tokens."""
@@ -2025,14 +2028,18 @@ class TokenReading:
         if (prompt := self.tokenizer.text(self.path, self.body)) is None:
             return
         text, special = prompt
-        self.tokens, self.steps = [], self.tokenizer.steps(text, special)
-        for ids, read in self.steps:
-            self.tokens += ids
-            self.share = read / len(text)
-            for size, chain in self.chains.items():
-                extend_chain(chain, self.tokens, size)
-            if self.past_held():
-                return
+        try:
+            self.tokens, self.steps = [], self.tokenizer.steps(text, special)
+            for ids, read in self.steps:
+                self.tokens += ids
+                self.share = read / len(text)
+                for size, chain in self.chains.items():
+                    extend_chain(chain, self.tokens, size)
+                if self.past_held():
+                    return
+        except Exception:  # text the tokenizer refuses (a lone surrogate): vLLM answers it
+            self.tokens, self.steps = None, iter(())
+            return
         self.share = 1.0
 
     def past_held(self) -> bool:
@@ -2052,8 +2059,9 @@ class TokenReading:
         )
 
     def rest(self) -> None:
-        for _ in self.steps:  # each encoded piece is remembered
-            pass
+        with contextlib.suppress(Exception):  # what read() could encode, this can
+            for _ in self.steps:  # each encoded piece is remembered
+                pass
 
 
 def leading(chain: Sequence[int], held: Container[int]) -> int:

@@ -3242,10 +3242,16 @@ def test_a_prompt_is_read_only_as_far_as_the_engines_hold_it(tokenizer_dir: Path
     reading = mp.TokenReading(prompt_tokenizer, CHAT, body, [held])
     reading.read()
     assert reading.share == 1.0 and reading.tokens == whole
-    # Not a prompt it can tokenize: the key stays as it was.
-    odd = mp.TokenReading(prompt_tokenizer, CHAT, chat(messages="not a list"), [held])
-    odd.read()
-    assert odd.key(route) is route
+    # Not a prompt it can tokenize (no messages; a lone surrogate, which JSON can carry and
+    # the tokenizer refuses): the key stays as it was, and vLLM answers the request.
+    for path, odd_body in (
+        (CHAT, chat(messages="not a list")), (COMPLETIONS, completion(prompt="a \ud800 b")),
+    ):  # fmt: skip
+        odd = mp.TokenReading(prompt_tokenizer, path, odd_body, [held])
+        odd.read()
+        odd.rest()
+        assert odd.key(route) is route
+        assert prompt_tokenizer.tokens(path, odd_body) is None
 
 
 def test_the_piece_cache_starts_again_when_full(
@@ -3352,6 +3358,24 @@ async def test_long_prompts_go_to_the_engine_that_holds_the_most_of_them(
         assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
         assert len(cluster.prefills[instance].requests) == before + 1
         assert cluster.prefills[instance].requests[-1].headers["X-data-parallel-rank"] == str(rank)
+
+
+async def test_a_prompt_the_tokenizer_refuses_is_routed_on_estimates(
+    start_cluster: StartCluster, tokenizer: Any, tokenizer_dir: Path
+) -> None:
+    """A lone surrogate (JSON can carry one) makes the tokenizer raise: the proxy routes that
+    request as it would without events, and vLLM answers it, not an internal error."""
+    cluster = await start_cluster(
+        prefill=precise(tokenizer), kv_events=True, tokenizer=str(tokenizer_dir)
+    )
+    await eventually(lambda: cluster.client.app[mp.STATE_KEY].tokenizer is not None)
+    await warm(cluster.prefills[0], 0, completion(prompt="red green blue . " * 20))
+    await eventually(lambda: cluster.client.app[mp.STATE_KEY].fleet.hears_kv_events)
+    raw = b'{"model": "fake-model", "max_tokens": 4, "prompt": "a \\ud800 b"}'
+    headers = {"Content-Type": "application/json"}
+    response = await cluster.client.post(COMPLETIONS, data=raw, headers=headers)
+    assert "mooncake-proxy" not in await response.text()
+    assert len(cluster.prefills[0].requests) == 2  # it reached the engine
 
 
 async def test_an_evicted_prefix_goes_back_to_the_engine_that_evicted_it(
