@@ -444,6 +444,7 @@ class FakeVllm:
         app.router.add_get("/_fake/kv", self.handle_kv_pull)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_post("/_fake/reset", self.handle_reset)
+        app.router.add_post("/_fake/warm", self.handle_warm)
         app.router.add_get("/_fake/stats", self.handle_stats)
         app.cleanup_ctx.append(self._session_ctx)
         return app
@@ -499,6 +500,14 @@ class FakeVllm:
                 f'num_gpu_blocks="{sim.capacity * self.dp_size}"}} 1.0',
             ]
         return web.Response(text="\n".join(["# a fake vLLM", *lines, ""]))
+
+    async def handle_warm(self, request: web.Request) -> web.Response:
+        """Tokenize these requests' prompts now ({"requests": [[path, body], ...]}), caches
+        untouched: a benchmark's first run of a workload would otherwise pay the fake's
+        first sight of each prompt (prompt_blocks remembers them), and the runs after it not."""
+        for path, body in (await request.json())["requests"]:
+            self.prompt_blocks(prompt_of(path, body))
+        return web.Response()
 
     async def handle_stats(self, request: web.Request) -> web.Response:
         """What a test in another process needs to know of this server."""
