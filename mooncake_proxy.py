@@ -2032,7 +2032,7 @@ class TokenReading:
             self.tokens, self.steps = [], self.tokenizer.steps(text, special)
             for ids, read in self.steps:
                 self.tokens += ids
-                self.share = read / len(text)
+                self.share = read / max(len(text), 1)
                 for size, chain in self.chains.items():
                     extend_chain(chain, self.tokens, size)
                 if self.past_held():

@@ -3242,6 +3242,10 @@ def test_a_prompt_is_read_only_as_far_as_the_engines_hold_it(tokenizer_dir: Path
     reading = mp.TokenReading(prompt_tokenizer, CHAT, body, [held])
     reading.read()
     assert reading.share == 1.0 and reading.tokens == whole
+    # An empty prompt is its special tokens.
+    empty = mp.TokenReading(prompt_tokenizer, COMPLETIONS, completion(prompt=""), [held])
+    empty.read()
+    assert empty.tokens == prompt_tokenizer.tokenizer("")["input_ids"] and empty.share == 1.0
     # Not a prompt it can tokenize (no messages; a lone surrogate, which JSON can carry and
     # the tokenizer refuses): the key stays as it was, and vLLM answers the request.
     for path, odd_body in (
