@@ -174,6 +174,7 @@ class Cluster:
         otherwise pay that alone (the fakes remember them; vLLM itself tokenizes each time)."""
         if self.tokenizer_dir is None:
             return
+
         async def warm_one(url: str, chunk: list[list[Any]]) -> None:
             async with session.post(f"{url}/_fake/warm", json={"requests": chunk}) as answer:
                 answer.raise_for_status()
