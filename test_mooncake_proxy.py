@@ -1165,6 +1165,7 @@ async def test_sighup_rereads_the_config_file_and_a_bad_one_changes_nothing(
     try:
         async with aiohttp.ClientSession() as session:
             await log.wait_for(f"decode {old.api_url} is usable", seconds=15)
+            await log.wait_for(f"prefill {prefill.api_url} is usable", seconds=15)
             # A file that does not validate is refused whole: nothing of it applies.
             configure(new, "max-retries = 'many'")
             process.send_signal(signal.SIGHUP)
