@@ -3417,18 +3417,25 @@ async def stopped_if_prefill_fails(
     handler = asyncio.current_task()
     assert handler is not None
     instance, exchange = attempt.engine.instance, attempt.exchange
-    running = True
+    running, stopped = True, False
     lost: list[Unreachable] = []
 
-    def stop_the_decode(done: asyncio.Task[None]) -> None:
-        if running and leg_error(done) is not None:
+    def stop() -> None:
+        # Once: a second cancel would outlive the uncancel() below and read as the client's.
+        nonlocal stopped
+        if running and not stopped:
+            stopped = True
             handler.cancel()
+
+    def stop_the_decode(done: asyncio.Task[None]) -> None:
+        if leg_error(done) is not None:
+            stop()
 
     def instance_down(why: str) -> None:
         if running and not exchange.response.prepared and not lost:
             message = f"prefill {instance.url} {why} before its KV was pulled"
             lost.append(Unreachable(502, message, reason="kv_lost", backend=instance))
-            handler.cancel()
+            stop()
 
     prefill.add_done_callback(stop_the_decode)
     if exchange.body.get("stream") is True:
