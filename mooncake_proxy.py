@@ -2096,6 +2096,10 @@ class PrefixIndex:
         """How many of the chain's leading blocks are held."""
         return leading(chain, self.blocks)
 
+    @property
+    def fill(self) -> float:
+        return len(self.blocks) / self.capacity
+
     def add(self, chain: Sequence[int]) -> None:
         now = time.monotonic()
         self.forget_sends_before(now - PENDING_SECONDS)  # kept short however it is read
@@ -2454,10 +2458,10 @@ class Router:
         on (its index). Two choices keep the prefixes each engine must hold near the mean (one
         choice leaves some engines twice the mean, their caches thrashing). The two are the
         same in every proxy process; the pick between them is this process's, as its index.
-        Not what KV events say each holds: a cache also holds
-        old blocks free to evict, and an engine that merely holds fewer of those took every
-        new prefix until its own cache thrashed (real vLLM, two DP ranks, after a run of
-        other prompts: all five prefixes on one rank, a hit rate of 0.44 where 0.73 was there).
+        Not what KV events say each holds: a cache also holds old blocks free to evict, and an
+        engine that merely holds fewer of those took every new prefix until its own cache
+        thrashed (real vLLM, two DP ranks, after a run of other prompts: all five prefixes on
+        one rank, a hit rate of 0.44 where 0.73 was there).
 
         Where KV events say no engine holds it any more, it goes back to the engine that
         evicted it, if that has room: a prefix that moves on every eviction makes the next
@@ -2471,10 +2475,10 @@ class Router:
         if not rest:
             return first
         second = bounded_first(rest, loads, self.balance)
-        fill = [len(t.index.blocks) / t.index.capacity for t in targets]
         # Only a clear difference moves it off the first: two proxy processes that ask a
         # moment apart, with fills a few blocks apart, still agree.
-        return second if fill[second] < PLACE_MARGIN * fill[first] else first
+        fills = targets[first].index.fill, targets[second].index.fill
+        return second if fills[1] < PLACE_MARGIN * fills[0] else first
 
     def choose(self, targets: Sequence[Target], policy: Policy, key: RouteKey | None) -> Choice:
         if policy is not Policy.PREFIX_AWARE:
