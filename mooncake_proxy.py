@@ -1916,12 +1916,14 @@ class PromptPieces:
                 encoded = self.encode_many(list(new), add_special_tokens=False)
                 known = self.remember({p: e.ids for p, e in zip(new, encoded, strict=True)})
                 step = min(2 * step, self.LAST_STEP)
-            while at < len(items) and ((item := items[at]) in known or isinstance(item, int)):
-                if isinstance(item, int):
+            while at < len(items):  # up to the next piece not encoded yet
+                if isinstance(item := items[at], int):
                     ids.append(item)
-                else:
+                elif item in known:
                     ids += known[item]
                     read += len(item)
+                else:
+                    break
                 at += 1
             yield ids, read
             ids = []
@@ -3422,7 +3424,7 @@ async def stopped_if_prefill_fails(
     assert handler is not None
     instance, exchange = attempt.engine.instance, attempt.exchange
     running, stopped = True, False
-    lost: list[Unreachable] = []
+    lost: Unreachable | None = None  # the KV, with the prefill instance that held it
 
     def stop() -> None:
         # Once: a second cancel would outlive the uncancel() below and read as the client's.
@@ -3436,9 +3438,10 @@ async def stopped_if_prefill_fails(
             stop()
 
     def instance_down(why: str) -> None:
-        if running and not exchange.response.prepared and not lost:
+        nonlocal lost
+        if running and not stopped and not exchange.response.prepared:
             message = f"prefill {instance.url} {why} before its KV was pulled"
-            lost.append(Unreachable(502, message, reason="kv_lost", backend=instance))
+            lost = Unreachable(502, message, reason="kv_lost", backend=instance)
             stop()
 
     prefill.add_done_callback(stop_the_decode)
@@ -3447,7 +3450,7 @@ async def stopped_if_prefill_fails(
     try:
         yield
     except (asyncio.CancelledError, ProxyError) as error:
-        cause = leg_error(prefill) or (lost[0] if lost else None)
+        cause = leg_error(prefill) or lost
         if cause is None:
             raise
         if isinstance(error, asyncio.CancelledError) and handler.uncancel() > 0:
