@@ -2059,9 +2059,16 @@ async def raw_exchange(
                 await asyncio.sleep(pause)
 
     sending = asyncio.create_task(send())
+    raw = b""
     try:
         async with asyncio.timeout(seconds):
-            raw = await reader.read()  # to EOF: the proxy must close the connection
+            # To EOF: the proxy must close the connection. A part sent after it closed draws a
+            # reset, which may come before its FIN is read: the answer already read stands.
+            while chunk := await reader.read(65536):
+                raw += chunk
+    except ConnectionResetError:
+        if not raw:
+            raise
     finally:
         sending.cancel()
         writer.close()
