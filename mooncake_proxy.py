@@ -1674,6 +1674,7 @@ KV_FULL: Final = 0.98
 # thrashes its cache.
 RECENT_SECONDS: Final = 10.0
 RECENT_SLACK: Final = 4.0
+# A conversation's own count is forgotten this long after its last turn: decayed under 1%.
 CONVERSATION_SECONDS: Final = 5 * RECENT_SECONDS
 # A new prefix goes to the second engine of its hash order only if that holds less than this
 # share of what the first holds.
