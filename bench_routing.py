@@ -169,6 +169,9 @@ class Cluster:
             argv += ["--decode", url]
         return argv
 
+    def api_urls(self) -> list[str]:
+        return [url for url, _ in self.prefills] + self.decodes
+
     async def warm(self, session: aiohttp.ClientSession, requests: Sequence[Request]) -> None:
         """Have every fake tokenize the workload's prompts before its first run, which would
         otherwise pay that alone (the fakes remember them; vLLM itself tokenizes each time)."""
@@ -179,13 +182,12 @@ class Cluster:
             async with session.post(f"{url}/_fake/warm", json={"requests": chunk}) as answer:
                 answer.raise_for_status()
 
-        urls = [u for u, _ in self.prefills] + self.decodes
         for start in range(0, len(requests), 256):
             chunk = [[path, body] for _, path, body in requests[start : start + 256]]
-            await asyncio.gather(*(warm_one(url, chunk) for url in urls))
+            await asyncio.gather(*(warm_one(url, chunk) for url in self.api_urls()))
 
     async def reset(self, session: aiohttp.ClientSession) -> None:
-        for url in [u for u, _ in self.prefills] + self.decodes:
+        for url in self.api_urls():
             async with session.post(f"{url}/_fake/reset") as answer:
                 answer.raise_for_status()
 

@@ -2056,10 +2056,12 @@ class TokenReading:
     def key(self, route: RouteKey) -> RouteKey:
         if self.tokens is None:
             return route
-        chains = dict(self.chains)
+        # The reading is done with its chains (rest() only encodes pieces): the key takes
+        # them as they are. A share of 0 (an empty prompt: its special tokens only) would
+        # divide by zero in token_blocks.
         share = max(self.share, 1e-3)
         return dataclasses.replace(
-            route, tokens=self.tokens, token_chains=chains, token_share=share
+            route, tokens=self.tokens, token_chains=self.chains, token_share=share
         )
 
     def rest(self) -> None:
