@@ -1674,8 +1674,6 @@ KV_FULL: Final = 0.98
 # thrashes its cache.
 RECENT_SECONDS: Final = 10.0
 RECENT_SLACK: Final = 4.0
-# A conversation's own count is forgotten this long after its last turn: decayed under 1%.
-CONVERSATION_SECONDS: Final = 5 * RECENT_SECONDS
 # A new prefix goes to the second engine of its hash order only if that holds less than this
 # share of what the first holds.
 PLACE_MARGIN: Final = 0.9
@@ -2333,9 +2331,6 @@ class Target:
         self.pending_blocks = 0.0  # the prompt blocks those have to compute (or pull)
         self.recent = 0.0  # this process's requests, decayed over RECENT_SECONDS
         self.recent_at = 0.0
-        # Of those, each conversation's: by the last block of its latest prompt sent here,
-        # (its requests, decayed likewise; when), oldest first.
-        self.conversations: dict[int | None, tuple[float, float]] = {}  # None: no conversation
         self.feed: KvFeed | None = None  # its KV events, with --kv-events-port
 
     @property
@@ -2371,30 +2366,8 @@ class Target:
         self.in_flight += 1
         self.pending_blocks += uncached
 
-    def count_recent(self, chain: Sequence[int], now: float) -> None:
-        """Count one more request, before its chain is added to the index."""
+    def count_recent(self, now: float) -> None:
         self.recent, self.recent_at = self.recent_share(now) + 1, now
-        if not chain:
-            return
-        conversation = self.conversation_of(chain)
-        own = self.conversation_share(conversation, now)
-        self.conversations.pop(conversation, None)  # it goes on under its new last block
-        self.conversations.pop(chain[-1], None)
-        self.conversations[chain[-1]] = (own + 1, now)
-        horizon = now - CONVERSATION_SECONDS
-        while (oldest := next(iter(self.conversations.items())))[1][1] < horizon:
-            del self.conversations[oldest[0]]
-
-    def conversation_of(self, chain: Sequence[int]) -> int | None:
-        """The conversation this prompt goes on: the prompt sent here that it starts with."""
-        matched = self.index.match(chain)
-        return chain[matched - 1] if matched > 0 else None
-
-    def conversation_share(self, conversation: int | None, now: float) -> float:
-        """Of the target's recent requests, those of one conversation (conversation_of)."""
-        if (count := self.conversations.get(conversation)) is None:
-            return 0.0
-        return count[0] * math.exp((count[1] - now) / RECENT_SECONDS)
 
     def released(self) -> None:
         # Their mean share: requests do not say their own at the end, and rarely need to.
@@ -2474,8 +2447,8 @@ class Router:
         uncached = max(blocks - choice.matched, 1)  # a request costs a block at the least
         target.claimed(uncached)
         if key is not None and policy is Policy.PREFIX_AWARE:  # what only prefix_aware reads
-            target.count_recent(key.chain, time.monotonic())
             target.index.add(key.chain)
+            target.count_recent(time.monotonic())
             self.mean_uncached += (uncached - self.mean_uncached) / 32
         if self.observe is not None:
             self.observe(self.stage, choice, key)
@@ -2511,19 +2484,6 @@ class Router:
         fills = targets[first].index.fill, targets[second].index.fill
         return second if fills[1] < PLACE_MARGIN * fills[0] else first
 
-    def within_share(self, targets: Sequence[Target], key: RouteKey, now: float) -> list[bool]:
-        """Which targets stay within their bound share of recent requests, not counting the
-        requests of the conversation this prompt goes on: one conversation alone, turn after
-        turn, must not be moved off its engine for being all of the traffic."""
-        recent = [t.recent_share(now) for t in targets]
-        within = within_bound(recent, self.balance, RECENT_SLACK)
-        if all(within):
-            return within
-        for i, target in enumerate(targets):
-            recent[i] -= target.conversation_share(target.conversation_of(key.chain), now)
-        without = within_bound(recent, self.balance, RECENT_SLACK)
-        return [a or b for a, b in zip(within, without, strict=True)]
-
     def choose(self, targets: Sequence[Target], policy: Policy, key: RouteKey | None) -> Choice:
         if policy is not Policy.PREFIX_AWARE:
             return Choice(choose_index(targets, self.turn, policy, _in_flight), policy.value, 0)
@@ -2537,8 +2497,8 @@ class Router:
         if key.session:  # an explicit key: only the instantaneous load moves it
             order = sorted(roomy, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
             return Choice(bounded_first(order, loads, self.balance), "session", 0)
-        within = self.within_share(targets, key, now)
-        candidates = [i for i in roomy if within[i]] or roomy
+        shares = within_bound([t.recent_share(now) for t in targets], self.balance, RECENT_SLACK)
+        candidates = [i for i in roomy if shares[i]] or roomy
         order = sorted(candidates, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
         matches = {i: targets[i].holds(key) for i in order}
         if (best := max(matches.values())) == 0:

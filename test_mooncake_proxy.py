@@ -2942,43 +2942,6 @@ async def test_a_repeated_prefix_goes_to_the_engine_that_holds_it(
     assert rates[mp.Policy.PREFIX_AWARE] > 0.6 > rates[mp.Policy.ROUND_ROBIN] + 0.3, rates
 
 
-async def test_a_conversation_alone_keeps_its_engine_turn_after_turn(
-    start_cluster: StartCluster,
-) -> None:
-    """One agent or user, a turn every moment, on an otherwise idle cluster: it is all of the
-    recent traffic, yet moving it would only compute its whole context again elsewhere."""
-    cluster = await start_cluster(prefill_dp=(2, 2))
-    messages = [{"role": "system", "content": "You are a careful agent. " * 40}]
-    for turn in range(12):
-        messages.append({"role": "user", "content": f"step {turn}: " + "observe " * 30})
-        body = chat(messages=messages, max_tokens=2)
-        assert (await cluster.client.post(CHAT, json=body)).status == 200
-        messages.append({"role": "assistant", "content": "act " * 20})
-    engines = [(i, r.headers["X-data-parallel-rank"]) for i, r in cluster.prefill_requests()]
-    assert len(engines) == 12 and len(set(engines)) == 1, engines
-
-
-def test_conversations_sharing_a_system_prompt_are_spread_over_the_engines() -> None:
-    """Each new conversation finds the system prompt on the engine of the first: the bound on
-    each engine's share of recent requests spreads them (a conversation's own requests do not
-    lift it: see test_a_conversation_alone_keeps_its_engine_turn_after_turn)."""
-    router = mp.Router("prefill", 1.0, 1.25, 5.0)
-    targets = [mp.Target(f"engine {i}", 65536) for i in range(4)]
-    system = "You are terse. " * 80
-
-    def route(prompt: str) -> int:
-        data = prompt.encode()
-        key = mp.RouteKey(len(data), mp.block_chain(data), 1, False)
-        choice = router.pick(targets, mp.Policy.PREFIX_AWARE, key)
-        targets[choice.index].released()
-        return choice.index
-
-    firsts = [system + f"user {c}: " + "question " * 60 for c in range(16)]
-    placed = [route(prompt) for prompt in firsts]
-    # Up to the mean plus RECENT_SLACK each while the requests are few: 9 of 16 at most.
-    assert len(set(placed)) > 1 and max(collections.Counter(placed).values()) <= 9, placed
-
-
 async def test_a_hot_prefix_spills_once_waiting_costs_more_than_computing_again(
     start_cluster: StartCluster,
 ) -> None:
