@@ -2914,6 +2914,24 @@ def test_bounded_consistent_hashing_takes_the_first_target_with_room() -> None:
     assert mp.bounded_first([0, 1], [9, 8], 1.0) == 1  # all over: the least loaded
 
 
+@pytest.mark.parametrize(("holder_share", "kept"), [(16, True), (24, False)])
+def test_an_engine_keeps_its_prefix_through_a_burst_but_not_a_pile_up(
+    holder_share: float, kept: bool
+) -> None:
+    """The share bound: 16 recent requests where the others had 10 (1.36 times the mean) is
+    a prefix's burst, and the engine that holds it keeps it; 24 (1.75 times) is a pile-up,
+    and the prompt goes elsewhere though that costs its prefix."""
+    router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
+    key = mp.route_key(COMPLETIONS, completion(prompt=long_prompt("held", 4096)), None)
+    targets[0].index.add(key.chain)
+    now = time.monotonic()
+    for target, share in zip(targets, [holder_share, 10, 10, 10], strict=True):
+        target.recent, target.recent_at = share, now
+    choice = router.choose(targets, mp.Policy.PREFIX_AWARE, key)
+    assert (choice.index == 0) is kept, choice
+
+
 async def test_a_repeated_prefix_goes_to_the_engine_that_holds_it(
     start_cluster: StartCluster,
 ) -> None:
