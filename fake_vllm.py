@@ -278,7 +278,8 @@ class EngineSim:
     hits: int = 0  # of those, found cached (vllm:prefix_cache_hits)
     local_hit_tokens: int = 0  # decode: prompt tokens it had cached itself
     transferred_tokens: int = 0  # decode: prompt tokens pulled from a prefill
-    requests: int = 0
+    requests: int = 0  # prefix cache lookups
+    finished: int = 0  # every request answered, as vLLM's request_success_total counts
     active_blocks: int = 0  # held by the prompt being computed
     events: KvEventPublisher | None = None  # where it publishes what it caches and evicts
 
@@ -490,7 +491,7 @@ class FakeVllm:
                 f"vllm:prefix_cache_queries_total{{{labels}}} {float(sim.queries)}",
                 f"vllm:prefix_cache_hits_total{{{labels}}} {float(sim.hits)}",
                 f'vllm:request_success_total{{{labels},finished_reason="length"}} '
-                f"{float(sim.requests)}",
+                f"{float(sim.finished)}",
                 f'vllm:prompt_tokens_by_source_total{{{labels},source="local_cache_hit"}} '
                 f"{float(sim.local_hit_tokens)}",
                 f'vllm:prompt_tokens_by_source_total{{{labels},source="external_kv_transfer"}} '
@@ -598,7 +599,10 @@ class FakeVllm:
         self.requests.append(Recorded(request.path, CIMultiDict(request.headers), body, peer))
         self.running += 1
         try:
-            return await self.complete(request, body, request_id)
+            response = await self.complete(request, body, request_id)
+            if response.status == 200:  # complete() checked the rank
+                self.sim(int(request.headers.get("X-data-parallel-rank") or 0)).finished += 1
+            return response
         except BadRequest as bad:
             return error(400, str(bad), bad.param)
         except asyncio.CancelledError:

@@ -2306,6 +2306,11 @@ class LoadView:
     scraped_at: float = -math.inf  # monotonic
     ours_at_scrape: int = 0  # of those, this process's requests
     prefix_queries: float = 0.0  # a counter: when it goes back, the engine restarted
+    finished: float | None = None  # vllm:request_success_total; None before it was seen
+    # The requests it finished, decayed over RECENT_SECONDS as of the scrape: every sender's,
+    # alike for every proxy process and replica. And this process's Target.recent_share then.
+    recent: float = 0.0
+    ours_recent: float = 0.0
 
     def others(self, now: float, fresh_for: float) -> float:
         """Requests on the target that this process did not send (other processes' and
@@ -2313,6 +2318,20 @@ class LoadView:
         if now - self.scraped_at > fresh_for:
             return 0.0
         return max(0.0, self.running + self.waiting - self.ours_at_scrape)
+
+    def took(self, finished: float | None, now: float, ours_recent: float) -> None:
+        """Count what the engine finished since the last scrape into its recent requests."""
+        if finished is None:
+            self.finished = None
+            return
+        if self.finished is None:
+            done = 0.0  # its whole history, of unknown age
+        elif finished < self.finished:
+            done = finished  # the counter went back: the engine restarted
+        else:
+            done = finished - self.finished
+        self.recent = self.recent * math.exp((self.scraped_at - now) / RECENT_SECONDS) + done
+        self.finished, self.ours_recent = finished, ours_recent
 
     def status(self, now: float) -> dict[str, Any]:
         age = now - self.scraped_at
@@ -2365,7 +2384,19 @@ class Target:
         return max(reported, self.index.match_sent_lately(key.chain))
 
     def recent_share(self, now: float) -> float:
+        """This process's recent requests here."""
         return self.recent * math.exp((self.recent_at - now) / RECENT_SECONDS)
+
+    def everyones_recent(self, now: float, fresh_for: float) -> float | None:
+        """Every sender's recent requests here, as of its last scrape those the engine
+        finished and those it was running or queueing, and this process's sent since. None
+        without a fresh scrape of the counter."""
+        view = self.load
+        if view.finished is None or now - view.scraped_at > fresh_for:
+            return None
+        decay = math.exp((view.scraped_at - now) / RECENT_SECONDS)
+        since = max(self.recent_share(now) - view.ours_recent * decay, 0.0)
+        return view.recent * decay + view.running + view.waiting + since
 
     def claimed(self, uncached: float) -> None:
         self.in_flight += 1
@@ -2385,6 +2416,16 @@ class Target:
         if self.feed is not None:
             status |= self.feed.status(now)
         return status
+
+
+def recent_requests(targets: Sequence[Target], now: float, fresh_for: float) -> list[float]:
+    """Each target's recent requests, as its engine counted them where every target's scrape
+    says (so that replicas and workers, each sending a part, bound the same whole), else as
+    this process sent them."""
+    everyones = [t.everyones_recent(now, fresh_for) for t in targets]
+    if any(count is None for count in everyones):
+        return [t.recent_share(now) for t in targets]
+    return [count or 0.0 for count in everyones]
 
 
 def mix64(value: int) -> int:
@@ -2502,7 +2543,7 @@ class Router:
         if key.session:  # an explicit key: only the instantaneous load moves it
             order = sorted(roomy, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
             return Choice(bounded_first(order, loads, self.balance), "session", 0)
-        recent = [t.recent_share(now) for t in targets]
+        recent = recent_requests(targets, now, self.fresh_for)
         shares = within_bound(recent, max(self.balance, RECENT_BALANCE), RECENT_SLACK)
         candidates = [i for i in roomy if shares[i]] or roomy
         order = sorted(candidates, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
@@ -4031,6 +4072,7 @@ LOAD_SERIES: Final = {
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:request_success_total": "finished",
 }
 ENGINE_LABEL: Final = re.compile(r'[{,]engine="(\d+)"')
 # One engine's KV cache in tokens: with DP, num_gpu_blocks counts every rank's blocks.
@@ -4067,6 +4109,7 @@ def take_load(target: Target, sample: Mapping[str, float], now: float, capacity:
         target.index.clear()  # the counter went back: the engine restarted, its cache is empty
     view.running, view.waiting = sample.get("running", 0.0), sample.get("waiting", 0.0)
     view.kv_usage, view.prefix_queries = sample.get("kv_usage", 0.0), queries
+    view.took(sample.get("finished"), now, target.recent_share(now))
     view.scraped_at, view.ours_at_scrape = now, target.in_flight
     target.index.capacity = capacity
 

@@ -3003,6 +3003,36 @@ async def test_two_proxies_that_never_talked_send_a_new_prefix_to_the_same_engin
         assert served[f"{first_block} asked here"] == served[f"{first_block} asked there"]
 
 
+async def test_replicas_bound_an_engines_share_of_everyones_requests(
+    start_cluster: StartCluster, aiohttp_client: AiohttpClient
+) -> None:
+    """The share bound counts what the engine says it finished (vllm:request_success_total),
+    not only what this proxy sent: replicas that each send a part of a pile-up see all of it."""
+    cluster = await start_cluster(prefill_dp=(2, 2), load_interval=0.05)
+    other = cast(
+        TestClient[web.Request, web.Application],
+        await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
+    )
+    await wait_ready_(other)
+    engines = [e for p in other.app[mp.STATE_KEY].fleet.prefills for e in p.engines]
+    await eventually(lambda: all(e.load.finished is not None for e in engines))
+    prefix = long_prompt("one system prompt", 2048)
+    for i in range(5):
+        body = completion(prompt=f"{prefix} asked here {i}")
+        assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+    holder = engine_of(cluster)[f"{prefix} asked here 0"]
+    assert set(engine_of(cluster).values()) == {holder}
+    held = engines[2 * holder[0] + holder[1]]
+    await eventually(lambda: held.load.finished == 5)  # the other replica counted all five
+    for i in range(2):
+        body = completion(prompt=f"{prefix} asked there {i}")
+        assert (await other.post(COMPLETIONS, json=body)).status == 200
+    served = engine_of(cluster)
+    # Six of seven recent requests on one of four engines is over the mean plus 4.
+    assert served[f"{prefix} asked there 0"] == holder
+    assert served[f"{prefix} asked there 1"] != holder
+
+
 async def test_a_session_stays_on_one_engine_whatever_its_prompts(
     start_cluster: StartCluster,
 ) -> None:
