@@ -1667,15 +1667,16 @@ MASK64: Final = (1 << 64) - 1
 # A target whose KV cache is this full is passed over while another is not: vLLM would
 # preempt (recompute) running requests to make room.
 KV_FULL: Final = 0.98
-# Each target's share of recent requests (this process's, decayed over this many seconds)
-# is bounded: no engine takes more than RECENT_BALANCE (or --balance-factor, if higher) times
-# the mean, or the mean plus a few requests of slack while there are only a few (so that
-# affinity holds). Without the bound, a group of conversations that share a system prompt
-# piles onto one engine and thrashes its cache. Not 1.25, the load bound's default: a
-# prefix's requests come in bursts, an engine holding a few prefixes often runs above 1.25
-# times the mean for a moment, and moving a prompt off it then costs its whole prefix. The
-# routing benchmark at 1.5 against 1.25: 0.03-0.08 more of the oracle's hit rate on shared
-# prefixes, the same or up to 0.06 more on multi-turn; at 2, conversations piled up again.
+# Each target's share of recent requests (every sender's where the engines' counters say,
+# else this process's: recent_requests; decayed over RECENT_SECONDS) is bounded: no engine
+# takes more than RECENT_BALANCE (or --balance-factor, if higher) times the mean, or the
+# mean plus a few requests of slack while there are only a few (so that affinity holds).
+# Without the bound, a group of conversations that share a system prompt piles onto one
+# engine and thrashes its cache. Not 1.25, the load bound's default: a prefix's requests
+# come in bursts, an engine holding a few prefixes often runs above 1.25 times the mean for
+# a moment, and moving a prompt off it then costs its whole prefix. The routing benchmark at
+# 1.5 against 1.25: 0.03-0.08 more of the oracle's hit rate on shared prefixes, the same or
+# up to 0.06 more on multi-turn; at 2, conversations piled up again.
 RECENT_SECONDS: Final = 10.0
 RECENT_SLACK: Final = 4.0
 RECENT_BALANCE: Final = 1.5
