@@ -2388,13 +2388,14 @@ class Target:
         """This process's recent requests here."""
         return self.recent * math.exp((self.recent_at - now) / RECENT_SECONDS)
 
-    def everyones_recent(self, now: float, fresh_for: float) -> float | None:
+    def counts_everyone(self, now: float, fresh_for: float) -> bool:
+        """Whether a fresh scrape gave the engine's request counter (everyones_recent)."""
+        return self.load.finished is not None and now - self.load.scraped_at <= fresh_for
+
+    def everyones_recent(self, now: float) -> float:
         """Every sender's recent requests here, as of its last scrape those the engine
-        finished and those it was running or queueing, and this process's sent since. None
-        without a fresh scrape of the counter."""
+        finished and those it was running or queueing, and this process's sent since."""
         view = self.load
-        if view.finished is None or now - view.scraped_at > fresh_for:
-            return None
         decay = math.exp((view.scraped_at - now) / RECENT_SECONDS)
         since = max(self.recent_share(now) - view.ours_recent * decay, 0.0)
         return view.recent * decay + view.running + view.waiting + since
@@ -2423,10 +2424,9 @@ def recent_requests(targets: Sequence[Target], now: float, fresh_for: float) -> 
     """Each target's recent requests, as its engine counted them where every target's scrape
     says (so that replicas and workers, each sending a part, bound the same whole), else as
     this process sent them."""
-    everyones = [t.everyones_recent(now, fresh_for) for t in targets]
-    if any(count is None for count in everyones):
-        return [t.recent_share(now) for t in targets]
-    return [count or 0.0 for count in everyones]
+    if all(t.counts_everyone(now, fresh_for) for t in targets):
+        return [t.everyones_recent(now) for t in targets]
+    return [t.recent_share(now) for t in targets]
 
 
 def mix64(value: int) -> int:
