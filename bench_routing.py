@@ -143,6 +143,10 @@ class Cluster:
         tokenizer = load_tokenizer(self.tokenizer_dir) if self.tokenizer_dir else None
         return oracle_hit_rate(requests, tokenizer)
 
+    def split(self, requests: Sequence[Request]) -> float:
+        tokenizer = load_tokenizer(self.tokenizer_dir) if self.tokenizer_dir else None
+        return split_hit_rate(requests, tokenizer)
+
     def precise_flags(self) -> list[str]:
         assert self.tokenizer_dir is not None
         return [*self.kv_events[0], "--tokenizer", str(self.tokenizer_dir)]
@@ -305,6 +309,31 @@ def oracle_hit_rate(requests: Sequence[Request], tokenizer: Any = None) -> float
         cache.lookup(blocks)
         cache.store(blocks)
     return cache.hits / cache.queries
+
+
+def split_hit_rate(requests: Sequence[Request], tokenizer: Any = None) -> float:
+    """The cluster's own caches (one per engine), each prompt sent where most of its leading
+    blocks are cached (ties: the engine that took the fewest requests), with no bound on
+    load: what knowing every cache exactly buys without balancing anything. Far below the
+    oracle, the workload itself defeats a split cache; near it, what routing loses is its own."""
+    engines = [EngineSim(CACHE_BLOCKS) for _ in range(INSTANCES * DP)]
+    for _, path, body in requests:
+        blocks = prompt_blocks(body["messages"] if path == CHAT else body["prompt"], tokenizer)
+        held = [leading_cached(engine, blocks.chain) for engine in engines]
+        best = max(held)
+        engine = min(
+            (e for e, h in zip(engines, held, strict=True) if h == best), key=lambda e: e.requests
+        )
+        engine.lookup(blocks)
+        engine.store(blocks)
+    return sum(e.hits for e in engines) / sum(e.queries for e in engines)
+
+
+def leading_cached(engine: EngineSim, chain: Sequence[bytes]) -> int:
+    held = 0
+    while held < len(chain) and chain[held] in engine.cache:
+        held += 1
+    return held
 
 
 # --- runs
@@ -726,6 +755,9 @@ async def bench(args: argparse.Namespace, cluster: Cluster) -> list[Result]:
         if args.workload and name not in args.workload:
             continue
         runs: dict[str, list[Result]] = {}
+        oracle, split = cluster.oracle(requests), cluster.split(requests)
+        print(f"{name}: oracle {oracle:.3f}; its engines' caches split perfectly, with no "
+              f"load bound {split:.3f} ({split / oracle:.2f}x)", flush=True)  # fmt: skip
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             await cluster.warm(session, requests)
         for round_ in range(args.rounds):
