@@ -3365,7 +3365,11 @@ def was_reset(error: BaseException) -> bool:
     keep-alive connections as the request was written on one (uvicorn does on SIGTERM)."""
     if isinstance(error, aiohttp.ClientConnectionResetError):
         return True
-    return isinstance(error, aiohttp.ClientOSError) and error.errno in RESET_ERRNOS
+    if not isinstance(error, aiohttp.ClientOSError):
+        return False
+    # A connection found closing as the body is written comes as "Can not write request
+    # body", a ClientOSError without an errno, the reset its cause (aiohttp 3.14).
+    return error.errno in RESET_ERRNOS or isinstance(error.__cause__, ConnectionResetError)
 
 
 RESET_ERRNOS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})

@@ -1347,6 +1347,21 @@ async def test_a_rolling_upgrade_under_load_fails_no_request_and_cuts_no_stream(
     assert "Traceback" not in "\n".join(log.lines)
 
 
+def test_a_connection_found_closing_as_its_body_is_written_is_tried_elsewhere() -> None:
+    """A keep-alive connection that a stopping server closed just as a leg's body was
+    written: aiohttp says "Can not write request body" with no errno, its cause the reset.
+    The rolling upgrade above met it (one 502 in a few hundred requests, in CI). The server
+    never read the request, so it is unreachable (tried elsewhere), not a broken answer; the
+    same words without a reset behind them stay a failure."""
+    url = URL("http://127.0.0.1:1/v1/completions")
+    error = aiohttp.ClientOSError(None, f"Can not write request body for {url}")
+    error.__cause__ = aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+    assert isinstance(mp.transport_error("decode", url, error), mp.Unreachable)
+    error.__cause__ = ValueError("not a reset")
+    failure = mp.transport_error("decode", url, error)
+    assert not isinstance(failure, mp.Unreachable) and failure.status == 502
+
+
 @dataclass
 class Dnsmasq:
     """A real DNS server on loopback, answering for *.test from a hosts file the test rewrites."""
