@@ -11,6 +11,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import getpass
 import importlib.util
 import json
@@ -2998,6 +2999,33 @@ async def test_a_hot_prefix_spills_once_waiting_costs_more_than_computing_again(
         sample(samples, "mooncake_proxy_routing_decisions_total", stage="prefill", reason="spill")
         >= 1
     )
+
+
+def arrived(cluster: Cluster, count: int) -> bool:
+    return len(cluster.prefill_requests()) == count
+
+
+async def test_a_new_hot_prefix_does_not_queue_up_behind_its_first_prefill(
+    start_cluster: StartCluster,
+) -> None:
+    """At the default load weight (0.5) waiting weighs half of computing: the engine that
+    computes a new prefix's first request would take every next one while that runs (cost 8
+    to 9 against 16 here) and the share bound would let it. The queue bound sends the
+    fourth one elsewhere: the mean of 4 engines' in-flight requests plus 2."""
+    cluster = await start_cluster(
+        prefill_dp=(2, 2), prefill={"cache_blocks": 256, "token_time": 0.0005}
+    )
+    assert cluster.config.prefill_load_weight == 0.5
+    prefix = long_prompt("the one system prompt", 8192)  # 2048 fake tokens: about 1 s
+    posts = []
+    for i in range(6):  # one after another, each once the one before reached its engine
+        body = completion(prompt=f"{prefix} q{i}")
+        posts.append(asyncio.create_task(cluster.client.post(COMPLETIONS, json=body)))
+        await eventually(functools.partial(arrived, cluster, i + 1))
+    assert [(await post).status for post in posts] == [200] * 6
+    served = engine_of(cluster)
+    first = served[f"{prefix} q0"]
+    assert sum(engine == first for engine in served.values()) <= 4, served
 
 
 async def test_two_proxies_that_never_talked_send_a_new_prefix_to_the_same_engine(
