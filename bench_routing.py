@@ -50,7 +50,7 @@ import aiohttp
 from aiohttp import web
 
 from bench_mooncake_proxy import pyplot, wait_http
-from fake_vllm import EngineSim, FakeVllm, build_tokenizer, free_port, prompt_blocks
+from fake_vllm import EngineSim, FakeVllm, PromptBlocks, build_tokenizer, free_port, prompt_blocks
 
 if TYPE_CHECKING:
     import mooncake_proxy as mp
@@ -139,13 +139,13 @@ class Cluster:
             wait_http(url + "/health")
         return cls(prefills, decodes, processes, tokenizer_dir, [kv_events])
 
-    def oracle(self, requests: Sequence[Request]) -> float:
+    def prompts(self, requests: Sequence[Request]) -> list[PromptBlocks]:
+        """Each request's prompt blocks, as the engines key their caches."""
         tokenizer = load_tokenizer(self.tokenizer_dir) if self.tokenizer_dir else None
-        return oracle_hit_rate(requests, tokenizer)
-
-    def split(self, requests: Sequence[Request]) -> float:
-        tokenizer = load_tokenizer(self.tokenizer_dir) if self.tokenizer_dir else None
-        return split_hit_rate(requests, tokenizer)
+        return [
+            prompt_blocks(body["messages"] if path == CHAT else body["prompt"], tokenizer)
+            for _, path, body in requests
+        ]
 
     def precise_flags(self) -> list[str]:
         assert self.tokenizer_dir is not None
@@ -300,26 +300,23 @@ def completion(prompt: str) -> dict[str, Any]:
     return {"model": "fake-model", "prompt": prompt, "max_tokens": 4, "stream": True}
 
 
-def oracle_hit_rate(requests: Sequence[Request], tokenizer: Any = None) -> float:
-    """One LRU prefix cache with the whole cluster's capacity, fed the requests in order."""
+def oracle_hit_rate(prompts: Sequence[PromptBlocks]) -> float:
+    """One LRU prefix cache with the whole cluster's capacity, fed the prompts in order."""
     cache = EngineSim(CACHE_BLOCKS * INSTANCES * DP)
-    for _, path, body in requests:
-        prompt = body["messages"] if path == CHAT else body["prompt"]
-        blocks = prompt_blocks(prompt, tokenizer)
+    for blocks in prompts:
         cache.lookup(blocks)
         cache.store(blocks)
     return cache.hits / cache.queries
 
 
-def split_hit_rate(requests: Sequence[Request], tokenizer: Any = None) -> float:
+def split_hit_rate(prompts: Sequence[PromptBlocks]) -> float:
     """The cluster's own caches (one per engine), each prompt sent where most of its leading
     blocks are cached (ties: the engine that took the fewest requests), with no bound on
     load: what knowing every cache exactly buys without balancing anything. Far below the
     oracle, the workload itself defeats a split cache; near it, what routing loses is its own."""
     engines = [EngineSim(CACHE_BLOCKS) for _ in range(INSTANCES * DP)]
-    for _, path, body in requests:
-        blocks = prompt_blocks(body["messages"] if path == CHAT else body["prompt"], tokenizer)
-        held = [leading_cached(engine, blocks.chain) for engine in engines]
+    for blocks in prompts:
+        held = [engine.cached(blocks) for engine in engines]
         best = max(held)
         engine = min(
             (e for e, h in zip(engines, held, strict=True) if h == best), key=lambda e: e.requests
@@ -327,13 +324,6 @@ def split_hit_rate(requests: Sequence[Request], tokenizer: Any = None) -> float:
         engine.lookup(blocks)
         engine.store(blocks)
     return sum(e.hits for e in engines) / sum(e.queries for e in engines)
-
-
-def leading_cached(engine: EngineSim, chain: Sequence[bytes]) -> int:
-    held = 0
-    while held < len(chain) and chain[held] in engine.cache:
-        held += 1
-    return held
 
 
 # --- runs
@@ -391,7 +381,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 async def run(
-    cluster: Cluster, name: str, target: str, argvs: list[list[str]], requests: Sequence[Request]
+    cluster: Cluster,
+    name: str,
+    target: str,
+    argvs: list[list[str]],
+    requests: Sequence[Request],
+    oracle: float,
 ) -> Result | None:
     ports = [int(argv[argv.index("--port") + 1]) for argv in argvs]
     processes = spawn(argvs)
@@ -427,7 +422,7 @@ async def run(
         requests=len(requests),
         errors=errors,
         hit_rate=sum(e["hits"] for e in engines) / queries if queries else 0.0,
-        oracle=cluster.oracle(requests),
+        oracle=oracle,
         ttft_p50_ms=1000 * percentile(ttfts, 0.5),
         ttft_p90_ms=1000 * percentile(ttfts, 0.9),
         max_over_mean=max(counts) / statistics.mean(counts) if sum(counts) else float("nan"),
@@ -755,7 +750,8 @@ async def bench(args: argparse.Namespace, cluster: Cluster) -> list[Result]:
         if args.workload and name not in args.workload:
             continue
         runs: dict[str, list[Result]] = {}
-        oracle, split = cluster.oracle(requests), cluster.split(requests)
+        prompts = cluster.prompts(requests)
+        oracle, split = oracle_hit_rate(prompts), split_hit_rate(prompts)
         print(f"{name}: oracle {oracle:.3f}; its engines' caches split perfectly, with no "
               f"load bound {split:.3f} ({split / oracle:.2f}x)", flush=True)  # fmt: skip
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -764,7 +760,8 @@ async def bench(args: argparse.Namespace, cluster: Cluster) -> list[Result]:
             chosen = targets(cluster, args.quick)
             turn = round_ % len(chosen)
             for target, argvs in chosen[turn:] + chosen[:turn]:
-                if (result := await run(cluster, name, target, argvs, requests)) is not None:
+                result = await run(cluster, name, target, argvs, requests, oracle)
+                if result is not None:
                     runs.setdefault(target, []).append(result)
         results += [median_of(rows) for rows in runs.values()]
     return results

@@ -283,11 +283,16 @@ class EngineSim:
     active_blocks: int = 0  # held by the prompt being computed
     events: KvEventPublisher | None = None  # where it publishes what it caches and evicts
 
-    def lookup(self, prompt: PromptBlocks) -> int:
-        """How many of the prompt's leading blocks are cached; counts the query."""
+    def cached(self, prompt: PromptBlocks) -> int:
+        """How many of the prompt's leading blocks are cached."""
         cached = 0
         while cached < len(prompt.chain) and prompt.chain[cached] in self.cache:
             cached += 1
+        return cached
+
+    def lookup(self, prompt: PromptBlocks) -> int:
+        """How many of the prompt's leading blocks are cached; counts the query."""
+        cached = self.cached(prompt)
         self.queries += prompt.tokens
         self.hits += cached * BLOCK_TOKENS
         self.requests += 1
