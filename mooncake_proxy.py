@@ -1699,6 +1699,9 @@ PLACE_MARGIN: Final = 0.9
 # How long this process's own sends count for a target whose KV events it hears: about the
 # longest a prefill queues and runs before the engine publishes its blocks.
 PENDING_SECONDS: Final = 2.0
+# Chat turns remembered per target: the next turn of each of that many conversations finds
+# its own there (Target.conversation_share).
+TURNS_KEPT: Final = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -1709,6 +1712,10 @@ class RouteKey:
     chain: list[int]  # per block, a hash of it and of every block before it
     placement: int  # the same in every proxy process: the first block, or the session key
     session: bool  # the client named a session (X-Session-ID, or the body's "user")
+    # A chat's turn (turn_id) and, once it answered before, the turn it continues: routing
+    # tells a conversation's next turn from a new prompt that shares a prefix.
+    turn: int = 0
+    previous_turn: int = 0
     # The prompt's token ids as vLLM computes them, where known (precise routing), and their
     # token_chain per block size.
     tokens: Sequence[int] | None = None
@@ -1732,21 +1739,34 @@ def prompt_bytes(path: str, body: Mapping[str, Any]) -> bytes:
     A chat becomes one line per message (role, content, name, tool calls), so turn N+1 starts
     with turn N; token ids become their digits; the model and the tools come first.
     """
+    return prompt_reading(path, body)[0]
+
+
+def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, int | None]:
+    """prompt_bytes, and for a chat, how many of them were its turn before the last answer:
+    what that turn sent (0 where none answered yet; None for a completion)."""
     head = str(body.get("model", "")).encode() + b"\0"
     if path.endswith("/chat/completions"):
         if tools := body.get("tools"):
             head += encode_json({"tools": tools}) + b"\n"
         messages = body.get("messages")
-        lines = [message_line(m) for m in messages] if isinstance(messages, list) else []
-        return head + b"".join(lines)
+        messages = messages if isinstance(messages, list) else []
+        lines = [message_line(m) for m in messages]
+        answers = [n for n, m in enumerate(messages) if is_answer(m)]
+        before = len(head) + sum(map(len, lines[: answers[-1]])) if answers else 0
+        return head + b"".join(lines), before
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch: it is placed by its first prompt
     if isinstance(prompt, str):
-        return head + prompt.encode("utf-8", "surrogatepass")
+        return head + prompt.encode("utf-8", "surrogatepass"), None
     if isinstance(prompt, list):
-        return head + ",".join(map(str, prompt)).encode()
-    return head
+        return head + ",".join(map(str, prompt)).encode(), None
+    return head, None
+
+
+def is_answer(message: object) -> bool:
+    return isinstance(message, dict) and message.get("role") == "assistant"
 
 
 def message_line(message: object) -> bytes:
@@ -1994,12 +2014,24 @@ def block_chain(data: bytes, size: int = ROUTING_BLOCK_BYTES) -> list[int]:
 def route_key(
     path: str, body: Mapping[str, Any], session_id: str | None, block: int = ROUTING_BLOCK_BYTES
 ) -> RouteKey:
-    data = prompt_bytes(path, body)
+    data, before = prompt_reading(path, body)
     if session_id:
         placement = zlib.crc32(b"session\0" + session_id.encode("utf-8", "replace"))
     else:
         placement = zlib.crc32(data[:block])
-    return RouteKey(len(data), block_chain(data, block), placement, bool(session_id))
+    chain = block_chain(data, block)
+    if before is None:  # a completion: no later request names it as the turn before
+        return RouteKey(len(data), chain, placement, bool(session_id))
+    turn = turn_id(data, chain, len(data), block)
+    previous = turn_id(data, chain, before, block) if before else 0
+    return RouteKey(len(data), chain, placement, bool(session_id), turn, previous)
+
+
+def turn_id(data: bytes, chain: list[int], length: int, block: int) -> int:
+    """A hash of the prompt's first ``length`` bytes, from the chain's blocks and the rest:
+    a chat's turn, which its next turn names as the one before (RouteKey.previous_turn)."""
+    whole = length // block
+    return hash((chain[whole - 1] if whole else 0, length, data[whole * block : length]))
 
 
 def token_chain(tokens: Sequence[int], size: int) -> list[int]:
@@ -2370,6 +2402,9 @@ class Target:
         self.recent = 0.0  # this process's requests, decayed over RECENT_SECONDS
         self.recent_at = 0.0
         self.feed: KvFeed | None = None  # its KV events, with --kv-events-port
+        # The chat turns (turn_id) this process sent here lately, oldest first: with each, its
+        # conversation's requests here (decayed like recent) and when it was sent.
+        self.turns: dict[int, tuple[float, float]] = {}
 
     @property
     def hears_events(self) -> bool:
@@ -2420,6 +2455,24 @@ class Target:
     def count_recent(self, now: float) -> None:
         self.recent, self.recent_at = self.recent_share(now) + 1, now
 
+    def sent_turn(self, key: RouteKey, now: float) -> None:
+        """Remember a chat's turn in place of the one before it, with their conversation's
+        requests here."""
+        if key.turn:
+            share = self.conversation_share(key, now)
+            self.turns.pop(key.previous_turn, None)
+            self.turns.pop(key.turn, None)  # a turn sent again goes to the end
+            self.turns[key.turn] = (share + 1, now)
+            if len(self.turns) > TURNS_KEPT:
+                del self.turns[next(iter(self.turns))]
+
+    def conversation_share(self, key: RouteKey, now: float) -> float:
+        """Of recent_share, the requests of this prompt's conversation (the chat turns before
+        it that this process sent here)."""
+        if not key.previous_turn or (turn := self.turns.get(key.previous_turn)) is None:
+            return 0.0
+        return turn[0] * math.exp((turn[1] - now) / RECENT_SECONDS)
+
     def released(self) -> None:
         # Their mean share: requests do not say their own at the end, and rarely need to.
         self.pending_blocks -= self.pending_blocks / self.in_flight if self.in_flight > 0 else 0
@@ -2440,6 +2493,21 @@ def recent_requests(targets: Sequence[Target], now: float, fresh_for: float) -> 
     if all(t.counts_everyone(now, fresh_for) for t in targets):
         return [t.everyones_recent(now) for t in targets]
     return [t.recent_share(now) for t in targets]
+
+
+def own_turns_capped(
+    targets: Sequence[Target], recent: list[float], key: RouteKey, now: float
+) -> list[float]:
+    """The recent requests of each target with, where a chat's earlier turns went there, no
+    more of them than the mean target's share. A conversation's turns come one after another
+    and cannot be spread, so one busy chat alone on a cluster is no pile-up (counted whole,
+    it went elsewhere every few turns, writing its whole history into another cache each
+    time); counted as the mean, several on one engine still are."""
+    if not key.previous_turn:
+        return recent
+    mean = sum(recent) / len(recent)
+    own = [t.conversation_share(key, now) for t in targets]
+    return [count - mine + min(mine, mean) for count, mine in zip(recent, own, strict=True)]
 
 
 def mix64(value: int) -> int:
@@ -2484,8 +2552,9 @@ class Router:
     wins, the queued work being the blocks this process's requests there still have to
     compute, plus other senders' requests (from the scrape) at the mean such work: a prompt
     spills to another engine once waiting where its prefix is weighs more than computing it
-    again. Targets over their share of recent requests (RECENT_SECONDS), or whose queue is
-    past its bound (QUEUE_SLACK), are left out first.
+    again. Targets over their share of recent requests (RECENT_SECONDS; a chat's own earlier
+    turns count at most the mean), or whose queue is past its bound (QUEUE_SLACK), are left
+    out first.
     """
 
     def __init__(self, stage: str, load_weight: float, balance: float, fresh_for: float) -> None:
@@ -2508,7 +2577,9 @@ class Router:
         target.claimed(uncached)
         if key is not None and policy is Policy.PREFIX_AWARE:  # what only prefix_aware reads
             target.index.add(key.chain)
-            target.count_recent(time.monotonic())
+            now = time.monotonic()
+            target.count_recent(now)
+            target.sent_turn(key, now)
             self.mean_uncached += (uncached - self.mean_uncached) / 32
         if self.observe is not None:
             self.observe(self.stage, choice, key)
@@ -2558,6 +2629,7 @@ class Router:
             order = sorted(roomy, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
             return Choice(bounded_first(order, loads, self.balance), "session", 0)
         recent = recent_requests(targets, now, self.fresh_for)
+        recent = own_turns_capped(targets, recent, key, now)
         shares = within_bound(recent, max(self.balance, RECENT_BALANCE), RECENT_SLACK)
         queues = within_bound(loads, self.balance, QUEUE_SLACK)
         candidates = [i for i in roomy if shares[i] and queues[i]] or roomy

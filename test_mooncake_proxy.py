@@ -2910,6 +2910,19 @@ def test_a_chats_next_turn_extends_its_routing_bytes_and_block_chain() -> None:
     assert mp.block_chain(b"x" * 511) == []  # no full block: nothing to match
 
 
+def test_a_chats_next_turn_names_the_turn_before_it_and_no_other() -> None:
+    system = {"role": "system", "content": "You are terse. " * 80}
+    first = [system, {"role": "user", "content": "What is KV?"}]
+    second = [*first, {"role": "assistant", "content": "A cache."}]
+    second.append({"role": "user", "content": "And PD?"})
+    # Another conversation whose first turn differs only within its last, partial block.
+    other = [system, {"role": "user", "content": "What is PD?"}]
+    keys = [mp.route_key(CHAT, chat(messages=m), None) for m in (first, second, other)]
+    assert keys[1].previous_turn == keys[0].turn != keys[2].turn
+    assert keys[0].previous_turn == keys[2].previous_turn == 0  # nothing answered yet
+    assert mp.route_key(COMPLETIONS, completion(), None).previous_turn == 0
+
+
 def test_the_prefix_index_forgets_tails_first_and_matches_prefixes() -> None:
     index = mp.PrefixIndex(capacity=8)
     first = mp.block_chain(b"a" * 512 * 6)
@@ -2945,6 +2958,53 @@ def test_an_engine_keeps_its_prefix_through_a_burst_but_not_a_pile_up(
     for target, share in zip(targets, [holder_share, 10, 10, 10], strict=True):
         target.recent, target.recent_at = share, now
     choice = router.choose(targets, mp.Policy.PREFIX_AWARE, key)
+    assert (choice.index == 0) is kept, choice
+
+
+async def test_a_lone_conversation_stays_on_one_engine_turn_after_turn(
+    start_cluster: StartCluster,
+) -> None:
+    """Its own turns are not a pile-up: counted against the share bound, they moved this
+    chat to another engine at its sixth turn, which then computed its whole history."""
+    cluster = await start_cluster(prefill_dp=(2, 2))
+    messages = [{"role": "system", "content": long_prompt("a lone chat", 2048)}]
+    for turn in range(12):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        answer = await cluster.client.post(CHAT, json=chat(messages=messages))
+        assert answer.status == 200
+        text = (await answer.json())["choices"][0]["message"]["content"]
+        messages.append({"role": "assistant", "content": text})
+    engines = [(i, r.headers["X-data-parallel-rank"]) for i, r in cluster.prefill_requests()]
+    assert len(set(engines)) == 1, engines
+
+
+@pytest.mark.parametrize(
+    ("others_there", "others_elsewhere", "kept"), [(0, 0, True), (8, 4, False)]
+)
+def test_a_chats_own_turns_are_no_pile_up_but_other_chats_there_are(
+    others_there: int, others_elsewhere: int, kept: bool
+) -> None:
+    """Its eight turns so far on engine 0 count as the mean engine's share: alone, they keep
+    its ninth there (counted whole, 8 + 1 were over the bound of 7). With 8 requests of other
+    chats there and 4 on each other engine, 8 + 7 + 1 are over the bound of 11 (left out
+    altogether, its turns would have kept it there: 8 + 1 within 10)."""
+    router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
+    messages: list[dict[str, str]] = [{"role": "system", "content": long_prompt("sys", 4096)}]
+    turns = []
+    for turn in range(9):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        turns.append(mp.route_key(CHAT, chat(messages=list(messages)), None))
+        messages.append({"role": "assistant", "content": f"answer {turn}"})
+    now = time.monotonic()
+    for key in turns[:-1]:
+        targets[0].index.add(key.chain)
+        targets[0].count_recent(now)
+        targets[0].sent_turn(key, now)
+    targets[0].recent += others_there
+    for target in targets[1:]:
+        target.recent, target.recent_at = others_elsewhere, now
+    choice = router.choose(targets, mp.Policy.PREFIX_AWARE, turns[-1])
     assert (choice.index == 0) is kept, choice
 
 
