@@ -19,8 +19,9 @@ the cluster's whole capacity, fed the same requests in order), client-side TTFT 
 max/mean requests per engine.
 
 Workloads: shared-prefix groups (vllm bench serve's prefix_repetition shape), multi-turn chats
-that grow, a replay of Mooncake's FAST'25 synthetic trace (each hash id a 512-token block in the
-trace, scaled down here to a 256-byte block of text; ``--trace``, default
+that grow, one chat alone on the cluster (its turns should stay on one engine), a replay of
+Mooncake's FAST'25 synthetic trace (each hash id a 512-token block in the trace, scaled down
+here to a 256-byte block of text; ``--trace``, default
 ~/.cache/mooncake-proxy/traces/synthetic_trace.jsonl: left out with a note when missing), and
 one hot prefix (sglang issue 21199's trap).
 """
@@ -253,8 +254,11 @@ def shared_prefix_groups(groups: int, per_group: int, rate: float) -> list[Reque
     ]
 
 
-def multi_turn(conversations: int, turns: int, gap: float) -> list[Request]:
-    """Chats whose every turn resends the whole conversation so far, plus one new question."""
+def multi_turn(
+    conversations: int, turns: int, gap: float, words: tuple[int, int, int] = (1024, 200, 600)
+) -> list[Request]:
+    """Chats whose every turn resends the whole conversation so far, plus one new question.
+    ``words``: of the system prompt, each question and each answer."""
     requests = []
     shuffle = random.Random(11)
     # Each turn's conversations arrive in another order: in a fixed one, a rotation over as
@@ -262,13 +266,13 @@ def multi_turn(conversations: int, turns: int, gap: float) -> list[Request]:
     starts = {(c, t): shuffle.random() * gap for c in range(conversations) for t in range(turns)}
     for c in range(conversations):
         messages: list[dict[str, str]] = [
-            {"role": "system", "content": filler(f"system {c % 4}", 1024)}
+            {"role": "system", "content": filler(f"system {c % 4}", words[0])}
         ]
         for t in range(turns):
-            messages.append({"role": "user", "content": filler(f"user {c} {t}", 200)})
+            messages.append({"role": "user", "content": filler(f"user {c} {t}", words[1])})
             body = {"model": "fake-model", "messages": list(messages), "max_tokens": 4}
             requests.append((t * gap + starts[c, t], CHAT, body | {"stream": True}))
-            messages.append({"role": "assistant", "content": filler(f"answer {c} {t}", 600)})
+            messages.append({"role": "assistant", "content": filler(f"answer {c} {t}", words[2])})
     return sorted(requests, key=lambda r: r[0])
 
 
@@ -684,6 +688,9 @@ def workloads(args: argparse.Namespace) -> list[tuple[str, list[Request]]]:
     ]
     if not quick:
         chosen.insert(1, ("multi-turn", multi_turn(24, 8, 1.0)))
+        # One conversation alone, short turns that all fit one engine's cache: it should
+        # stay there.
+        chosen.insert(2, ("one chat", multi_turn(1, 12, 0.5, (1024, 50, 100))))
         trace = Path(args.trace)
         if trace.exists():
             chosen.insert(2, ("Mooncake trace", mooncake_trace(trace, 4000, 40.0)))
