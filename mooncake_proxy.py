@@ -2401,6 +2401,10 @@ class Target:
         self.pending_blocks = 0.0  # the prompt blocks those have to compute (or pull)
         self.recent = 0.0  # this process's requests, decayed over RECENT_SECONDS
         self.recent_at = 0.0
+        # The prompt blocks they had to compute here, decayed alike: how fast its cache
+        # turns over (turnover).
+        self.written = 0.0
+        self.written_at = 0.0
         self.feed: KvFeed | None = None  # its KV events, with --kv-events-port
         # The chat turns (turn_id) this process sent here lately, oldest first: with each, its
         # conversation's requests here (decayed like recent) and when it was sent.
@@ -2452,8 +2456,16 @@ class Target:
         self.in_flight += 1
         self.pending_blocks += uncached
 
-    def count_recent(self, now: float) -> None:
+    def count_recent(self, now: float, uncached: float) -> None:
         self.recent, self.recent_at = self.recent_share(now) + 1, now
+        self.written, self.written_at = self.written_lately(now) + uncached, now
+
+    def written_lately(self, now: float) -> float:
+        return self.written * math.exp((self.written_at - now) / RECENT_SECONDS)
+
+    def turnover(self, now: float) -> float:
+        """The share of its cache this process's requests wrote lately, at most 1."""
+        return min(self.written_lately(now) / max(self.index.capacity, 1), 1.0)
 
     def sent_turn(self, key: RouteKey, now: float) -> None:
         """Remember a chat's turn in place of the one before it, with their conversation's
@@ -2481,6 +2493,7 @@ class Target:
     def routing_status(self, now: float) -> dict[str, Any]:
         status = {"load": self.load.status(now), "index_blocks": len(self.index.blocks)}
         status["pending_blocks"] = round(self.pending_blocks, 1)
+        status["turnover"] = round(self.turnover(now), 2)
         if self.feed is not None:
             status |= self.feed.status(now)
         return status
@@ -2548,13 +2561,14 @@ class Router:
     prefix_aware: a prompt none of the targets holds goes where a bounded-load consistent
     hash of its first block (or its session key) says, so every proxy process sends a new
     prefix to the same engine. Otherwise the target with the least
-        cost = load_weight x queued work + blocks of this prompt it lacks
+        cost = load_weight x queued work + blocks of this prompt it lacks x (1 + turnover)
     wins, the queued work being the blocks this process's requests there still have to
     compute, plus other senders' requests (from the scrape) at the mean such work: a prompt
     spills to another engine once waiting where its prefix is weighs more than computing it
-    again. Targets over their share of recent requests (RECENT_SECONDS; a chat's own earlier
-    turns count at most the mean), or whose queue is past its bound (QUEUE_SLACK), are left
-    out first.
+    again. The turnover is the share of the target's cache this process wrote lately (at
+    most 1): there, each block computed evicts one in use. Targets over their share of
+    recent requests (RECENT_SECONDS; a chat's own earlier turns count at most the mean), or
+    whose queue is past its bound (QUEUE_SLACK), are left out first.
     """
 
     def __init__(self, stage: str, load_weight: float, balance: float, fresh_for: float) -> None:
@@ -2578,7 +2592,7 @@ class Router:
         if key is not None and policy is Policy.PREFIX_AWARE:  # what only prefix_aware reads
             target.index.add(key.chain)
             now = time.monotonic()
-            target.count_recent(now)
+            target.count_recent(now, uncached)
             target.sent_turn(key, now)
             self.mean_uncached += (uncached - self.mean_uncached) / 32
         if self.observe is not None:
@@ -2644,8 +2658,11 @@ class Router:
             self.load_weight * (t.pending_blocks + others[i] * self.mean_uncached)
             for i, t in enumerate(targets)
         ]
+        # A block computed where the cache turns over fast evicts one that was in use lately,
+        # which its prompt's next request computes again: it costs up to twice.
+        lacking = {i: (len(key.chain) - matches[i]) * (1 + targets[i].turnover(now)) for i in order}
         rank = {i: place for place, i in enumerate(order)}
-        pick = min(order, key=lambda i: (work[i] + len(key.chain) - matches[i], rank[i]))
+        pick = min(order, key=lambda i: (work[i] + lacking[i], rank[i]))
         return Choice(pick, "affinity" if matches[pick] == best else "spill", matches[pick])
 
 

@@ -2999,13 +2999,31 @@ def test_a_chats_own_turns_are_no_pile_up_but_other_chats_there_are(
     now = time.monotonic()
     for key in turns[:-1]:
         targets[0].index.add(key.chain)
-        targets[0].count_recent(now)
+        targets[0].count_recent(now, 1)
         targets[0].sent_turn(key, now)
     targets[0].recent += others_there
     for target in targets[1:]:
         target.recent, target.recent_at = others_elsewhere, now
     choice = router.choose(targets, mp.Policy.PREFIX_AWARE, turns[-1])
     assert (choice.index == 0) is kept, choice
+
+
+@pytest.mark.parametrize(("written", "holder_kept"), [(0, True), (64, False)])
+def test_a_prompt_leaves_a_cache_that_turns_over_fast_for_one_at_rest(
+    written: int, holder_kept: bool
+) -> None:
+    """A 20-block prompt whose first 8 blocks engine 0 holds. Where nothing was written there
+    lately, its 12 lacking blocks cost less than engine 1's 20. Where this process wrote a
+    whole cache's worth there lately, each block computed evicts one in use, and costs
+    twice: 24 against 20 on an engine at rest."""
+    router = mp.Router("prefill", load_weight=0.5, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=64) for i in range(2)]
+    key = mp.route_key(COMPLETIONS, completion(prompt="x" * 512 * 20), None)
+    targets[0].index.add(key.chain[:8])
+    now = time.monotonic()
+    targets[0].written, targets[0].written_at = written, now
+    choice = router.choose(targets, mp.Policy.PREFIX_AWARE, key)
+    assert (choice.index == 0) is holder_kept, choice
 
 
 async def test_a_repeated_prefix_goes_to_the_engine_that_holds_it(
