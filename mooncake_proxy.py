@@ -2132,6 +2132,20 @@ def leading(chain: Sequence[int], held: Container[int]) -> int:
     return low
 
 
+@dataclass(slots=True)
+class Decayed:
+    """A count whose every part fades over RECENT_SECONDS."""
+
+    value: float = 0.0
+    at: float = 0.0  # monotonic, as of value
+
+    def now(self, now: float) -> float:
+        return self.value * math.exp((self.at - now) / RECENT_SECONDS)
+
+    def add(self, now: float, amount: float) -> None:
+        self.value, self.at = self.now(now) + amount, now
+
+
 class PrefixIndex:
     """The prompt blocks a target is believed to hold: those this process sent it, the least
     recently sent evicted first, at most ``capacity`` (its KV cache, or --prefix-index-blocks).
@@ -2213,6 +2227,7 @@ class HeldBlocks:
         self.known: dict[object, tuple[int, int]] = {}  # vLLM's hash -> (chain hash, position)
         self.block_size = 0
         self.unplaced = 0  # blocks whose parent this process never heard of
+        self.stored_total = 0  # blocks it ever newly held: what turned its cache over
         # Chain hashes of blocks removed lately, oldest first: where an evicted prefix goes
         # back to, alike in every proxy process.
         self.evicted: dict[int, None] = {}
@@ -2274,6 +2289,7 @@ class HeldBlocks:
             chain ^= hash((position, block))
             if block_hash not in self.known:
                 self.known[block_hash] = (chain, position)
+                self.stored_total += 1
                 self.chains[chain] = self.chains.get(chain, 0) + 1
             position += 1
 
@@ -2317,6 +2333,8 @@ class KvFeed:
         self.joining = False  # replaying what the engine said before this process listened
         self.replayed = range(0)  # what that replay applied: the live stream repeats some of it
         self.replay_paused_until = -math.inf  # monotonic; see REPLAY_PAUSE
+        # The tokens it stored lately, every sender's: how fast its cache turns over.
+        self.written = Decayed()
 
     def may_replay(self) -> bool:
         return time.monotonic() >= self.replay_paused_until
@@ -2403,8 +2421,8 @@ class Target:
         self.recent_at = 0.0
         # The prompt blocks they had to compute here, decayed alike: how fast its cache
         # turns over (turnover).
-        self.written = 0.0
-        self.written_at = 0.0
+        self.written = Decayed()
+        self.kv_tokens = 0  # its KV cache in tokens, as its /metrics says; 0 if unknown
         self.feed: KvFeed | None = None  # its KV events, with --kv-events-port
         # The chat turns (turn_id) this process sent here lately, oldest first: with each, its
         # conversation's requests here (decayed like recent) and when it was sent.
@@ -2458,14 +2476,16 @@ class Target:
 
     def count_recent(self, now: float, uncached: float) -> None:
         self.recent, self.recent_at = self.recent_share(now) + 1, now
-        self.written, self.written_at = self.written_lately(now) + uncached, now
-
-    def written_lately(self, now: float) -> float:
-        return self.written * math.exp((self.written_at - now) / RECENT_SECONDS)
+        self.written.add(now, uncached)
 
     def turnover(self, now: float) -> float:
-        """The share of its cache this process's requests wrote lately, at most 1."""
-        return min(self.written_lately(now) / max(self.index.capacity, 1), 1.0)
+        """The share of its cache written lately, at most 1: by this process's requests, or
+        by every sender's where its KV events say more (other replicas' writes, and this
+        process's own reach them once their prefill ran)."""
+        share = self.written.now(now) / max(self.index.capacity, 1)
+        if self.hears_events and self.kv_tokens and self.feed is not None:
+            share = max(share, self.feed.written.now(now) / self.kv_tokens)
+        return min(share, 1.0)
 
     def sent_turn(self, key: RouteKey, now: float) -> None:
         """Remember a chat's turn in place of the one before it, with their conversation's
@@ -4213,7 +4233,9 @@ def parse_vllm_load(page: str) -> tuple[dict[int, dict[str, float]], int | None]
     return engines, capacity
 
 
-def take_load(target: Target, sample: Mapping[str, float], now: float, capacity: int) -> None:
+def take_load(
+    target: Target, sample: Mapping[str, float], now: float, capacity: int, tokens: int
+) -> None:
     view = target.load
     queries = sample.get("prefix_queries", 0.0)
     if queries < view.prefix_queries:
@@ -4222,7 +4244,7 @@ def take_load(target: Target, sample: Mapping[str, float], now: float, capacity:
     view.kv_usage, view.prefix_queries = sample.get("kv_usage", 0.0), queries
     view.took(sample.get("finished"), now, target.recent_share(now))
     view.scraped_at, view.ours_at_scrape = now, target.in_flight
-    target.index.capacity = capacity
+    target.index.capacity, target.kv_tokens = capacity, tokens
 
 
 async def scrape_load(state: ProxyState, backend: Backend) -> None:
@@ -4248,13 +4270,13 @@ async def scrape_load(state: ProxyState, backend: Backend) -> None:
     now = time.monotonic()
     if isinstance(backend, PrefillInstance):
         for engine in backend.engines:
-            take_load(engine, engines.get(engine.dp_rank, {}), now, capacity)
+            take_load(engine, engines.get(engine.dp_rank, {}), now, capacity, tokens or 0)
     elif isinstance(backend, DecodeInstance):
         total: dict[str, float] = {}  # a decode is one target, whatever its DP size
         for sample in engines.values():
             for series, value in sample.items():
                 total[series] = total.get(series, 0.0) + value
-        take_load(backend, total, now, capacity)
+        take_load(backend, total, now, capacity, tokens or 0)
 
 
 async def watch_load(app: web.Application) -> None:
@@ -4373,6 +4395,7 @@ def take_kv_batch(state: ProxyState, feed: KvFeed, seq: int, batch: object) -> N
         state.metrics.kv_event_batches.labels("missed").inc(missed)
         kv_feed_problem(state, feed, "missed", f"{missed} batch(es) missed", count=False)
     feed.next_seq = seq + 1
+    stored = feed.held.stored_total
     for event in batch[1]:
         try:
             feed.held.apply(event)
@@ -4380,6 +4403,9 @@ def take_kv_batch(state: ProxyState, feed: KvFeed, seq: int, batch: object) -> N
             kv_feed_problem(state, feed, "event", f"malformed event ignored: {error}")
     feed.batches += 1
     feed.heard_at = time.monotonic()
+    if not feed.joining:  # a join's replay tells what was written before, not lately
+        stored = feed.held.stored_total - stored
+        feed.written.add(feed.heard_at, stored * feed.held.block_size)
     state.metrics.kv_event_batches.labels("applied").inc()
 
 

@@ -3021,9 +3021,44 @@ def test_a_prompt_leaves_a_cache_that_turns_over_fast_for_one_at_rest(
     key = mp.route_key(COMPLETIONS, completion(prompt="x" * 512 * 20), None)
     targets[0].index.add(key.chain[:8])
     now = time.monotonic()
-    targets[0].written, targets[0].written_at = written, now
+    targets[0].written = mp.Decayed(written, now)
     choice = router.choose(targets, mp.Policy.PREFIX_AWARE, key)
     assert (choice.index == 0) is holder_kept, choice
+
+
+@pytest.mark.parametrize(("others_wrote", "holder_kept"), [(0, True), (48, False)])
+def test_a_cache_other_senders_turn_over_shows_in_its_kv_events(
+    others_wrote: int, holder_kept: bool
+) -> None:
+    """As above, engine 0 holds the first 8 blocks of a 20-block prompt, here as its KV
+    events say, and this process wrote nothing there. Where the events report that others
+    (another proxy replica) stored 48 blocks there lately, its cache of 64 turned over by
+    (8 + 48) / 64, and the 12 lacking blocks cost 22.5 against engine 1's 20."""
+    state = mp.ProxyState(mp.ProxyConfig(prefills=(SPEC,), decodes=(URL("http://d:1"),)))
+    router = mp.Router("prefill", load_weight=0.5, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=64) for i in range(2)]
+    tokens = list(range(20 * BLOCK_TOKENS))
+    key = mp.route_key(COMPLETIONS, completion(prompt="x" * 512 * 20), None)
+    key = dataclasses.replace(key, tokens=tokens)
+
+    def stored(name: str, ids: list[int]) -> dict[str, Any]:
+        hashes = [f"{name}{i}".encode() for i in range(len(ids) // BLOCK_TOKENS)]
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+                "token_ids": ids, "block_size": BLOCK_TOKENS}  # fmt: skip
+
+    feed = targets[0].feed = mp.KvFeed("tcp://engine-0:5557", None)
+    targets[0].kv_tokens = 64 * BLOCK_TOKENS
+    others = [stored("other", [10**6 + i for i in range(others_wrote * BLOCK_TOKENS)])]
+    mp.take_kv_batch(state, feed, 0, [0.0, [stored("prompt", tokens[: 8 * BLOCK_TOKENS])]])
+    mp.take_kv_batch(state, feed, 1, [0.0, others if others_wrote else []])
+    assert targets[0].holds(key) == 8
+    choice = router.choose(targets, mp.Policy.PREFIX_AWARE, key)
+    assert (choice.index == 0) is holder_kept, choice
+    # What a join's replay brings was written before: it turns nothing over lately.
+    joined = mp.KvFeed("tcp://engine-1:5557", None)
+    joined.joining = True
+    mp.take_kv_batch(state, joined, 0, [0.0, others])
+    assert joined.written.now(time.monotonic()) == 0.0
 
 
 async def test_a_repeated_prefix_goes_to_the_engine_that_holds_it(
