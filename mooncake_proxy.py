@@ -1702,6 +1702,9 @@ PENDING_SECONDS: Final = 2.0
 # Chat turns remembered per target: the next turn of each of that many conversations finds
 # its own there (Target.conversation_share).
 TURNS_KEPT: Final = 4096
+# A chat's turns before the latest that a request names (RouteKey.earlier_turns): the last
+# one this process sent is among them with up to this many replicas or workers in turn.
+EARLIER_TURNS: Final = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -1712,10 +1715,12 @@ class RouteKey:
     chain: list[int]  # per block, a hash of it and of every block before it
     placement: int  # the same in every proxy process: the first block, or the session key
     session: bool  # the client named a session (X-Session-ID, or the body's "user")
-    # A chat's turn (turn_id) and, once it answered before, the turn it continues: routing
-    # tells a conversation's next turn from a new prompt that shares a prefix.
+    # A chat's turn (turn_id) and, once it answered before, the turns it continues, the
+    # latest first: routing tells a conversation's next turn from a new prompt that shares a
+    # prefix. Not only the latest: where replicas share the traffic, that one went through
+    # another replica as often as not.
     turn: int = 0
-    previous_turn: int = 0
+    earlier_turns: tuple[int, ...] = ()
     # The prompt's token ids as vLLM computes them, where known (precise routing), and their
     # token_chain per block size.
     tokens: Sequence[int] | None = None
@@ -1742,9 +1747,10 @@ def prompt_bytes(path: str, body: Mapping[str, Any]) -> bytes:
     return prompt_reading(path, body)[0]
 
 
-def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, int | None]:
-    """prompt_bytes, and for a chat, how many of them were its turn before the last answer:
-    what that turn sent (0 where none answered yet; None for a completion)."""
+def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, list[int] | None]:
+    """prompt_bytes, and for a chat, how many of them each of its turns before an answer sent,
+    the latest first, at most EARLIER_TURNS (none where none answered yet; None for a
+    completion)."""
     head = str(body.get("model", "")).encode() + b"\0"
     if path.endswith("/chat/completions"):
         if tools := body.get("tools"):
@@ -1752,9 +1758,9 @@ def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, int | Non
         messages = body.get("messages")
         messages = messages if isinstance(messages, list) else []
         lines = [message_line(m) for m in messages]
-        answers = [n for n, m in enumerate(messages) if is_answer(m)]
-        before = len(head) + sum(map(len, lines[: answers[-1]])) if answers else 0
-        return head + b"".join(lines), before
+        ends = itertools.accumulate(map(len, lines), initial=len(head))
+        befores = [end for end, m in zip(ends, messages, strict=False) if is_answer(m)]
+        return head + b"".join(lines), befores[: -EARLIER_TURNS - 1 : -1]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch: it is placed by its first prompt
@@ -2014,22 +2020,22 @@ def block_chain(data: bytes, size: int = ROUTING_BLOCK_BYTES) -> list[int]:
 def route_key(
     path: str, body: Mapping[str, Any], session_id: str | None, block: int = ROUTING_BLOCK_BYTES
 ) -> RouteKey:
-    data, before = prompt_reading(path, body)
+    data, befores = prompt_reading(path, body)
     if session_id:
         placement = zlib.crc32(b"session\0" + session_id.encode("utf-8", "replace"))
     else:
         placement = zlib.crc32(data[:block])
     chain = block_chain(data, block)
-    if before is None:  # a completion: no later request names it as the turn before
+    if befores is None:  # a completion: no later request names it as a turn before
         return RouteKey(len(data), chain, placement, bool(session_id))
     turn = turn_id(data, chain, len(data), block)
-    previous = turn_id(data, chain, before, block) if before else 0
-    return RouteKey(len(data), chain, placement, bool(session_id), turn, previous)
+    earlier = tuple(turn_id(data, chain, before, block) for before in befores)
+    return RouteKey(len(data), chain, placement, bool(session_id), turn, earlier)
 
 
 def turn_id(data: bytes, chain: list[int], length: int, block: int) -> int:
     """A hash of the prompt's first ``length`` bytes, from the chain's blocks and the rest:
-    a chat's turn, which its next turn names as the one before (RouteKey.previous_turn)."""
+    a chat's turn, which its later turns name as one before (RouteKey.earlier_turns)."""
     whole = length // block
     return hash((chain[whole - 1] if whole else 0, length, data[whole * block : length]))
 
@@ -2492,7 +2498,8 @@ class Target:
         requests here."""
         if key.turn:
             share = self.conversation_share(key, now)
-            self.turns.pop(key.previous_turn, None)
+            for turn in key.earlier_turns:
+                self.turns.pop(turn, None)
             self.turns.pop(key.turn, None)  # a turn sent again goes to the end
             self.turns[key.turn] = (share + 1, now)
             if len(self.turns) > TURNS_KEPT:
@@ -2501,9 +2508,10 @@ class Target:
     def conversation_share(self, key: RouteKey, now: float) -> float:
         """Of recent_share, the requests of this prompt's conversation (the chat turns before
         it that this process sent here)."""
-        if not key.previous_turn or (turn := self.turns.get(key.previous_turn)) is None:
-            return 0.0
-        return turn[0] * math.exp((turn[1] - now) / RECENT_SECONDS)
+        for earlier in key.earlier_turns:  # the latest this process sent
+            if (turn := self.turns.get(earlier)) is not None:
+                return turn[0] * math.exp((turn[1] - now) / RECENT_SECONDS)
+        return 0.0
 
     def released(self) -> None:
         # Their mean share: requests do not say their own at the end, and rarely need to.
@@ -2535,12 +2543,21 @@ def own_turns_capped(
     more of them than the mean target's share. A conversation's turns come one after another
     and cannot be spread, so one busy chat alone on a cluster is no pile-up (counted whole,
     it went elsewhere every few turns, writing its whole history into another cache each
-    time); counted as the mean, several on one engine still are."""
-    if not key.previous_turn:
+    time); counted as the mean, several on one engine still are.
+
+    Where replicas or workers share the traffic, this process sent its part of the
+    conversation's turns, and the counts are everyone's: its part is scaled up by the ratio
+    of everyone's requests to its own."""
+    if not key.earlier_turns:
         return recent
     mean = sum(recent) / len(recent)
-    own = [t.conversation_share(key, now) for t in targets]
-    return [count - mine + min(mine, mean) for count, mine in zip(recent, own, strict=True)]
+    ours = sum(t.recent_share(now) for t in targets)
+    senders = max(sum(recent) / ours, 1.0) if ours > 0 else 1.0
+    conversation = [
+        min(t.conversation_share(key, now) * senders, n)
+        for t, n in zip(targets, recent, strict=True)
+    ]
+    return [n - mine + min(mine, mean) for n, mine in zip(recent, conversation, strict=True)]
 
 
 def mix64(value: int) -> int:

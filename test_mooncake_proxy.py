@@ -2918,9 +2918,9 @@ def test_a_chats_next_turn_names_the_turn_before_it_and_no_other() -> None:
     # Another conversation whose first turn differs only within its last, partial block.
     other = [system, {"role": "user", "content": "What is PD?"}]
     keys = [mp.route_key(CHAT, chat(messages=m), None) for m in (first, second, other)]
-    assert keys[1].previous_turn == keys[0].turn != keys[2].turn
-    assert keys[0].previous_turn == keys[2].previous_turn == 0  # nothing answered yet
-    assert mp.route_key(COMPLETIONS, completion(), None).previous_turn == 0
+    assert keys[1].earlier_turns == (keys[0].turn,) and keys[0].turn != keys[2].turn
+    assert keys[0].earlier_turns == keys[2].earlier_turns == ()  # nothing answered yet
+    assert mp.route_key(COMPLETIONS, completion(), None).earlier_turns == ()
 
 
 def test_the_prefix_index_forgets_tails_first_and_matches_prefixes() -> None:
@@ -3004,6 +3004,40 @@ def test_a_chats_own_turns_are_no_pile_up_but_other_chats_there_are(
     targets[0].recent += others_there
     for target in targets[1:]:
         target.recent, target.recent_at = others_elsewhere, now
+    choice = router.choose(targets, mp.Policy.PREFIX_AWARE, turns[-1])
+    assert (choice.index == 0) is kept, choice
+
+
+@pytest.mark.parametrize(("others_there", "kept"), [(0, True), (8, False)])
+def test_a_chats_turns_through_two_replicas_in_turn_are_no_pile_up(
+    others_there: int, kept: bool
+) -> None:
+    """Two replicas behind a round-robin balancer: this one sent turns 1, 3, 5 and 7 of a
+    chat to engine 0, the other replica 2, 4, 6 and 8, and the scrape counts all eight. Its
+    ninth turn names the eighth as the one before, which this process never saw: it finds
+    its seventh among the earlier turns, and its four turns, scaled by everyone's requests
+    to its own (two senders), are the chat's eight. Alone, they count as the mean and the
+    chat stays. With 8 requests of other chats there too (half of them this process's),
+    engine 0 still has too many."""
+    router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
+    messages: list[dict[str, str]] = [{"role": "system", "content": long_prompt("sys", 4096)}]
+    turns = []
+    for turn in range(9):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        turns.append(mp.route_key(CHAT, chat(messages=list(messages)), None))
+        messages.append({"role": "assistant", "content": f"answer {turn}"})
+    now = time.monotonic()
+    for key in turns[:-1:2]:
+        targets[0].index.add(key.chain)
+        targets[0].count_recent(now, 1)
+        targets[0].sent_turn(key, now)
+    targets[0].recent += others_there / 2
+    for target in targets:  # what a fresh scrape says each engine finished lately
+        ours = target.recent_share(now)
+        target.load.took(0.0, now, ours)
+        target.load.took(8.0 + others_there if target is targets[0] else 0.0, now, ours)
+        target.load.scraped_at = now
     choice = router.choose(targets, mp.Policy.PREFIX_AWARE, turns[-1])
     assert (choice.index == 0) is kept, choice
 
