@@ -2494,7 +2494,7 @@ class Target:
         return min(share, 1.0)
 
     def sent_turn(self, key: RouteKey, now: float) -> None:
-        """Remember a chat's turn in place of the one before it, with their conversation's
+        """Remember a chat's turn in place of those before it, with their conversation's
         requests here."""
         if key.turn:
             share = self.conversation_share(key, now)
@@ -2602,8 +2602,9 @@ class Router:
     wins, the queued work being the blocks this process's requests there still have to
     compute, plus other senders' requests (from the scrape) at the mean such work: a prompt
     spills to another engine once waiting where its prefix is weighs more than computing it
-    again. The turnover is the share of the target's cache this process wrote lately (at
-    most 1): there, each block computed evicts one in use. Targets over their share of
+    again. The turnover is the share of the target's cache written lately (at most 1), by
+    this process or, as its KV events say, by every sender: there, each block computed
+    evicts one in use. Targets over their share of
     recent requests (RECENT_SECONDS; a chat's own earlier turns count at most the mean), or
     whose queue is past its bound (QUEUE_SLACK), are left out first.
     """
