@@ -2978,6 +2978,17 @@ async def test_a_lone_conversation_stays_on_one_engine_turn_after_turn(
     assert len(set(engines)) == 1, engines
 
 
+def chat_turns(count: int) -> list[mp.RouteKey]:
+    """The keys of a chat's first ``count`` turns, each answered before the next."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": long_prompt("sys", 4096)}]
+    turns = []
+    for turn in range(count):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        turns.append(mp.route_key(CHAT, chat(messages=list(messages)), None))
+        messages.append({"role": "assistant", "content": f"answer {turn}"})
+    return turns
+
+
 @pytest.mark.parametrize(
     ("others_there", "others_elsewhere", "kept"), [(0, 0, True), (8, 4, False)]
 )
@@ -2990,12 +3001,7 @@ def test_a_chats_own_turns_are_no_pile_up_but_other_chats_there_are(
     altogether, its turns would have kept it there: 8 + 1 within 10)."""
     router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
     targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
-    messages: list[dict[str, str]] = [{"role": "system", "content": long_prompt("sys", 4096)}]
-    turns = []
-    for turn in range(9):
-        messages.append({"role": "user", "content": f"question {turn}"})
-        turns.append(mp.route_key(CHAT, chat(messages=list(messages)), None))
-        messages.append({"role": "assistant", "content": f"answer {turn}"})
+    turns = chat_turns(9)
     now = time.monotonic()
     for key in turns[:-1]:
         targets[0].index.add(key.chain)
@@ -3021,12 +3027,7 @@ def test_a_chats_turns_through_two_replicas_in_turn_are_no_pile_up(
     engine 0 still has too many."""
     router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
     targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
-    messages: list[dict[str, str]] = [{"role": "system", "content": long_prompt("sys", 4096)}]
-    turns = []
-    for turn in range(9):
-        messages.append({"role": "user", "content": f"question {turn}"})
-        turns.append(mp.route_key(CHAT, chat(messages=list(messages)), None))
-        messages.append({"role": "assistant", "content": f"answer {turn}"})
+    turns = chat_turns(9)
     now = time.monotonic()
     for key in turns[:-1:2]:
         targets[0].index.add(key.chain)
@@ -3091,8 +3092,8 @@ def test_a_cache_other_senders_turn_over_shows_in_its_kv_events(
     # What a join's replay brings was written before: it turns nothing over lately.
     joined = mp.KvFeed("tcp://engine-1:5557", None)
     joined.joining = True
-    mp.take_kv_batch(state, joined, 0, [0.0, others])
-    assert joined.written.now(time.monotonic()) == 0.0
+    mp.take_kv_batch(state, joined, 0, [0.0, [stored("old", tokens)]])
+    assert len(joined.held) == 20 and joined.written.now(time.monotonic()) == 0.0
 
 
 async def test_a_repeated_prefix_goes_to_the_engine_that_holds_it(
