@@ -27,7 +27,7 @@ import sys
 import textwrap
 import time
 import tomllib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -2989,6 +2989,14 @@ def chat_turns(count: int) -> list[mp.RouteKey]:
     return turns
 
 
+def sent(target: mp.Target, turns: Sequence[mp.RouteKey], now: float) -> None:
+    """What the router's pick records of each turn sent to ``target``."""
+    for key in turns:
+        target.index.add(key.chain)
+        target.count_recent(now, 1)
+        target.sent_turn(key, now)
+
+
 @pytest.mark.parametrize(
     ("others_there", "others_elsewhere", "kept"), [(0, 0, True), (8, 4, False)]
 )
@@ -3003,10 +3011,7 @@ def test_a_chats_own_turns_are_no_pile_up_but_other_chats_there_are(
     targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
     turns = chat_turns(9)
     now = time.monotonic()
-    for key in turns[:-1]:
-        targets[0].index.add(key.chain)
-        targets[0].count_recent(now, 1)
-        targets[0].sent_turn(key, now)
+    sent(targets[0], turns[:-1], now)
     targets[0].recent += others_there
     for target in targets[1:]:
         target.recent, target.recent_at = others_elsewhere, now
@@ -3029,10 +3034,7 @@ def test_a_chats_turns_through_two_replicas_in_turn_are_no_pile_up(
     targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
     turns = chat_turns(9)
     now = time.monotonic()
-    for key in turns[:-1:2]:
-        targets[0].index.add(key.chain)
-        targets[0].count_recent(now, 1)
-        targets[0].sent_turn(key, now)
+    sent(targets[0], turns[:-1:2], now)
     targets[0].recent += others_there / 2
     for target in targets:  # what a fresh scrape says each engine finished lately
         ours = target.recent_share(now)
