@@ -2423,8 +2423,7 @@ class Target:
         self.load = LoadView()
         self.in_flight = 0  # this process's requests on it
         self.pending_blocks = 0.0  # the prompt blocks those have to compute (or pull)
-        self.recent = 0.0  # this process's requests, decayed over RECENT_SECONDS
-        self.recent_at = 0.0
+        self.recent = Decayed()  # this process's requests
         # The prompt blocks they had to compute here, decayed alike: how fast its cache
         # turns over (turnover).
         self.written = Decayed()
@@ -2432,7 +2431,7 @@ class Target:
         self.feed: KvFeed | None = None  # its KV events, with --kv-events-port
         # The chat turns (turn_id) this process sent here lately, oldest first: with each, its
         # conversation's requests here (decayed like recent) and when it was sent.
-        self.turns: dict[int, tuple[float, float]] = {}
+        self.turns: dict[int, Decayed] = {}
 
     @property
     def hears_events(self) -> bool:
@@ -2462,7 +2461,7 @@ class Target:
 
     def recent_share(self, now: float) -> float:
         """This process's recent requests here."""
-        return self.recent * math.exp((self.recent_at - now) / RECENT_SECONDS)
+        return self.recent.now(now)
 
     def counts_everyone(self, now: float, fresh_for: float) -> bool:
         """Whether a fresh scrape gave the engine's request counter (everyones_recent)."""
@@ -2481,7 +2480,7 @@ class Target:
         self.pending_blocks += uncached
 
     def count_recent(self, now: float, uncached: float) -> None:
-        self.recent, self.recent_at = self.recent_share(now) + 1, now
+        self.recent.add(now, 1)
         self.written.add(now, uncached)
 
     def turnover(self, now: float) -> float:
@@ -2501,7 +2500,7 @@ class Target:
             for turn in key.earlier_turns:
                 self.turns.pop(turn, None)
             self.turns.pop(key.turn, None)  # a turn sent again goes to the end
-            self.turns[key.turn] = (share + 1, now)
+            self.turns[key.turn] = Decayed(share + 1, now)
             if len(self.turns) > TURNS_KEPT:
                 del self.turns[next(iter(self.turns))]
 
@@ -2510,7 +2509,7 @@ class Target:
         it that this process sent here)."""
         for earlier in key.earlier_turns:  # the latest this process sent
             if (turn := self.turns.get(earlier)) is not None:
-                return turn[0] * math.exp((turn[1] - now) / RECENT_SECONDS)
+                return turn.now(now)
         return 0.0
 
     def released(self) -> None:
@@ -2604,9 +2603,9 @@ class Router:
     spills to another engine once waiting where its prefix is weighs more than computing it
     again. The turnover is the share of the target's cache written lately (at most 1), by
     this process or, as its KV events say, by every sender: there, each block computed
-    evicts one in use. Targets over their share of
-    recent requests (RECENT_SECONDS; a chat's own earlier turns count at most the mean), or
-    whose queue is past its bound (QUEUE_SLACK), are left out first.
+    evicts one in use. Targets over their share of recent requests (RECENT_SECONDS; a chat's
+    own earlier turns count at most the mean), or whose queue is past its bound
+    (QUEUE_SLACK), are left out first.
     """
 
     def __init__(self, stage: str, load_weight: float, balance: float, fresh_for: float) -> None:
@@ -4413,7 +4412,7 @@ def take_kv_batch(state: ProxyState, feed: KvFeed, seq: int, batch: object) -> N
         state.metrics.kv_event_batches.labels("missed").inc(missed)
         kv_feed_problem(state, feed, "missed", f"{missed} batch(es) missed", count=False)
     feed.next_seq = seq + 1
-    stored = feed.held.stored_total
+    stored_before = feed.held.stored_total
     for event in batch[1]:
         try:
             feed.held.apply(event)
@@ -4422,7 +4421,7 @@ def take_kv_batch(state: ProxyState, feed: KvFeed, seq: int, batch: object) -> N
     feed.batches += 1
     feed.heard_at = time.monotonic()
     if not feed.joining:  # a join's replay tells what was written before, not lately
-        stored = feed.held.stored_total - stored
+        stored = feed.held.stored_total - stored_before
         feed.written.add(feed.heard_at, stored * feed.held.block_size)
     state.metrics.kv_event_batches.labels("applied").inc()
 

@@ -2956,7 +2956,7 @@ def test_an_engine_keeps_its_prefix_through_a_burst_but_not_a_pile_up(
     targets[0].index.add(key.chain)
     now = time.monotonic()
     for target, share in zip(targets, [holder_share, 10, 10, 10], strict=True):
-        target.recent, target.recent_at = share, now
+        target.recent = mp.Decayed(share, now)
     choice = router.choose(targets, mp.Policy.PREFIX_AWARE, key)
     assert (choice.index == 0) is kept, choice
 
@@ -3012,9 +3012,9 @@ def test_a_chats_own_turns_are_no_pile_up_but_other_chats_there_are(
     turns = chat_turns(9)
     now = time.monotonic()
     sent(targets[0], turns[:-1], now)
-    targets[0].recent += others_there
+    targets[0].recent.add(now, others_there)
     for target in targets[1:]:
-        target.recent, target.recent_at = others_elsewhere, now
+        target.recent = mp.Decayed(others_elsewhere, now)
     choice = router.choose(targets, mp.Policy.PREFIX_AWARE, turns[-1])
     assert (choice.index == 0) is kept, choice
 
@@ -3035,7 +3035,7 @@ def test_a_chats_turns_through_two_replicas_in_turn_are_no_pile_up(
     turns = chat_turns(9)
     now = time.monotonic()
     sent(targets[0], turns[:-1:2], now)
-    targets[0].recent += others_there / 2
+    targets[0].recent.add(now, others_there / 2)
     for target in targets:  # what a fresh scrape says each engine finished lately
         ours = target.recent_share(now)
         target.load.took(0.0, now, ours)
