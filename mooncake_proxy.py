@@ -2643,8 +2643,8 @@ class Router:
         the same stickiness."""
         room = within_bound(loads, self.balance)
         choices = [i for i in order if room[i]][:PLACE_CHOICES]
-        if not choices:
-            return bounded_first(order, loads, self.balance)
+        if not choices:  # none has room: bounded_first's fallback, without asking again
+            return min(order, key=loads.__getitem__)
         shares = {i: targets[i].write_share(now) for i in choices}
         least = min(choices, key=shares.__getitem__)
         return least if shares[least] < PLACE_MARGIN * shares[choices[0]] else choices[0]
