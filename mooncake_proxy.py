@@ -2274,6 +2274,14 @@ class HeldBlocks:
     ) -> None:
         if not isinstance(size, int) or size <= 0 or not isinstance(tokens, list):
             raise ValueError(f"BlockStored with block_size {size!r}")
+        if size < self.block_size:
+            # A partial entry: where the engine hashes finer than it caches (vLLM's
+            # hash_block_size, hybrid models), a prompt's tail block is also published at
+            # the finer grain. Requests match whole cache blocks only.
+            return
+        if size > self.block_size > 0:
+            self.clear()  # all it said before was such partial entries
+            self.block_size = size
         if parent is None:
             chain, position = 0, 0
         elif (where := self.known.get(parent)) is not None:
@@ -2344,6 +2352,7 @@ class KvFeed:
         if self.held:
             log.info("KV events %s: %s, its blocks are forgotten", self.endpoint, why)
         self.held.clear()
+        self.held.block_size = 0  # it may have come back with another
 
     def status(self, now: float) -> dict[str, Any]:
         if self.joining:

@@ -3417,6 +3417,31 @@ def test_kv_events_and_a_requests_tokens_hash_alike(tokenizer: Any) -> None:
     assert held.match(chain) == 0 and len(held) == 0
 
 
+def test_partial_block_entries_leave_the_engines_block_size_alone(tokenizer: Any) -> None:
+    """Where vLLM hashes finer than it caches (hybrid models), it also publishes a prompt's
+    tail as a partial entry: a BlockStored with the finer block_size. Whenever one comes, the
+    engine's blocks stay matched at its cache block size."""
+    prompt = prompt_blocks("the proxy sends the prompt to the prefill server . " * 12, tokenizer)
+    assert prompt.ids is not None and len(prompt.chain) >= 4
+    half = BLOCK_TOKENS // 2
+
+    def partial(parent: object, start: int) -> dict[str, Any]:
+        assert prompt.ids is not None
+        tokens = prompt.ids[start : start + half]
+        return {"type": "BlockStored", "block_hashes": [b"partial %d" % start],
+                "parent_block_hash": parent, "token_ids": tokens, "block_size": half}  # fmt: skip
+
+    held = mp.HeldBlocks()
+    held.apply(partial(None, 0))  # a prompt shorter than a cache block comes first
+    assert held.block_size == half
+    for event in EngineSim(64).kv_events(prompt, [0, 1, 2], []):
+        held.apply(event)
+    chain = mp.token_chain(prompt.ids, BLOCK_TOKENS)
+    assert held.block_size == BLOCK_TOKENS and held.match(chain) == 3 and len(held) == 3
+    held.apply(partial(prompt.chain[2], 3 * BLOCK_TOKENS))  # the tail after the third
+    assert held.block_size == BLOCK_TOKENS and held.match(chain) == 3 and len(held) == 3
+
+
 def test_the_token_ids_are_vllms_for_completions_and_chats(tokenizer: Any) -> None:
     prompt_tokenizer = mp.PromptTokenizer(tokenizer)
     text = "hello world ! how are you today ?"
