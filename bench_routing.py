@@ -626,8 +626,11 @@ def join_cost() -> float:
             "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None,
             "extra_keys": [None] * 8, "group_idx": 0,
         }  # fmt: skip
-        removed = {"type": "BlockRemoved", "block_hashes": [h - 800 for h in hashes]}
-        batches.append(msgspec.msgpack.encode([time.time(), [stored, removed], 0]))
+        removed = [
+            {"type": "BlockRemoved", "block_hashes": [h - 800], "medium": "GPU", "group_idx": 0}
+            for h in hashes
+        ]  # one event per evicted block, as vLLM's block pool sends them
+        batches.append(msgspec.msgpack.encode([time.time(), [*removed, stored], 0]))
     decode = msgspec.msgpack.Decoder().decode
     view = mp.HeldBlocks()
     started = time.perf_counter()

@@ -300,7 +300,7 @@ class EngineSim:
 
     def store(self, prompt: PromptBlocks) -> None:
         """Cache the blocks; the least recently used go first, a chain's tail before its head.
-        With a publisher, say so as vLLM does: BlockStored per new block, BlockRemoved."""
+        With a publisher, say so as vLLM does (kv_events)."""
         stored = []
         for i in reversed(range(len(prompt.chain))):
             block = prompt.chain[i]
@@ -315,15 +315,21 @@ class EngineSim:
             self.events.publish(self.kv_events(prompt, sorted(stored), removed))
 
     def kv_events(self, prompt: PromptBlocks, stored: list[int], removed: list[bytes]) -> list[Any]:
+        """A step's events as vLLM publishes them: a BlockRemoved for each block evicted to
+        make room, then one BlockStored for each run of the request's new blocks."""
         assert prompt.ids is not None
-        events: list[Any] = []
-        for i in stored:
+        events: list[Any] = [
+            {"type": "BlockRemoved", "block_hashes": [block], "medium": "GPU", "group_idx": 0}
+            for block in removed
+        ]
+        for run in consecutive_runs(stored):
+            first, end = run[0], run[-1] + 1
             events.append(
                 {
                     "type": "BlockStored",
-                    "block_hashes": [prompt.chain[i]],
-                    "parent_block_hash": prompt.chain[i - 1] if i else None,
-                    "token_ids": prompt.ids[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS],
+                    "block_hashes": prompt.chain[first:end],
+                    "parent_block_hash": prompt.chain[first - 1] if first else None,
+                    "token_ids": prompt.ids[first * BLOCK_TOKENS : end * BLOCK_TOKENS],
                     "block_size": BLOCK_TOKENS,
                     "lora_id": None,
                     "medium": "GPU",
@@ -331,9 +337,18 @@ class EngineSim:
                     "group_idx": 0,
                 }
             )
-        if removed:
-            events.append({"type": "BlockRemoved", "block_hashes": removed, "medium": "GPU"})
         return events
+
+
+def consecutive_runs(positions: list[int]) -> list[list[int]]:
+    """Sorted positions split where one does not follow the last."""
+    runs: list[list[int]] = []
+    for position in positions:
+        if runs and position == runs[-1][-1] + 1:
+            runs[-1].append(position)
+        else:
+            runs.append([position])
+    return runs
 
 
 @dataclass
