@@ -1693,15 +1693,19 @@ RECENT_BALANCE: Final = 1.5
 # hot prefix's next requests would otherwise queue behind its first, cold, prefill: in the
 # routing benchmark, TTFT p90 20 ms against 6.
 QUEUE_SLACK: Final = 2.0
-# A new prefix goes to the first engine of its hash order, or to whichever of the first this
-# many was written clearly less lately (under this share of the first's writes). The routing
-# benchmark's Mooncake trace, its placement simulated with every cache known and no load
-# bound, over six hash seeds: the first alone reached 0.89-0.99 of the oracle's hit rate,
-# median 0.91; three 0.90-1.01, median 0.94 with the margin, 0.97 without. Without it, two
-# proxy replicas, each counting its own writes at once, picked apart: 0.52-0.68 of the
-# oracle on the trace where the first alone gave 0.73.
+# A new prefix goes to whichever of the first this many engines of its hash order was written
+# least lately; where other senders are seen, only if clearly less than the first (under this
+# share of the first's writes). The routing benchmark's Mooncake trace, its placement
+# simulated with every cache known and no load bound, over six hash seeds: the first alone
+# reached 0.89-0.99 of the oracle's hit rate, median 0.91; three 0.95-1.00, median 0.97, and
+# with the margin 0.90-1.01, median 0.94. But two proxy replicas without the margin, each
+# counting its own writes at once and the other's only as events tell, picked apart: 0.52-0.68
+# of the oracle where the first alone gave 0.73.
 PLACE_CHOICES: Final = 3
 PLACE_MARGIN: Final = 0.9
+# Other senders (replicas, workers) are seen where the engines' counts of recent requests are
+# this much above this process's own.
+OTHERS_SEND: Final = 1.3
 # How long this process's own sends count for a target whose KV events it hears: about the
 # longest a prefill queues and runs before the engine publishes its blocks.
 PENDING_SECONDS: Final = 2.0
@@ -2636,14 +2640,19 @@ class Router:
         return choice
 
     def place(
-        self, targets: Sequence[Target], order: list[int], loads: list[float], now: float
+        self,
+        targets: Sequence[Target],
+        order: list[int],
+        loads: list[float],
+        now: float,
+        others_send: bool,
     ) -> int:
-        """Where a prefix no target holds goes: the first target in its hash order that has
-        room under the load bound, unless another of the first PLACE_CHOICES with room had
-        its cache written clearly less lately (write_share; under PLACE_MARGIN of the
-        first's). The candidates are the same in every proxy process, and so, where their
-        KV events count every sender's writes, are the shares, nearly: two processes that
-        ask a moment apart still agree.
+        """Where a prefix no target holds goes: of the first PLACE_CHOICES targets in its hash
+        order that have room under the load bound, the one whose cache was written least
+        lately (write_share). Where other senders are seen, whose writes reach this process
+        late if at all, only if clearly less than the first's (under PLACE_MARGIN of it), so
+        that processes which count the writes apart still mostly agree: the candidates are
+        the same in all of them.
 
         Not the first of the hash order alone: a family of prompts whose shared head was
         evicted comes back to the same engine each time, two busy families that hash alike
@@ -2656,7 +2665,8 @@ class Router:
             return min(order, key=loads.__getitem__)
         shares = {i: targets[i].write_share(now) for i in choices}
         least = min(choices, key=shares.__getitem__)
-        return least if shares[least] < PLACE_MARGIN * shares[choices[0]] else choices[0]
+        margin = PLACE_MARGIN if others_send else 1.0
+        return least if shares[least] < margin * shares[choices[0]] else choices[0]
 
     def choose(self, targets: Sequence[Target], policy: Policy, key: RouteKey | None) -> Choice:
         if policy is not Policy.PREFIX_AWARE:
@@ -2671,8 +2681,8 @@ class Router:
         if key.session:  # an explicit key: only the instantaneous load moves it
             order = sorted(roomy, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
             return Choice(bounded_first(order, loads, self.balance), "session", 0)
-        recent = recent_requests(targets, now, self.fresh_for)
-        recent = own_turns_capped(targets, recent, key, now)
+        everyones = recent_requests(targets, now, self.fresh_for)
+        recent = own_turns_capped(targets, everyones, key, now)
         shares = within_bound(recent, max(self.balance, RECENT_BALANCE), RECENT_SLACK)
         queues = within_bound(loads, self.balance, QUEUE_SLACK)
         candidates = [i for i in roomy if shares[i] and queues[i]] or roomy
@@ -2682,7 +2692,8 @@ class Router:
             # Where the bounds left out every target that holds it, the prompt spilled.
             left_out = (targets[i].holds(key) for i in roomy if i not in matches)
             reason = "spill" if any(left_out) else "cold"
-            return Choice(self.place(targets, order, loads, now), reason, 0)
+            others_send = sum(everyones) > OTHERS_SEND * sum(t.recent_share(now) for t in targets)
+            return Choice(self.place(targets, order, loads, now, others_send), reason, 0)
         work = [
             self.load_weight * (t.pending_blocks + others[i] * self.mean_uncached)
             for i, t in enumerate(targets)
