@@ -2597,8 +2597,8 @@ class Router:
     """Picks one stage's target: prefix_aware (the cost below), least_loaded or round_robin.
 
     prefix_aware: a prompt none of the targets holds goes where a bounded-load consistent
-    hash of its first block (or its session key) says, or to one of the hash's next engines
-    written clearly less lately (place), so every proxy process sends a new prefix to the
+    hash of its first block (or its session key) ranks first, or to the one of its first
+    three written least lately (place), so every proxy process sends a new prefix to the
     same few engines. Otherwise the target with the least
         cost = load_weight x queued work + blocks of this prompt it lacks x (1 + turnover)
     wins, the queued work being the blocks this process's requests there still have to
