@@ -215,6 +215,7 @@ class KvEventPublisher:
         self.drop: set[int] = set()  # sequence numbers to lose on the way (still replayable)
         self.replay_delay = 0.0  # seconds a replay request waits before it is answered
         self.replay_requests = 0
+        self.batch_as_map = False  # {"ts", "events", "data_parallel_rank"}: not array-like
         self.replay_task: asyncio.Task[None] | None = None
         if replay_port is not None:
             self.router = self.context.socket(zmq.ROUTER)
@@ -225,7 +226,10 @@ class KvEventPublisher:
     def publish(self, events: list[Any]) -> None:
         import msgspec
 
-        payload = msgspec.msgpack.encode([time.time(), events, self.rank])
+        batch: Any = [time.time(), events, self.rank]
+        if self.batch_as_map:
+            batch = dict(zip(("ts", "events", "data_parallel_rank"), batch, strict=True))
+        payload = msgspec.msgpack.encode(batch)
         seq, self.seq = self.seq, self.seq + 1
         self.buffer.append((seq, payload))
         if seq not in self.drop:

@@ -4407,6 +4407,8 @@ async def follow_kv_feed(
 
 def take_kv_batch(state: ProxyState, feed: KvFeed, seq: int, batch: object) -> None:
     """Apply one batch ([ts, events, dp_rank]); what was skipped before it counts as missed."""
+    if isinstance(batch, dict):  # a map, where vLLM's EventBatch is no longer array-like
+        batch = [batch.get("ts"), batch.get("events")]
     if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
         raise ValueError("a batch is [timestamp, events, ...]")
     if feed.next_seq is not None and seq > feed.next_seq:

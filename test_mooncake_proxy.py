@@ -3899,6 +3899,22 @@ async def test_malformed_kv_events_are_logged_once_and_ignored(
     assert sample(samples, "mooncake_proxy_kv_event_batches_total", result="malformed") >= 7
 
 
+async def test_kv_event_batches_sent_as_maps_are_applied(
+    start_cluster: StartCluster, tokenizer: Any
+) -> None:
+    # vLLM's EventBatch may be encoded as a map, as its events already are.
+    cluster = await start_cluster(prefill=precise(tokenizer), kv_events=True)
+    publisher = cluster.prefills[0].sim(0).events
+    assert publisher is not None
+    publisher.batch_as_map = True
+    prompt = "one two three four five six . " * 12
+    await warm(cluster.prefills[0], 0, completion(prompt=prompt))
+    (feed,) = (f for f in feeds(cluster).values() if f.engine_id is not None)
+    chain = mp.token_chain(tokenizer(prompt)["input_ids"], BLOCK_TOKENS)
+    await eventually(lambda: feed.held.match(chain) == len(chain))
+    assert feed.problem is None
+
+
 async def test_an_engine_that_publishes_nothing_is_routed_on_estimates(
     start_cluster: StartCluster, tokenizer: Any
 ) -> None:
