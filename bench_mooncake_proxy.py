@@ -8,7 +8,9 @@ bootstrap server in one process, a decode in another: each answers from precompu
 proxy as users start it (``python mooncake_proxy.py ...``), and a load generator in a process of
 its own. Every scenario runs direct-to-decode and through-the-proxy back to back, so that the
 ratios compare runs on the same noisy machine minutes apart at most; ``vllm-router`` is run as
-well when its binary is installed. Figures are medians of the per-request samples.
+well when its binary is installed, and two yardsticks: a plain aiohttp PD proxy, and the same
+with both upstream legs on asyncio protocols (when httptools is installed). Figures are medians
+of the per-request samples.
 
 Reports per scenario requests/s, streamed chunks/s, TTFT and end-to-end p50/p99, proxy CPU ms per
 request (from /proc/<pid>/stat) and peak RSS, as a table, as JSON (``--json``) and as a PNG plot
@@ -23,7 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -32,10 +36,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
@@ -49,6 +53,7 @@ LONG_TOKENS = 1000  # the long-answer scenario: the relay's cost per chunk domin
 # would arrive at the proxy in a few large reads, and the cost per chunk would not show.
 LONG_TOKEN_GAP = 0.002
 PROMPT = "x" * 200  # the 200-byte prompt of the issue's table
+RAW_REF = "protocol legs (ref)"  # raw_proxy_app's target name
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -158,6 +163,40 @@ def run_fake(role: str, port: int) -> None:
 # --- a yardstick: the plain, unoptimised aiohttp PD proxy of the issue's table
 
 
+def leg_bodies(
+    body: dict[str, Any], prefill: str, engine: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The two legs' bodies, as the yardsticks build them: the least the fakes need."""
+    rid = os.urandom(8).hex()
+    prefill_body = dict(body, stream=False, max_tokens=1)
+    prefill_body.pop("stream_options", None)
+    prefill_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": rid}
+    decode_body = dict(body)
+    decode_body["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "remote_engine_id": engine,
+        "remote_bootstrap_addr": prefill,
+        "transfer_id": rid,
+    }
+    return prefill_body, decode_body
+
+
+def yardstick_app(
+    resources: Callable[[web.Application], Any],
+    completion: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> web.Application:
+    """A yardstick's application: its resources (a cleanup context), /health, completions."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application(client_max_size=1 << 30)
+    app.cleanup_ctx.append(resources)
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completion)
+    return app
+
+
 def plain_proxy_app(prefill: str, decode: str) -> web.Application:
     """Both legs at once and the decode's bytes passed on; no health, metrics or failover.
 
@@ -173,21 +212,9 @@ def plain_proxy_app(prefill: str, decode: str) -> web.Application:
         yield
         await state["session"].close()
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
-
     async def completion(request: web.Request) -> web.StreamResponse:
-        session, body, rid = state["session"], await request.json(), os.urandom(8).hex()
-        prefill_body = dict(body, stream=False, max_tokens=1)
-        prefill_body.pop("stream_options", None)
-        prefill_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": rid}
-        decode_body = dict(body)
-        decode_body["kv_transfer_params"] = {
-            "do_remote_prefill": True,
-            "remote_engine_id": state["engine"],
-            "remote_bootstrap_addr": prefill,
-            "transfer_id": rid,
-        }
+        session = state["session"]
+        prefill_body, decode_body = leg_bodies(await request.json(), prefill, state["engine"])
 
         async def send_prefill() -> None:
             async with session.post(prefill + request.path, json=prefill_body) as answer:
@@ -204,15 +231,147 @@ def plain_proxy_app(prefill: str, decode: str) -> web.Application:
         await prefill_task
         return response
 
-    app = web.Application(client_max_size=1 << 30)
-    app.cleanup_ctx.append(session_ctx)
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", completion)
-    return app
+    return yardstick_app(session_ctx, completion)
 
 
 def run_plain_proxy(prefill: str, decode: str, port: int) -> None:
     app = plain_proxy_app(prefill, decode)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# --- a second yardstick: the same PD proxy with both upstream legs below aiohttp's client
+
+
+class RawLeg(asyncio.Protocol):
+    """One keep-alive connection to an upstream, its answers parsed by httptools (llhttp, as
+    uvicorn uses it): the body goes to ``sink`` in the callback that parsed it, with no task
+    woken per chunk, or is kept until a sink is set."""
+
+    def __init__(self) -> None:
+        self.parser = importlib.import_module("httptools").HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.sink: Callable[[bytes], None] | None = None
+        self.kept: list[bytes] = []
+        self.reusable = False
+        self.content_type = b"application/json"
+        loop = asyncio.get_running_loop()
+        self.head: asyncio.Future[int] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+
+    def send(self, head: bytes, body: bytes) -> None:
+        assert self.transport is not None
+        loop = asyncio.get_running_loop()
+        self.head, self.done = loop.create_future(), loop.create_future()
+        self.sink, self.kept, self.reusable = None, [], False
+        self.transport.writelines((head % len(body), body))
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-type":
+            self.content_type = value
+
+    def on_headers_complete(self) -> None:
+        self.head.set_result(self.parser.get_status_code())
+
+    def on_body(self, body: bytes) -> None:
+        if self.sink is None:
+            self.kept.append(body)
+        else:
+            self.sink(body)
+
+    def on_message_complete(self) -> None:
+        # Asked here: once the parser has moved on, it reads as a message without a length.
+        self.reusable = self.parser.should_keep_alive()
+        self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for waiter in (self.head, self.done):
+            if not waiter.done():
+                waiter.set_exception(ConnectionError("upstream closed"))
+
+
+def raw_proxy_app(prefill: str, decode: str) -> web.Application:
+    """plain_proxy_app's flow on aiohttp's server, with both legs on RawLeg: a request head
+    built once per upstream, a keep-alive pool, and the decode's body framed as chunks and
+    written to the client's transport from the parser's callback.
+
+    Not a product: no backpressure, timeouts or failover. It tells what the proxy's two legs
+    would cost below aiohttp's client on this machine, the floor issue 15 aims at."""
+    state: dict[str, Any] = {}
+    idle: dict[str, list[RawLeg]] = {prefill: [], decode: []}
+    heads = {
+        base: b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+        % base.split("//")[1].encode()
+        + b"Content-Length: %d\r\n\r\n"
+        for base in (prefill, decode)
+    }
+
+    async def engine_ctx(app: web.Application) -> Any:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(prefill + "/query") as query,
+        ):
+            state["engine"] = (await query.json())["0"]["engine_id"]
+        yield
+        for legs in idle.values():
+            for leg in legs:
+                if leg.transport is not None:
+                    leg.transport.close()
+
+    async def leg(base: str, body: bytes) -> RawLeg:
+        while idle[base]:
+            if (kept := idle[base].pop()).transport is not None and not kept.transport.is_closing():
+                kept.send(heads[base], body)
+                return kept
+        host, port = base.split("//")[1].split(":")
+        _, new = await asyncio.get_running_loop().create_connection(RawLeg, host, int(port))
+        new.send(heads[base], body)
+        return new
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        prefill_body, decode_body = leg_bodies(await request.json(), prefill, state["engine"])
+        legs: dict[str, RawLeg] = {}
+        try:
+            legs[prefill] = await leg(prefill, json.dumps(prefill_body).encode())
+            upstream = legs[decode] = await leg(decode, json.dumps(decode_body).encode())
+            response = web.StreamResponse(status=await upstream.head)
+            response.headers["Content-Type"] = upstream.content_type.decode()
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            client = request.transport
+            assert client is not None
+
+            def relay(chunk: bytes) -> None:
+                client.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+
+            upstream.sink = relay
+            for chunk in upstream.kept:
+                relay(chunk)
+            await upstream.done
+            await response.write_eof()
+            await legs[prefill].done
+            return response
+        finally:  # back to the pool once answered whole, else closed
+            for base, used in legs.items():
+                if used.reusable and used.transport and not used.transport.is_closing():
+                    idle[base].append(used)
+                elif used.transport is not None:
+                    used.transport.close()
+
+    return yardstick_app(engine_ctx, completion)
+
+
+def run_raw_proxy(prefill: str, decode: str, port: int) -> None:
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()  # as the proxy runs
+    app = raw_proxy_app(prefill, decode)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
@@ -487,6 +646,16 @@ class Bench:
         wait_http(url + "/health")
         return Target("plain aiohttp (ref)", url, process.pid, process)
 
+    def start_raw_proxy(self) -> Target | None:
+        if importlib.util.find_spec("httptools") is None:
+            return None
+        port = free_port()
+        argv = [sys.executable, __file__, "raw", self.prefill_url, self.decode_url, str(port)]
+        process = self.spawn(argv)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health")
+        return Target(RAW_REF, url, process.pid, process)
+
     def start_vllm_router(self) -> Target | None:
         here = str(Path(sys.executable).parent)  # the venv's bin, when it is not on PATH
         binary = shutil.which("vllm-router") or shutil.which("vllm-router", path=here)
@@ -670,7 +839,8 @@ def bench_main(args: argparse.Namespace) -> int:
         proxy = bench.start_proxy()
         router = None if args.no_router else bench.start_vllm_router()
         plain = bench.start_plain_proxy()
-        targets = [t for t in (direct, proxy, plain, router) if t is not None]
+        raw = bench.start_raw_proxy()
+        targets = [t for t in (direct, proxy, plain, raw, router) if t is not None]
         for stream in (True, False):
             for concurrency in concurrencies:
                 for target in targets:
@@ -801,7 +971,7 @@ def summarize(results: list[Result], summary: dict[str, Any]) -> str:
             w2.rps > w1.rps,
             "{:.2f}x",
         )
-    for name in ("plain aiohttp (ref)",):
+    for name in ("plain aiohttp (ref)", RAW_REF):
         ref = find(scenario="sweep", target=name, stream=True, concurrency=32)
         ref_plain = find(scenario="sweep", target=name, stream=False, concurrency=32)
         if ref and direct32 and ref_plain:
@@ -816,7 +986,7 @@ def summarize(results: list[Result], summary: dict[str, Any]) -> str:
     if router and direct32:
         ratio = router.rps / direct32.rps
         lines.append(f"| vllm-router | streamed req/s at 32 vs direct | {ratio:.2f}x | - | - |")
-    for name in ("proxy", "vllm-router", "plain aiohttp (ref)"):
+    for name in ("proxy", "vllm-router", "plain aiohttp (ref)", RAW_REF):
         long = find(scenario="long stream", target=name)
         if long and long.cpu_ms_per_request is not None:
             per_token = 1000 * long.cpu_ms_per_request / LONG_TOKENS
@@ -836,7 +1006,10 @@ def against_router(results: list[Result], summary: dict[str, Any]) -> str | None
 
     if find("vllm-router") is None:
         return None
-    lines = ["| figure | proxy | vllm-router | goal | met |", "|---|---|---|---|---|"]
+    lines = [
+        f"| figure | proxy | vllm-router | goal | met | {RAW_REF} |",
+        "|---|---|---|---|---|---|",
+    ]
 
     goals: dict[str, Callable[[float, float], bool]] = {
         "<= router": lambda ours, theirs: ours <= theirs,
@@ -844,11 +1017,15 @@ def against_router(results: list[Result], summary: dict[str, Any]) -> str | None
         "<= half the router": lambda ours, theirs: ours <= theirs / 2,
     }
 
-    def row(figure: str, ours: float | None, theirs: float | None, goal: str, fmt: str) -> None:
+    def row(figure: str, of: Callable[[str], float | None], goal: str, fmt: str) -> None:
+        """The figure for the proxy and the router; the yardstick's beside, where it ran."""
+        ours, theirs, ref = of("proxy"), of("vllm-router"), of(RAW_REF)
         if ours is not None and theirs is not None:
             met = "yes" if goals[goal](ours, theirs) else "NO"
+            shown = "-" if ref is None else fmt.format(ref)
             lines.append(
-                f"| {figure} | {fmt.format(ours)} | {fmt.format(theirs)} | {goal} | {met} |"
+                f"| {figure} | {fmt.format(ours)} | {fmt.format(theirs)} | {goal} | {met} "
+                f"| {shown} |"
             )
 
     def cpu(target: str, stream: bool) -> float | None:
@@ -872,21 +1049,21 @@ def against_router(results: list[Result], summary: dict[str, Any]) -> str | None
         cost = r.cpu_ms_per_request if r else None
         return 1000 * cost / LONG_TOKENS if cost is not None else None
 
-    idle, idle_router = summary.get("idle"), summary.get("idle_router")
+    idle = {"proxy": summary.get("idle"), "vllm-router": summary.get("idle_router")}
+
+    def idle_memory(target: str) -> float | None:
+        measured = idle.get(target)
+        return float(measured["kib_per_stream"]) if measured else None
+
     for kind, stream in (("streamed", True), ("non-streamed", False)):
         figure = f"CPU per {kind} request, 32 concurrent (ms)"
-        row(figure, cpu("proxy", stream), cpu("vllm-router", stream), "<= router", "{:.3f}")
-    row("streamed req/s at 32, ratio to direct", ratio("proxy"), ratio("vllm-router"),
-        ">= router", "{:.2f}x")  # fmt: skip
-    row("TTFT added at concurrency 1 (ms)", added_ttft("proxy"), added_ttft("vllm-router"),
-        "<= router", "{:+.2f}")  # fmt: skip
-    row("a 1 MiB prompt, added end to end (ms)", big("proxy"), big("vllm-router"), "<= router",
-        "{:+.1f}")  # fmt: skip
-    row("memory per idle open stream (KiB)", idle["kib_per_stream"] if idle else None,
-        idle_router["kib_per_stream"] if idle_router else None, "<= half the router",
-        "{:.1f}")  # fmt: skip
-    row(f"CPU per relayed token, {LONG_TOKENS}-token streams at 32 (us)", per_token("proxy"),
-        per_token("vllm-router"), "<= router", "{:.2f}")  # fmt: skip
+        row(figure, functools.partial(cpu, stream=stream), "<= router", "{:.3f}")
+    row("streamed req/s at 32, ratio to direct", ratio, ">= router", "{:.2f}x")
+    row("TTFT added at concurrency 1 (ms)", added_ttft, "<= router", "{:+.2f}")
+    row("a 1 MiB prompt, added end to end (ms)", big, "<= router", "{:+.1f}")
+    row("memory per idle open stream (KiB)", idle_memory, "<= half the router", "{:.1f}")
+    row(f"CPU per relayed token, {LONG_TOKENS}-token streams at 32 (us)", per_token,
+        "<= router", "{:.2f}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -946,6 +1123,9 @@ def plot(results: list[Result], path: str) -> None:
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "fake":
         run_fake(sys.argv[2], int(sys.argv[3]))
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "raw":
+        run_raw_proxy(sys.argv[2], sys.argv[3], int(sys.argv[4]))
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "plain":
         run_plain_proxy(sys.argv[2], sys.argv[3], int(sys.argv[4]))
