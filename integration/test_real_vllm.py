@@ -446,6 +446,10 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
     for prefill in (cluster.prefill, second):
         argv += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
     argv += ["--connect-timeout", "30", "--health-interval", "1", "--discovery-interval", "0.5"]
+    # A vLLM starting on these 2 cores starves the others: their /health took over the 3 s
+    # default twice in a row, and the decode left the rotation (503s), which is not what this
+    # test is about.
+    argv += ["--health-timeout", "10"]
     argv += ["--policy", "round_robin"]  # both prefills take requests in turn
     proxy = Server(
         "proxy-2", argv, dict(os.environ), tmp_path / "proxy-2.log", f"http://127.0.0.1:{port}"
