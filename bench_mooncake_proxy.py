@@ -324,14 +324,17 @@ def raw_proxy_app(prefill: str, decode: str) -> web.Application:
                     leg.transport.close()
 
     async def leg(base: str, body: bytes) -> RawLeg:
-        while idle[base]:
-            if (kept := idle[base].pop()).transport is not None and not kept.transport.is_closing():
-                kept.send(heads[base], body)
-                return kept
-        host, port = base.split("//")[1].split(":")
-        _, new = await asyncio.get_running_loop().create_connection(RawLeg, host, int(port))
-        new.send(heads[base], body)
-        return new
+        """A pooled connection that is still open, else a new one; the request sent on it."""
+        chosen = None
+        while idle[base] and chosen is None:
+            kept = idle[base].pop()
+            chosen = kept if kept.transport and not kept.transport.is_closing() else None
+        if chosen is None:
+            host, port = base.split("//")[1].split(":")
+            loop = asyncio.get_running_loop()
+            _, chosen = await loop.create_connection(RawLeg, host, int(port))
+        chosen.send(heads[base], body)
+        return chosen
 
     async def completion(request: web.Request) -> web.StreamResponse:
         prefill_body, decode_body = leg_bodies(await request.json(), prefill, state["engine"])
