@@ -43,6 +43,7 @@ import resource
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import tempfile
 import time
@@ -62,13 +63,13 @@ from collections.abc import (
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
-from typing import Any, ClassVar, Final, Literal, NoReturn, TypedDict, TypeVar
+from typing import Any, ClassVar, Final, Literal, NoReturn, TypedDict, TypeVar, cast
 
 try:
     import aiohttp
+    import httptools
     import prometheus_client.values
     from aiohttp import hdrs, web
-    from aiohttp.abc import AbstractStreamWriter
     from aiohttp.http_exceptions import (
         BadHttpMethod,
         BadStatusLine,
@@ -107,6 +108,7 @@ FAST_DUMPS: Final = _fast_dumps()
 # Byte-stable identity that tools launching the proxy record as evidence (the seed's values).
 ID: Final = "inferlab-vllm-mooncake-proxy"
 VERSION: Final = 1
+USER_AGENT: Final = f"{ID}/{VERSION}"
 # The package's own release (setup.cfg reads it from here).
 __version__ = "1.0.0"
 
@@ -1160,7 +1162,7 @@ class ProxyState:
     draining: bool = False
     # Opened with the app and closed with it (pools_ctx): one for the legs of client
     # requests, one for health checks and discovery, which never queue behind clients.
-    session: aiohttp.ClientSession = field(init=False)
+    upstreams: UpstreamPool = field(init=False)
     health_session: aiohttp.ClientSession = field(init=False)
     # Prefill legs that outlived their decode, kept until they answer.
     lingering: set[asyncio.Task[None]] = field(default_factory=set)
@@ -3280,6 +3282,8 @@ def upstream_headers(
         if name.lower() not in NOT_FORWARDED_HEADERS and name.lower() not in listed
     }
     headers[hdrs.CONTENT_TYPE] = "application/json"
+    if hdrs.USER_AGENT not in client_headers:
+        headers[hdrs.USER_AGENT] = USER_AGENT
     headers[REQUEST_ID_HEADER] = request_id
     if authorization := upstream_authorization(client_headers, config):
         headers[hdrs.AUTHORIZATION] = authorization
@@ -3453,35 +3457,329 @@ def pool_exhausted(config: ProxyConfig, legs: str) -> ProxyError:
     )
 
 
-class LegBody(aiohttp.BytesPayload):
-    """A large leg body, sent without a copy of it.
+class LegFailed(Exception):
+    """A leg's HTTP exchange failed on the wire: not an error status, no answer at all.
 
-    aiohttp joins the request head and the first write of the body into one new bytes (before
-    Python 3.12.9 it never uses writelines): for a 100 MiB prompt, another 100 MiB per leg.
-    Here only the first byte goes out with the head; the rest is a view of the same buffer.
+    ``unreachable``: not one byte of an answer came (refused, reset, closed before answering),
+    so the request may be tried elsewhere and the upstream is likely down; ``timed_out``: the
+    connection could not be opened within --connect-timeout.
     """
 
-    def __init__(self, body: bytes) -> None:
-        super().__init__(body, content_type="application/json")
-        self._view = memoryview(body)
-
-    async def write(self, writer: AbstractStreamWriter) -> None:
-        await self.write_with_length(writer, None)
-
-    async def write_with_length(
-        self, writer: AbstractStreamWriter, content_length: int | None
-    ) -> None:
-        body = self._view if content_length is None else self._view[:content_length]
-        await writer.write(body[:1])
-        await writer.write(body[1:])
+    def __init__(self, message: str, *, unreachable: bool = False, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable, self.timed_out = unreachable, timed_out
 
 
-# Below this a copy costs less than a second write (and a second syscall).
+# Below this a copy costs less than a second write (and a second syscall); above it the body
+# goes out as it is, not joined to the head (a 100 MiB prompt would be copied once more).
 LEG_BODY_COPY_LIMIT: Final = 64 * 1024
 
 
-def leg_data(payload: bytes) -> bytes | LegBody:
-    return payload if len(payload) < LEG_BODY_COPY_LIMIT else LegBody(payload)
+class HttpLeg(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection to an upstream, carrying one leg at a time.
+
+    Below aiohttp's client on purpose (issue 15: half the CPU per relayed token): httptools
+    (llhttp, as uvicorn uses it) parses the answer in the read callback itself, and the body
+    pieces of one read go to ``sink`` together, right there, with no task woken for them.
+    Until a sink is set they are kept. The task that sent the request waits in ``wait`` for
+    what it needs (the head, a piece, the end, a pause); a failure on the wire raises there.
+    """
+
+    __slots__ = (
+        "answered",
+        "chunked",
+        "complete",
+        "content_length",
+        "content_type",
+        "error",
+        "head_in",
+        "idle",
+        "idle_since",
+        "informational",
+        "kept",
+        "parser",
+        "paused",
+        "reason",
+        "reusable",
+        "sink",
+        "status",
+        "transport",
+        "waiter",
+    )
+
+    def __init__(self, idle: dict[HttpLeg, None]) -> None:
+        self.idle = idle  # its upstream's idle connections, which it leaves when it closes
+        self.idle_since = 0.0
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future[None] | None = None
+        self.sink: Callable[[list[bytes]], None] | None = None
+        self.kept: list[bytes] = []
+        self.status, self.reason = 0, b""
+        self.content_type: bytes | None = None
+        self.content_length: int | None = None
+        self.chunked = self.informational = self.answered = False
+        self.head_in = self.complete = self.reusable = self.paused = False
+        self.error: LegFailed | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def send(self, head: bytes, body: bytes) -> None:
+        """Write a request; the answer to the last one was read whole (or there was none)."""
+        assert self.transport is not None and self.sink is None
+        self.kept, self.status, self.answered = [], 0, False
+        self.head_in = self.complete = self.reusable = False
+        if len(body) < LEG_BODY_COPY_LIMIT:
+            self.transport.write(head + body)
+        else:
+            self.transport.write(head)
+            self.transport.write(body)
+
+    async def wait(self, ready: Callable[[], bool]) -> None:
+        """Until ``ready()``; raises LegFailed if the exchange fails first."""
+        while not ready():
+            if self.error is not None:
+                raise self.error
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    def has_head(self) -> bool:
+        return self.head_in
+
+    def has_piece(self) -> bool:
+        return bool(self.kept) or self.complete
+
+    def is_complete(self) -> bool:
+        return self.complete
+
+    def body(self) -> bytes:
+        """The pieces kept so far, as one (the whole body, once complete without a sink)."""
+        body = self.kept[0] if len(self.kept) == 1 else b"".join(self.kept)
+        self.kept = []
+        return body
+
+    def pause(self) -> None:
+        """Stop reading the answer (the client is slower than the upstream) and wake the
+        waiting task, which resumes it once the client caught up."""
+        if self.transport is not None and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+            self.wake()
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.transport is not None:
+                self.transport.resume_reading()
+
+    def close(self) -> None:
+        """Drop the connection: an upstream that sees it close aborts the request (vLLM does)."""
+        if self.transport is not None:
+            self.transport.close()
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def fail(self, message: str) -> None:
+        if self.error is None and not self.complete:
+            self.error = LegFailed(message, unreachable=not self.answered)
+            self.close()
+            self.wake()
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.answered = True
+            self.fail("answered with a protocol switch it was not asked for")
+        except httptools.HttpParserCallbackError:
+            raise  # a bug of the proxy's, in a callback: not the upstream's fault
+        except httptools.HttpParserError as error:
+            self.answered = True
+            self.fail(f"sent a malformed answer ({error})")
+        if self.kept and self.sink is not None:
+            pieces, self.kept = self.kept, []
+            self.sink(pieces)  # every piece this read brought, in one write to the client
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.idle.pop(self, None)
+        if self.complete or self.error is not None:
+            return
+        if self.head_in and exc is None and self.content_length is None and not self.chunked:
+            # An answer without a length ends with its connection (allowed, if rare).
+            self.complete = True
+        else:
+            when = "while answering" if self.answered else "before answering"
+            why = f" ({failure_detail(exc)})" if exc is not None else ""
+            self.error = LegFailed(
+                f"closed the connection {when}{why}", unreachable=not self.answered
+            )
+        self.wake()
+
+    # httptools' callbacks, as it parses
+
+    def on_message_begin(self) -> None:
+        self.answered = True
+        self.reason, self.content_type, self.content_length, self.chunked = b"", None, None, False
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason  # in pieces, if it came split across reads
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-type":
+            self.content_type = value
+        elif name == b"content-length":
+            self.content_length = int(value)  # llhttp let through only digits
+        elif name == b"transfer-encoding":
+            self.chunked = True
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:
+            self.informational = True  # 100 Continue, 103 Early Hints: the answer follows
+            return
+        self.status, self.head_in = status, True
+        self.wake()
+
+    def on_body(self, piece: bytes) -> None:
+        self.kept.append(piece)
+        if self.sink is None:
+            self.wake()
+
+    def on_message_complete(self) -> None:
+        if self.informational:
+            self.informational = False
+            return
+        # Asked here: once the parser has moved on it reads as a message without a length.
+        self.reusable = self.parser.should_keep_alive()
+        self.complete = True
+        self.wake()
+
+
+class UpstreamPool:
+    """The legs' keep-alive connections, by upstream.
+
+    The newest idle connection is reused first (the likeliest still open, and the others age
+    out); none is kept idle past --keepalive-timeout, below vLLM's own idle limit, so the pool
+    does not reuse one vLLM is closing. A leg whose answer was not read whole is closed, not
+    kept: vLLM aborts a request whose connection closes.
+    """
+
+    def __init__(self, connect_timeout: float, keepalive_timeout: float) -> None:
+        self.connect_timeout, self.keepalive_timeout = connect_timeout, keepalive_timeout
+        self._idle: dict[str, dict[HttpLeg, None]] = {}  # by host:port, oldest first
+        self._heads: dict[tuple[bytes, URL], bytes] = {}
+        self._sweep: asyncio.TimerHandle | None = None
+        self._tls: ssl.SSLContext | None = None
+
+    async def send(
+        self, method: bytes, url: URL, headers: Mapping[str, str], body: bytes = b""
+    ) -> HttpLeg:
+        """A request on its way on a kept connection or a new one; LegFailed if none opens."""
+        head = self._head(method, url) + header_block(headers, len(body))
+        leg = self._reuse(url.raw_authority) or await self._connect(url)
+        leg.send(head, body)
+        return leg
+
+    def finish(self, leg: HttpLeg) -> None:
+        """The leg is over: kept for the next if its answer was read whole and may be kept,
+        else closed (mid-answer, that aborts the request upstream)."""
+        leg.sink = None
+        if not (leg.complete and leg.reusable and leg.open and not leg.kept):
+            leg.close()
+            return
+        leg.resume()
+        leg.idle_since = asyncio.get_running_loop().time()
+        leg.idle[leg] = None
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(
+                self.keepalive_timeout, self._close_expired
+            )
+
+    def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        for idle in self._idle.values():
+            for leg in list(idle):
+                leg.close()
+            idle.clear()
+
+    def _reuse(self, upstream: str) -> HttpLeg | None:
+        idle = self._idle.get(upstream)
+        now = asyncio.get_running_loop().time()
+        while idle:
+            leg, _ = idle.popitem()  # the newest: if it aged out, so did the rest
+            if leg.open and now - leg.idle_since < self.keepalive_timeout:
+                return leg
+            leg.close()
+        return None
+
+    async def _connect(self, url: URL) -> HttpLeg:
+        loop = asyncio.get_running_loop()
+        idle = self._idle.setdefault(url.raw_authority, {})
+        host, port = url.host or "", url.port or 0  # parse_backend_url made it explicit
+        tls = self.tls() if url.scheme == "https" else None
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, leg = await loop.create_connection(lambda: HttpLeg(idle), host, port, ssl=tls)
+        except TimeoutError:
+            message = f"cannot connect to {host}:{port} within {self.connect_timeout:g} s"
+            raise LegFailed(message, unreachable=True, timed_out=True) from None
+        except OSError as error:
+            message = f"cannot connect to {host}:{port}: {os_error_reason(error)}"
+            raise LegFailed(message, unreachable=True) from None
+        return leg
+
+    def _head(self, method: bytes, url: URL) -> bytes:
+        """The request line and Host, made once per upstream route."""
+        head = self._heads.get((method, url))
+        if head is None:
+            line = f"{method.decode()} {url.raw_path_qs} HTTP/1.1\r\nHost: {url.raw_authority}\r\n"
+            head = self._heads[method, url] = line.encode()
+        return head
+
+    def _close_expired(self) -> None:
+        """Close the connections idle for --keepalive-timeout; again later while any is idle."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        oldest_kept = loop.time() - self.keepalive_timeout
+        for idle in self._idle.values():
+            for leg in list(idle):
+                if leg.idle_since > oldest_kept:
+                    break  # the rest came back later still
+                del idle[leg]
+                leg.close()
+        if any(self._idle.values()):
+            self._sweep = loop.call_later(self.keepalive_timeout, self._close_expired)
+
+    def tls(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+
+def header_block(headers: Mapping[str, str], length: int) -> bytes:
+    """A leg's own headers and its Content-Length, ending the head."""
+    block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    if block.count("\n") != len(headers) or block.count("\r") != len(headers):
+        # aiohttp's parser lets no line break into a client's header; a proxy's own value
+        # with one would split the head: refuse rather than send a header nobody wrote.
+        raise ProxyError(400, "a header for the upstream contains a line break")
+    return f"{block}Content-Length: {length}\r\n\r\n".encode("utf-8", "surrogateescape")
 
 
 class Unreachable(ProxyError):
@@ -3526,39 +3824,45 @@ def failure_detail(error: BaseException) -> str:
     if isinstance(error, aiohttp.ClientConnectorError) and not isinstance(
         error, aiohttp.ClientSSLError
     ):
-        cause = error.os_error
-        if isinstance(cause, socket.gaierror) or not cause.errno:
-            reason = cause.strerror or str(cause) or type(cause).__name__
-        else:
-            reason = os.strerror(cause.errno)
-        return f"cannot connect to {error.host}:{error.port}: {reason}"
+        return f"cannot connect to {error.host}:{error.port}: {os_error_reason(error.os_error)}"
     return str(error) or type(error).__name__
+
+
+def os_error_reason(error: OSError) -> str:
+    if isinstance(error, socket.gaierror) or not error.errno:
+        return error.strerror or str(error) or type(error).__name__
+    return os.strerror(error.errno)
 
 
 def transport_error(
     stage: str, url: URL, error: BaseException, backend: Backend | None = None
 ) -> ProxyError:
-    """The one place that turns a failure to reach an upstream into the client's error."""
-    status = 504 if isinstance(error, TimeoutError) else 502
-    detail = failure_detail(error)
-    if isinstance(error, UNREACHABLE_ERRORS) or was_reset(error):
-        reason = "timeout" if status == 504 else "refused"
-        message = f"{stage} {url} unreachable: {detail}"
+    """The one place that turns a failure to reach an upstream into the client's error: a
+    leg's (LegFailed, or its deadline) or a health check's (aiohttp's client)."""
+    if isinstance(error, LegFailed):
+        unreachable, timed_out = error.unreachable, error.timed_out
+    else:
+        unreachable = isinstance(error, UNREACHABLE_ERRORS) or was_reset(error)
+        timed_out = isinstance(error, TimeoutError)
+    status = 504 if timed_out else 502
+    if unreachable:
+        reason = "timeout" if timed_out else "refused"
+        message = f"{stage} {url} unreachable: {failure_detail(error)}"
         return Unreachable(status, message, reason=reason, backend=backend)
-    if isinstance(error, TimeoutError):
+    if timed_out:
         return ProxyError(status, f"{stage} {url} timed out", reason="timeout")
-    return ProxyError(status, f"{stage} {url} failed: {detail}", reason="broken")
+    return ProxyError(status, f"{stage} {url} failed: {failure_detail(error)}", reason="broken")
 
 
 def upstream_failure(
-    stage: str, upstream: aiohttp.ClientResponse, body: bytes, suspect: Backend
+    stage: str, url: URL, leg: HttpLeg, body: bytes, suspect: Backend
 ) -> ProxyError:
     """An upstream's own error answer, passed on as it came. A 5xx has ``suspect`` checked at
     once: vLLM answers a decode that names a stale engine id with an immediate 500."""
-    if upstream.status >= 500:
+    if leg.status >= 500:
         suspect.recheck.set()
-    ctype = upstream.headers.get(hdrs.CONTENT_TYPE, "")
-    return ProxyError.from_upstream(stage, upstream.url, upstream.status, body, ctype)
+    ctype = (leg.content_type or b"").decode("latin-1")
+    return ProxyError.from_upstream(stage, url, leg.status, body, ctype)
 
 
 def prefill_outcome(body: bytes) -> tuple[str | None, int]:
@@ -3852,6 +4156,7 @@ class Attempt:
     engine: PrefillEngine
     decode: DecodeInstance
     prefill: asyncio.Task[None] | None = None
+    decode_leg: HttpLeg | None = None
     prefill_span: Any = None  # with --otlp-traces-endpoint
     decode_span: Any = None
 
@@ -3924,20 +4229,24 @@ class Attempt:
                 "request %s: prefill failed after decode finished: %s", self.request_id, error
             )
 
-    async def open_decode(self) -> aiohttp.ClientResponse:
-        """Send the decode leg, moving to another decode while they cannot be reached: the
-        prefill's KV waits for whoever pulls its ``transfer_id``, so any decode can."""
+    async def open_decode(self) -> HttpLeg:
+        """Send the decode leg and wait for its head, moving to another decode while they
+        cannot be reached: the prefill's KV waits for whoever pulls its ``transfer_id``, so
+        any decode can."""
         exchange = self.exchange
-        fleet, session = exchange.state.fleet, exchange.state.session
+        fleet, upstreams = exchange.state.fleet, exchange.state.upstreams
         payload = encode_json(decode_body(exchange.body, self.engine, self.transfer_id))
         while True:
             url = self.decode.routes[exchange.request.path]
             self.decode_span, headers = self.leg_span("decode", self.decode, exchange.headers)
             try:
-                return await session.post(url, data=leg_data(payload), headers=headers)
-            except (aiohttp.ClientError, TimeoutError) as error:
+                self.decode_leg = leg = await upstreams.send(b"POST", url, headers, payload)
+                await leg.wait(leg.has_head)
+                return leg
+            except LegFailed as error:
                 failure = transport_error("decode", url, error, self.decode)
                 self.end_decode_span(failure.message)
+                self.finish_decode_leg()
             if not isinstance(failure, Unreachable):
                 raise failure
             exchange.fail_over("decode", self.decode, failure)
@@ -3958,16 +4267,17 @@ class Attempt:
         """
         exchange = self.exchange
         try:
-            upstream = await self.open_decode()
-            async with upstream:
-                if upstream.status >= 400:
-                    body = await upstream.read()
-                    if upstream.status >= 500:
+            async with asyncio.timeout(exchange.state.config.request_timeout):
+                leg = await self.open_decode()
+                if leg.status >= 400:
+                    await leg.wait(leg.is_complete)
+                    if leg.status >= 500:
                         await self.let_prefill_speak()
-                    raise upstream_failure("decode", upstream, body, suspect=self.engine.instance)
+                    url = self.decode.routes[exchange.request.path]
+                    raise upstream_failure("decode", url, leg, leg.body(), self.engine.instance)
                 self.decode.last_success = time.monotonic()
-                await relay_body(exchange, upstream)
-        except (aiohttp.ClientError, TimeoutError) as error:
+                await relay_body(exchange, leg)
+        except (LegFailed, TimeoutError) as error:
             url = self.decode.routes[exchange.request.path]
             failure = transport_error("decode", url, error)
             exchange.count_failure("decode", failure)
@@ -3977,7 +4287,13 @@ class Attempt:
             self.end_decode_span(failure.message)
             raise
         finally:
+            self.finish_decode_leg()
             self.end_decode_span()
+
+    def finish_decode_leg(self) -> None:
+        if self.decode_leg is not None:
+            self.exchange.state.upstreams.finish(self.decode_leg)
+            self.decode_leg = None
 
     async def let_prefill_speak(self) -> None:
         """A decode's 5xx is often the echo of a prefill that is gone (its bootstrap refused,
@@ -3995,44 +4311,104 @@ class Attempt:
         self.decode_span = None
 
 
-async def relay_body(exchange: Exchange, upstream: aiohttp.ClientResponse) -> None:
-    """Pass an answer on byte for byte: no re-chunking, each piece as soon as it arrived."""
+async def relay_body(exchange: Exchange, leg: HttpLeg) -> None:
+    """Pass an answer on byte for byte: no re-chunking, what each read brought at once.
+
+    The first bytes leave with the client's headers through aiohttp's response; the rest is
+    written by the leg's read callback (DecodeRelay), and this task only wakes when the answer
+    is over, the client is gone, or the client fell behind and reading must wait for it.
+    """
     response, stats = exchange.response, exchange.stats
-    response.set_status(upstream.status, upstream.reason)
-    response.headers[hdrs.CONTENT_TYPE] = upstream.headers.get(
-        hdrs.CONTENT_TYPE, "application/octet-stream"
-    )
-    if upstream.content_length is not None and not upstream.headers.get(hdrs.TRANSFER_ENCODING):
+    response.set_status(leg.status, leg.reason.decode("latin-1"))
+    content_type = "application/octet-stream"
+    if leg.content_type is not None:
+        content_type = leg.content_type.decode("latin-1")
+    response.headers[hdrs.CONTENT_TYPE] = content_type
+    if leg.content_length is not None and not leg.chunked:
         # A whole answer of known size (not a stream): headers, body and end in one write
         # instead of a chunked body and its terminator.
-        response.content_length = upstream.content_length
-    # Token timing for a stream: an SSE event ends with a blank line, and a JSON payload has
-    # no raw newline, so counting b"\n\n" finds the events without parsing them.
+        response.content_length = leg.content_length
     gaps = None
-    if upstream.status == 200 and response.headers[hdrs.CONTENT_TYPE].startswith(SSE_CONTENT_TYPE):
+    if leg.status == 200 and content_type.startswith(SSE_CONTENT_TYPE):
         gaps = stats.token_gaps = TokenGaps()
-    async for chunk in upstream.content.iter_any():
-        if not response.prepared:
-            await response.prepare(exchange.request)
-            stats.first_byte = time.monotonic()
-            stats.status_sent = response.status
-        stats.bytes_out += len(chunk)
-        try:
-            await response.write(chunk)
-        except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
-            raise ClientGone from None
-        if gaps is not None and (events := chunk.count(b"\n\n")):
-            now = time.monotonic()
-            gaps.events(events, now)
-            if stats.first_token is None:
-                stats.first_token = now
-    if not response.prepared:
-        await response.prepare(exchange.request)
-    if gaps is None and upstream.status == 200:
+    await leg.wait(leg.has_piece)
+    writer = await response.prepare(exchange.request)
+    assert writer is not None  # None only for a response already ended
+    stats.first_byte = time.monotonic()
+    stats.status_sent = response.status
+    relay = DecodeRelay(exchange, leg, gaps)
+    try:
+        if first := leg.body():
+            relay.account(first)
+            await response.write(first)
+        relay.start()
+        while not leg.complete:
+            await leg.wait(relay.must_act)
+            if relay.gone:
+                raise ClientGone
+            if leg.paused:
+                await writer.drain()
+                leg.resume()
+    except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
+        raise ClientGone from None
+    if gaps is None and leg.status == 200:
         stats.first_token = time.monotonic()  # a whole answer: its first token came with it
     # A client that closed as soon as it read the last bytes had its whole answer.
     with contextlib.suppress(ConnectionError):
         await response.write_eof()
+
+
+class DecodeRelay:
+    """The decode's body after its first bytes, written to the client's connection from the
+    leg's read callback: one write per read, framed as the client's response is (chunked, or
+    as it is), and no task woken for it. When the client's connection holds more than it can
+    send (aiohttp's protocol says its writing is paused) the leg stops reading, and the
+    request's task waits for the client before it reads on: a slow client slows its decode
+    instead of filling the proxy's memory.
+    """
+
+    __slots__ = ("chunked", "client", "gaps", "gone", "leg", "protocol", "stats")
+
+    def __init__(self, exchange: Exchange, leg: HttpLeg, gaps: TokenGaps | None) -> None:
+        request = exchange.request
+        self.client = request.transport
+        self.protocol = request.protocol
+        self.leg, self.stats, self.gaps = leg, exchange.stats, gaps
+        self.chunked = exchange.response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked"
+        self.gone = self.client is None
+
+    def start(self) -> None:
+        """From now on the leg's pieces come here, those that came meanwhile first."""
+        self.leg.sink = self
+        if self.leg.kept:
+            self([self.leg.body()])
+
+    def must_act(self) -> bool:
+        return self.leg.complete or self.leg.paused or self.gone
+
+    def __call__(self, pieces: list[bytes]) -> None:
+        client = self.client
+        if client is None or client.is_closing():
+            self.gone = True
+            self.leg.close()  # vLLM aborts the request
+            self.leg.wake()
+            return
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        client.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        self.account(data)
+        if self.protocol.writing_paused:
+            self.leg.pause()
+
+    def account(self, data: bytes) -> None:
+        """Bytes out, and token timing for a stream: an SSE event ends with a blank line and
+        a JSON payload has no raw newline, so counting b"\n\n" finds the events unparsed."""
+        stats = self.stats
+        stats.bytes_out += len(data)
+        if self.gaps is not None and (events := data.count(b"\n\n")):
+            now = time.monotonic()
+            self.gaps.events(events, now)
+            if stats.first_token is None:
+                stats.first_token = now
 
 
 async def send_prefill(
@@ -4043,23 +4419,21 @@ async def send_prefill(
     url = engine.instance.routes[exchange.request.path]
     where = f"prefill rank {engine.dp_rank}"
     started = time.monotonic()
+    leg = None
     try:
-        async with state.session.post(
-            url,
-            data=leg_data(payload),
-            headers=headers,
-            timeout=state.config.upstream_timeout(state.config.prefill_timeout),
-        ) as upstream:
-            body = await upstream.read()  # to the end, so the connection goes back to the pool
-        if not 200 <= upstream.status < 300:
-            raise upstream_failure(where, upstream, body, suspect=engine.instance)
+        async with asyncio.timeout(state.config.prefill_timeout):
+            leg = await state.upstreams.send(b"POST", url, headers, payload)
+            await leg.wait(leg.is_complete)  # to the end, so the connection goes back to the pool
+        body = leg.body()
+        if not 200 <= leg.status < 300:
+            raise upstream_failure(where, url, leg, body, suspect=engine.instance)
         problem, prompt_tokens = prefill_outcome(body)
         if problem:
             raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
         exchange.stats.prefill_answered = time.monotonic()
         if exchange.route is not None:
             state.fleet.learn_bytes_per_token(exchange.route.length, prompt_tokens)
-    except (aiohttp.ClientError, TimeoutError) as error:
+    except (LegFailed, TimeoutError) as error:
         failure = transport_error(where, url, error, engine.instance)
         exchange.count_failure("prefill", failure)
         raise failure from None
@@ -4067,6 +4441,8 @@ async def send_prefill(
         exchange.count_failure("prefill", failure)
         raise
     finally:
+        if leg is not None:
+            state.upstreams.finish(leg)
         finished = time.monotonic()
         state.metrics.prefill_duration.observe(finished - started)
     engine.instance.last_success = finished
@@ -4723,11 +5099,11 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
 async def handle_models(request: web.Request) -> web.Response:
     fleet = require_ready(request)
     state = request.app[STATE_KEY]
-    config, session = state.config, state.session
+    config = state.config
     decode = fleet.claim_decode()
     fleet.release_decode(decode)  # a quick read: not worth counting as load
     url = decode.routes["/v1/models"]
-    headers = {}
+    headers: dict[str, str] = {hdrs.USER_AGENT: USER_AGENT}
     if authorization := upstream_authorization(request.headers, config):
         headers[hdrs.AUTHORIZATION] = authorization
     slots = state.slots
@@ -4735,17 +5111,20 @@ async def handle_models(request: web.Request) -> web.Response:
         await slots.acquire(1, config.pool_timeout)
     except TimeoutError:
         raise pool_exhausted(config, f"decode {decode.url}") from None
+    leg = None
     try:
-        async with session.get(url, headers=headers) as upstream:
-            body = await upstream.read()
-            response = web.Response(status=upstream.status, body=body)
-            response.headers[hdrs.CONTENT_TYPE] = upstream.headers.get(
-                hdrs.CONTENT_TYPE, "application/json"
-            )
-            return response
-    except (aiohttp.ClientError, TimeoutError) as error:
+        async with asyncio.timeout(config.request_timeout):
+            leg = await state.upstreams.send(b"GET", url, headers)
+            await leg.wait(leg.is_complete)
+        response = web.Response(status=leg.status, body=leg.body())
+        content_type = (leg.content_type or b"application/json").decode("latin-1")
+        response.headers[hdrs.CONTENT_TYPE] = content_type
+        return response
+    except (LegFailed, TimeoutError) as error:
         raise transport_error("decode", url, error) from None
     finally:
+        if leg is not None:
+            state.upstreams.finish(leg)
         slots.release(1)
 
 
@@ -5078,7 +5457,8 @@ async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
 
 
 def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
-    # Uncapped: --max-connections is counted by UpstreamSlots, before a leg starts.
+    """Health checks, discovery and scrapes: aiohttp's client, off the request path (the legs
+    have UpstreamPool) and uncapped (--max-connections counts client traffic only)."""
     connector = aiohttp.TCPConnector(
         limit=0, limit_per_host=0, keepalive_timeout=config.keepalive_timeout
     )
@@ -5090,17 +5470,18 @@ def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
         # One pool serves every client: a cookie one upstream answer sets must never ride
         # along on another client's request (and not keeping a jar is cheaper, too).
         cookie_jar=aiohttp.DummyCookieJar(),
-        headers={hdrs.USER_AGENT: f"{ID}/{VERSION}"},
+        headers={hdrs.USER_AGENT: USER_AGENT},
     )
 
 
 async def pools_ctx(app: web.Application) -> AsyncIterator[None]:
     """The two connection pools, for the app's lifetime."""
-    state = app[STATE_KEY]
-    state.session = upstream_session(state.config)
-    state.health_session = upstream_session(state.config)
+    state, config = app[STATE_KEY], app[STATE_KEY].config
+    state.upstreams = UpstreamPool(config.connect_timeout, config.keepalive_timeout)
+    state.health_session = upstream_session(config)
     yield
-    await asyncio.gather(state.session.close(), state.health_session.close())
+    state.upstreams.close()
+    await state.health_session.close()
 
 
 def background(

@@ -38,6 +38,7 @@ import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 from tokenizers import AddedToken
@@ -338,9 +339,13 @@ def test_upstream_headers_drop_hop_by_hop_and_client_dp_rank() -> None:
     assert headers == {
         "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         "Content-Type": "application/json",
+        "User-Agent": mp.USER_AGENT,
         "X-Request-Id": "rid",
         "Authorization": "Bearer client-key",
     }
+    # A client's own User-Agent goes on, under whatever case it came in.
+    named = mp.upstream_headers(CIMultiDict({"user-agent": "curl/8"}), "rid", plain)
+    assert named["user-agent"] == "curl/8" and "User-Agent" not in named
     upstream_key = dataclasses.replace(plain, upstream_api_key="up-key")
     assert mp.upstream_headers(client, "rid", upstream_key)["Authorization"] == "Bearer up-key"
     assert "Authorization" not in mp.upstream_headers({}, "rid", plain)
