@@ -34,10 +34,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
+import hypothesis
 import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import strategies as st
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 from pytest_aiohttp import AiohttpClient, AiohttpServer
@@ -2414,6 +2416,318 @@ async def test_upstream_connections_are_reused(start_cluster: StartCluster) -> N
     # Sequential requests: each leg finds its previous connection idle in the pool.
     assert len({r.peer for r in cluster.prefills[0].requests}) == 1
     assert len({r.peer for r in cluster.decodes[0].requests}) == 1
+
+
+# --- the legs' wire (HttpLeg, UpstreamPool), tested as a library's would be
+
+
+class ScriptedUpstream:
+    """A raw HTTP/1.1 upstream on loopback: GET /health is answered 200, every other request
+    with ``answer``, its pieces written one by one (None: never answered, read until the
+    proxy closes). What aiohttp's server never sends (split, malformed, 1xx, cut or stalled
+    answers) reaches the legs this way."""
+
+    def __init__(self, answer: Sequence[bytes] | None, *, idle_close: float | None = None) -> None:
+        self.answer, self.idle_close = answer, idle_close
+        self.connections = 0
+        self.closed_by_proxy = 0  # connections the proxy closed, idle or while waiting
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> URL:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        return URL(f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}")
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                async with asyncio.timeout(self.idle_close):
+                    head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+                self.requests.append(
+                    head + await reader.readexactly(int(length[1]) if length else 0)
+                )
+                if head.startswith(b"GET /health "):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                    continue
+                if self.answer is None:
+                    await reader.read()
+                    self.closed_by_proxy += 1
+                    return
+                for piece in self.answer:
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0.001)  # each piece a read of its own, most likely
+                if b"connection: close" in b"".join(self.answer).lower():
+                    return
+        except asyncio.IncompleteReadError:
+            self.closed_by_proxy += 1
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def leg_reading(answer: Sequence[bytes], *, eof: bool = True) -> mp.HttpLeg:
+    """An HttpLeg that sent a request over a socket pair and then read ``answer``, written
+    piece by piece, then the far end closed if ``eof``; it is returned complete or failed."""
+    near, far = socket.socketpair()
+    loop = asyncio.get_running_loop()
+    _, leg = await loop.create_connection(lambda: mp.HttpLeg({}), sock=near)
+    reader, writer = await asyncio.open_connection(sock=far)
+    try:
+        leg.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + mp.header_block({}, 2), b"{}")
+        await reader.readuntil(b"\r\n\r\n{}")
+        with contextlib.suppress(ConnectionError):  # a leg that failed has hung up
+            for piece in answer:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0)
+        if eof:
+            writer.close()
+        with contextlib.suppress(mp.LegFailed):
+            async with asyncio.timeout(FAST):
+                await leg.wait(leg.is_complete)
+        return leg
+    finally:
+        writer.close()
+        leg.close()
+
+
+def split(data: bytes, cuts: Sequence[int]) -> list[bytes]:
+    points = sorted({cut % (len(data) + 1) for cut in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points) if b > a]
+
+
+def chunked(body: bytes, sizes: Sequence[int]) -> bytes:
+    framed, at = [], 0
+    for size in itertools.cycle(sizes or [len(body) or 1]):
+        if at >= len(body):
+            break
+        piece = body[at : at + max(size, 1)]
+        framed.append(b"%x\r\n%b\r\n" % (len(piece), piece))
+        at += len(piece)
+    return b"".join(framed) + b"0\r\n\r\n"
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(
+    body=st.binary(max_size=3000),
+    framing=st.one_of(st.none(), st.lists(st.integers(1, 700), max_size=6)),
+    cuts=st.lists(st.integers(0, 10_000), max_size=12),
+)
+def test_any_split_of_a_sized_or_chunked_answer_reads_the_same(
+    body: bytes, framing: list[int] | None, cuts: list[int]
+) -> None:
+    """None: sized by Content-Length; a list: chunked in chunks of those sizes, in turn."""
+    if framing is None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+        answer = head % len(body) + body
+    else:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked"
+        answer = head + b"\r\n\r\n" + chunked(body, framing)
+    leg = asyncio.run(leg_reading(split(answer, cuts), eof=False))
+    assert leg.error is None and leg.complete and leg.reusable
+    assert (leg.status, leg.reason, leg.content_type) == (200, b"OK", b"text/event-stream")
+    assert leg.body() == body
+
+
+VALID_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    edits=st.lists(
+        st.tuples(st.integers(0, len(VALID_HEAD) - 1), st.binary(max_size=3)), min_size=1
+    ),
+    cuts=st.lists(st.integers(0, 200), max_size=4),
+)
+def test_a_malformed_answer_fails_its_leg_and_nothing_else(
+    edits: list[tuple[int, bytes]], cuts: list[int]
+) -> None:
+    """A valid answer with bytes replaced or inserted anywhere (the status line and the
+    headers most of all), then the connection closed: the leg either read an answer or failed
+    with LegFailed; no other exception, no wait past the close."""
+    answer = bytearray(VALID_HEAD)
+    for at, new in edits:
+        answer[at : at + (len(new) % 2)] = new  # replace a byte, or insert before it
+    leg = asyncio.run(leg_reading(split(bytes(answer), cuts)))
+    assert leg.complete or leg.error is not None
+    if leg.error is not None:
+        assert str(leg.error)
+    else:
+        assert 200 <= leg.status <= 999
+
+
+@pytest.mark.parametrize(
+    ("answer", "words"),
+    [
+        (b"HTTP/1.1 2x0 OK\r\n\r\n", "malformed answer (Invalid status code)"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: twelve\r\n\r\n", "malformed answer"),
+        (b"HTTP/1.1 200 OK\r\nBad Header: x\r\n\r\n", "malformed answer"),
+        (b"SSH-2.0-OpenSSH_9.6\r\n", "malformed answer"),
+        (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+         "a protocol switch it was not asked for"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{\"x\"", "closed the connection while"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", "connection while"),
+        (b"", "closed the connection before answering"),
+    ],
+)  # fmt: skip
+async def test_a_broken_answer_says_what_broke(answer: bytes, words: str) -> None:
+    leg = await leg_reading([answer])
+    assert leg.error is not None and words in str(leg.error), leg.error
+    # Only no answer at all may be tried elsewhere: a byte of one means the request was taken.
+    assert leg.error.unreachable is (answer == b"")
+    assert not leg.open
+
+
+async def test_informational_answers_are_skipped_and_a_close_ends_an_unsized_body() -> None:
+    leg = await leg_reading(
+        [
+            b"HTTP/1.1 100 Continue\r\n\r\n",
+            b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil ",
+            b"the end",
+        ]
+    )
+    assert leg.error is None and leg.complete and not leg.reusable
+    assert (leg.status, leg.content_type, leg.body()) == (200, b"text/plain", b"until the end")
+
+
+async def test_the_pool_reuses_what_is_open_and_replaces_what_the_upstream_closed() -> None:
+    ok = [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n", b"ok"]
+    pool = mp.UpstreamPool(connect_timeout=FAST, keepalive_timeout=60)
+
+    async def get(url: URL) -> bytes:
+        leg = await pool.send(b"POST", url / "v1/completions", {"X": "1"}, b"{}")
+        try:
+            await leg.wait(leg.is_complete)
+            return leg.body()
+        finally:
+            pool.finish(leg)
+
+    upstream = ScriptedUpstream(ok, idle_close=0.2)
+    async with upstream as url:
+        assert [await get(url) for _ in range(3)] == [b"ok"] * 3
+        assert upstream.connections == 1  # one kept connection for sequential requests
+        await asyncio.sleep(0.5)  # the upstream closed it while idle: not reused, no failure
+        assert await get(url) == b"ok" and upstream.connections == 2
+        assert upstream.requests[0].startswith(
+            b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nX: 1\r\nContent-Length: 2\r\n\r\n{}"
+            % url.raw_authority.encode()
+        )
+    closing = ScriptedUpstream(
+        [b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"]
+    )
+    async with closing as url:
+        assert [await get(url) for _ in range(2)] == [b"ok"] * 2
+        assert closing.connections == 2  # "Connection: close" is not kept
+    pool.close()
+
+
+async def test_idle_connections_close_after_the_keepalive_timeout() -> None:
+    pool = mp.UpstreamPool(connect_timeout=FAST, keepalive_timeout=0.1)
+    upstream = ScriptedUpstream([b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"])
+    async with upstream as url:
+        legs = [await pool.send(b"GET", url / "v1/models", {}) for _ in range(3)]
+        for leg in legs:
+            await leg.wait(leg.is_complete)
+            pool.finish(leg)
+        async with asyncio.timeout(FAST):
+            while upstream.closed_by_proxy < 3:  # the pool's sweep closed all three
+                await asyncio.sleep(0.02)
+        leg = await pool.send(b"GET", url / "v1/models", {})
+        await leg.wait(leg.is_complete)
+        assert upstream.connections == 4
+        pool.finish(leg)
+    pool.close()
+
+
+async def test_a_header_with_a_line_break_is_refused_not_sent() -> None:
+    with pytest.raises(mp.ProxyError) as refused:
+        mp.header_block({"X-Id": "a\r\nX-Injected: 1"}, 0)
+    assert refused.value.status == 400
+
+
+async def test_a_decode_answering_malformed_http_is_a_502_and_the_proxy_serves_on(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster()
+    decode = cluster.client.app[mp.STATE_KEY].fleet.decodes[0]
+    served = decode.routes
+    async with ScriptedUpstream([b"HTTP/1.1 2x0 OK\r\n\r\n"]) as url:
+        decode.routes = mp.route_urls(url)
+        async with asyncio.timeout(FAST):
+            response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+            assert response.status == 502
+            payload = await response.json()
+        assert_openai_error(payload, 502)
+        assert "malformed answer" in payload["error"]["message"]
+    decode.routes = served
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+
+
+async def test_a_stalled_decode_is_a_504_within_the_request_timeout_and_is_hung_up_on(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(request_timeout=0.5)
+    decode = cluster.client.app[mp.STATE_KEY].fleet.decodes[0]
+    stalled = ScriptedUpstream(None)
+    async with stalled as url:
+        decode.routes = mp.route_urls(url)
+        started = time.monotonic()
+        async with asyncio.timeout(FAST):
+            response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+            assert response.status == 504
+            assert_openai_error(await response.json(), 504)
+        assert time.monotonic() - started < 0.5 + 1.0
+        async with asyncio.timeout(FAST):
+            while not stalled.closed_by_proxy:  # hung up on, so vLLM would abort it
+                await asyncio.sleep(0.02)
+
+
+async def test_a_slow_client_slows_its_decode_instead_of_filling_the_proxy(
+    start_cluster: StartCluster, aiohttp_server: AiohttpServer
+) -> None:
+    """The decode writes as fast as the proxy reads; the client reads nothing for a while.
+    Without backpressure the proxy would read the whole answer into its client's buffer."""
+    total, piece = 256 * 1024 * 1024, b"x" * (256 * 1024)
+    sent = 0
+
+    async def flood(request: web.Request) -> web.StreamResponse:
+        nonlocal sent
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await response.prepare(request)
+        while sent < total:
+            await response.write(piece)  # waits while the proxy does not read
+            sent += len(piece)
+        await response.write_eof()
+        return response
+
+    async def healthy(_: web.Request) -> web.Response:
+        return web.Response()
+
+    cluster = await start_cluster()
+    app = web.Application()
+    app.router.add_post(COMPLETIONS, flood)
+    app.router.add_get("/health", healthy)
+    server = await serve(aiohttp_server, app)
+    decode = cluster.client.app[mp.STATE_KEY].fleet.decodes[0]
+    decode.routes = mp.route_urls(URL(f"http://127.0.0.1:{server.port}"))
+    async with asyncio.timeout(60):
+        response = await cluster.client.post(COMPLETIONS, json=completion())
+        assert response.status == 200
+        await asyncio.sleep(1.0)  # the client reads nothing: at most the buffers fill
+        assert sent < total / 4, f"{sent / 2**20:.0f} MiB went into the proxy unread"
+        received = 0
+        async for chunk in response.content.iter_any():
+            received += len(chunk)
+    assert received == total
 
 
 # --- the daemon as users start it
