@@ -48,7 +48,6 @@ import sys
 import tempfile
 import time
 import tomllib
-import uuid
 import zlib
 from collections.abc import (
     AsyncIterator,
@@ -1310,6 +1309,7 @@ class Metrics:
 
     def __init__(self, state: ProxyState) -> None:
         self.state = state
+        self._children: dict[tuple[Any, ...], Any] = {}  # of()
         self.across_workers = state.config.workers > 1
         own = CollectorRegistry()  # where this process's metrics live
 
@@ -1479,16 +1479,25 @@ class Metrics:
                     with contextlib.suppress(KeyError):
                         gauge.remove(*labels)
 
+    def of(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once: prometheus_client checks the values and
+        takes a lock on every call, several times a request. For the request path's series
+        only, which are never removed."""
+        key = (metric, *labels)
+        if (child := self._children.get(key)) is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def routed(self, stage: str, choice: Choice, key: RouteKey | None) -> None:
-        self.routing.labels(stage, choice.reason).inc()
+        self.of(self.routing, stage, choice.reason).inc()
         if key is not None and key.chain:
-            self.prefix_share.labels(stage).observe(choice.matched / len(key.chain))
+            self.of(self.prefix_share, stage).observe(choice.matched / len(key.chain))
 
     def token_gaps(self, route: str, gaps: TokenGaps) -> None:
         """Add one stream's gaps to the histogram at once: a few increments per request
         instead of a locked update per token (prometheus_client has no bulk observe, so
         this adds to its per-bucket values; a test checks the totals)."""
-        child = self.inter_token.labels(route)
+        child = self.of(self.inter_token, route)
         for bucket, count in zip(child._buckets, gaps.counts, strict=True):
             if count:
                 bucket.inc(count)
@@ -1569,14 +1578,15 @@ def loggable_path(request: web.BaseRequest) -> str:
 def record_request(app: web.Application, stats: RequestStats, status: int) -> None:
     now = time.monotonic()
     metrics = app[STATE_KEY].metrics
-    metrics.requests.labels(stats.route, str(status)).inc()
+    metrics.of(metrics.requests, stats.route, str(status)).inc()
     if stats.span is not None:
         stats.span.set_attribute("http.response.status_code", status)
         stats.span.end()
     probe = stats.route in PROBE_ROUTES
     if not probe:
-        metrics.duration.labels(stats.route).observe(now - stats.started)
-        metrics.first_byte.labels(stats.route).observe((stats.first_byte or now) - stats.started)
+        metrics.of(metrics.duration, stats.route).observe(now - stats.started)
+        first_byte = (stats.first_byte or now) - stats.started
+        metrics.of(metrics.first_byte, stats.route).observe(first_byte)
         if stats.first_token is not None:
             record_token_times(metrics, stats)
     level = logging.DEBUG if probe else logging.INFO
@@ -1595,12 +1605,12 @@ def record_request(app: web.Application, stats: RequestStats, status: int) -> No
 def record_token_times(metrics: Metrics, stats: RequestStats) -> None:
     """The latency a client felt: its first token, the KV wait before it, the gaps after."""
     assert stats.first_token is not None
-    metrics.first_token.labels(stats.route).observe(stats.first_token - stats.started)
+    metrics.of(metrics.first_token, stats.route).observe(stats.first_token - stats.started)
     if stats.token_gaps is not None:
         metrics.token_gaps(stats.route, stats.token_gaps)
         if stats.prefill_answered is not None:
             wait = max(0.0, stats.first_token - stats.prefill_answered)
-            metrics.kv_wait.labels(stats.route).observe(wait)
+            metrics.of(metrics.kv_wait, stats.route).observe(wait)
 
 
 class Tracing:
@@ -2673,6 +2683,22 @@ class Router:
     def choose(self, targets: Sequence[Target], policy: Policy, key: RouteKey | None) -> Choice:
         if policy is not Policy.PREFIX_AWARE:
             return Choice(choose_index(targets, self.turn, policy, _in_flight), policy.value, 0)
+        if len(targets) == 1:
+            return self.only(targets[0], key)
+        return self.weigh(targets, key)
+
+    @staticmethod
+    def only(target: Target, key: RouteKey | None) -> Choice:
+        """weigh's choice where there is none to make (one prefill engine, or one decode),
+        reason and match included, without weighing: a quarter of the time."""
+        if key is None:
+            return Choice(0, "fallback", 0)
+        if key.session:
+            return Choice(0, "session", 0)
+        matched = target.holds(key)
+        return Choice(0, "affinity", matched) if matched else Choice(0, "cold", 0)
+
+    def weigh(self, targets: Sequence[Target], key: RouteKey | None) -> Choice:
         now = time.monotonic()
         others = [t.load.others(now, self.fresh_for) for t in targets]
         loads = [t.in_flight + others[i] for i, t in enumerate(targets)]
@@ -3178,7 +3204,7 @@ def mint_request_id(client_request_id: str | None) -> str:
     A client's own id is kept as a prefix so it shows in vLLM's logs and response ids, but the
     random part keeps two requests with the same client id from sharing a ``transfer_id``.
     """
-    suffix = uuid.uuid4().hex
+    suffix = os.urandom(16).hex()  # a random UUID's 32 hex digits, without making one
     if client_request_id and CLIENT_REQUEST_ID_PATTERN.fullmatch(client_request_id):
         return f"{client_request_id}-{suffix}"
     return suffix
@@ -4267,16 +4293,11 @@ class Attempt:
         """
         exchange = self.exchange
         try:
-            async with asyncio.timeout(exchange.state.config.request_timeout):
-                leg = await self.open_decode()
-                if leg.status >= 400:
-                    await leg.wait(leg.is_complete)
-                    if leg.status >= 500:
-                        await self.let_prefill_speak()
-                    url = self.decode.routes[exchange.request.path]
-                    raise upstream_failure("decode", url, leg, leg.body(), self.engine.instance)
-                self.decode.last_success = time.monotonic()
-                await relay_body(exchange, leg)
+            if (limit := exchange.state.config.request_timeout) is None:
+                await self.decode_leg_through()  # the default: a stream may last for hours
+            else:
+                async with asyncio.timeout(limit):
+                    await self.decode_leg_through()
         except (LegFailed, TimeoutError) as error:
             url = self.decode.routes[exchange.request.path]
             failure = transport_error("decode", url, error)
@@ -4289,6 +4310,17 @@ class Attempt:
         finally:
             self.finish_decode_leg()
             self.end_decode_span()
+
+    async def decode_leg_through(self) -> None:
+        leg = await self.open_decode()
+        if leg.status >= 400:
+            await leg.wait(leg.is_complete)
+            if leg.status >= 500:
+                await self.let_prefill_speak()
+            url = self.decode.routes[self.exchange.request.path]
+            raise upstream_failure("decode", url, leg, leg.body(), self.engine.instance)
+        self.decode.last_success = time.monotonic()
+        await relay_body(self.exchange, leg)
 
     def finish_decode_leg(self) -> None:
         if self.decode_leg is not None:
@@ -5053,7 +5085,12 @@ async def read_body(request: web.Request) -> bytearray:
     limit = config.max_request_bytes
     if request.content_length is not None and request.content_length > limit:
         raise ProxyError(413, f"request body of {request.content_length} bytes exceeds {limit}")
-    body = bytearray()
+    content = request.content
+    body = bytearray(content.read_nowait())  # what came with the head: most often all of it
+    if content.at_eof():
+        if len(body) > limit:
+            raise ProxyError(413, f"request body exceeds {limit} bytes")
+        return body
     started = asyncio.get_running_loop().time()
     try:
         async with asyncio.timeout_at(started + config.body_timeout) as deadline:

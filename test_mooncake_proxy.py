@@ -3281,6 +3281,26 @@ def test_an_engine_keeps_its_prefix_through_a_burst_but_not_a_pile_up(
     assert (choice.index == 0) is kept, choice
 
 
+def test_with_one_target_the_choice_is_what_weighing_would_give() -> None:
+    """Router.only, the shortcut where there is one target, against the full weighing, on
+    the same states: a new prefix, a held one, a partly held one, a session, no key."""
+    router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
+    target = mp.Target("engine 0", capacity=1024)
+    prompts = [long_prompt(tag, size) for tag in ("a", "b", "a") for size in (4096, 9000)]
+    keys: list[mp.RouteKey | None] = [
+        *(mp.route_key(COMPLETIONS, completion(prompt=prompt), None) for prompt in prompts),
+        mp.route_key(COMPLETIONS, completion(), "session 7"),
+        None,
+    ]
+    seen = set()
+    for key in keys * 2:
+        choice = router.only(target, key)
+        assert choice == router.weigh([target], key)
+        seen.add(choice.reason)
+        router.pick([target], mp.Policy.PREFIX_AWARE, key)  # what it holds from now on
+    assert seen == {"cold", "affinity", "session", "fallback"}
+
+
 async def test_a_lone_conversation_stays_on_one_engine_turn_after_turn(
     start_cluster: StartCluster,
 ) -> None:
