@@ -3711,11 +3711,10 @@ class UpstreamPool:
         self._sweep: asyncio.TimerHandle | None = None
         self._tls: ssl.SSLContext | None = None
 
-    async def send(
-        self, method: bytes, url: URL, headers: Mapping[str, str], body: bytes = b""
-    ) -> HttpLeg:
-        """A request on its way on a kept connection or a new one; LegFailed if none opens."""
-        head = self._head(method, url) + header_block(headers, len(body))
+    async def send(self, method: bytes, url: URL, headers: bytes, body: bytes = b"") -> HttpLeg:
+        """A request on its way on a kept connection or a new one; LegFailed if none opens.
+        ``headers``: header_lines' of the request's own headers."""
+        head = self._head(method, url) + headers + b"Content-Length: %d\r\n\r\n" % len(body)
         leg = self._reuse(url.raw_authority) or await self._connect(url)
         leg.send(head, body)
         return leg
@@ -3798,14 +3797,14 @@ class UpstreamPool:
         return self._tls
 
 
-def header_block(headers: Mapping[str, str], length: int) -> bytes:
-    """A leg's own headers and its Content-Length, ending the head."""
+def header_lines(headers: Mapping[str, str]) -> bytes:
+    """Headers as they go on the wire (UpstreamPool.send adds Content-Length and the end)."""
     block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
     if block.count("\n") != len(headers) or block.count("\r") != len(headers):
         # aiohttp's parser lets no line break into a client's header; a proxy's own value
         # with one would split the head: refuse rather than send a header nobody wrote.
         raise ProxyError(400, "a header for the upstream contains a line break")
-    return f"{block}Content-Length: {length}\r\n\r\n".encode("utf-8", "surrogateescape")
+    return block.encode("utf-8", "surrogateescape")
 
 
 class Unreachable(ProxyError):
@@ -4111,7 +4110,7 @@ class Exchange:
         if self.failures:
             failure = self.failures[-1].message
             log.info("%s; retrying on %s as request %s", failure, engine.url, request_id)
-        return Attempt(self, request_id, engine, decode)
+        return Attempt(self, request_id, engine, decode, header_lines(self.headers))
 
     def fail_over(self, stage: str, backend: Backend, failure: Unreachable) -> None:
         """Step 7, for either leg: take the instance that could not be reached out of the
@@ -4181,6 +4180,7 @@ class Attempt:
     request_id: str
     engine: PrefillEngine
     decode: DecodeInstance
+    headers: bytes  # both legs' (header_lines), made once
     prefill: asyncio.Task[None] | None = None
     decode_leg: HttpLeg | None = None
     prefill_span: Any = None  # with --otlp-traces-endpoint
@@ -4194,8 +4194,9 @@ class Attempt:
         """Step 4's prefill leg, as a task beside the decode; its claims go when it ends."""
         exchange = self.exchange
         payload = encode_json(prefill_body(exchange.body, self.transfer_id))
-        headers = {**exchange.headers, DP_RANK_HEADER: str(self.engine.dp_rank)}
-        self.prefill_span, headers = self.leg_span("prefill", self.engine.instance, headers)
+        rank = b"%s: %d\r\n" % (DP_RANK_HEADER.encode(), self.engine.dp_rank)
+        self.prefill_span, headers = self.leg_span("prefill", self.engine.instance)
+        headers += rank
         self.prefill = asyncio.create_task(send_prefill(exchange, self.engine, payload, headers))
         # A done callback runs even for a task cancelled before it started: claims never leak.
         self.prefill.add_done_callback(self.prefill_ended)
@@ -4214,18 +4215,16 @@ class Attempt:
                 self.prefill_span.set_status(span_error(str(error)))
             self.prefill_span.end()
 
-    def leg_span(
-        self, stage: str, backend: Backend, headers: dict[str, str]
-    ) -> tuple[Any, dict[str, str]]:
-        """With tracing, the leg's own span, and its headers naming it as their parent."""
+    def leg_span(self, stage: str, backend: Backend) -> tuple[Any, bytes]:
+        """The leg's headers; with tracing, its own span too, which they name as their parent."""
         exchange = self.exchange
         if exchange.stats.span is None or exchange.state.tracing is None:
-            return None, headers
-        span, headers = exchange.state.tracing.leg(exchange.stats.span, stage, headers)
+            return None, self.headers
+        span, headers = exchange.state.tracing.leg(exchange.stats.span, stage, exchange.headers)
         span.set_attributes(
             {"server.address": str(backend.url), "mooncake.transfer_id": self.transfer_id}
         )
-        return span, headers
+        return span, header_lines(headers)
 
     async def abandon_prefill(self) -> None:
         """The client went away or the decode failed: closing the prefill's connection makes
@@ -4264,7 +4263,7 @@ class Attempt:
         payload = encode_json(decode_body(exchange.body, self.engine, self.transfer_id))
         while True:
             url = self.decode.routes[exchange.request.path]
-            self.decode_span, headers = self.leg_span("decode", self.decode, exchange.headers)
+            self.decode_span, headers = self.leg_span("decode", self.decode)
             try:
                 self.decode_leg = leg = await upstreams.send(b"POST", url, headers, payload)
                 await leg.wait(leg.has_head)
@@ -4444,7 +4443,7 @@ class DecodeRelay:
 
 
 async def send_prefill(
-    exchange: Exchange, engine: PrefillEngine, payload: bytes, headers: Mapping[str, str]
+    exchange: Exchange, engine: PrefillEngine, payload: bytes, headers: bytes
 ) -> None:
     """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
     state = exchange.state
@@ -5151,7 +5150,7 @@ async def handle_models(request: web.Request) -> web.Response:
     leg = None
     try:
         async with asyncio.timeout(config.request_timeout):
-            leg = await state.upstreams.send(b"GET", url, headers)
+            leg = await state.upstreams.send(b"GET", url, header_lines(headers))
             await leg.wait(leg.is_complete)
         response = web.Response(status=leg.status, body=leg.body())
         content_type = (leg.content_type or b"application/json").decode("latin-1")

@@ -2481,7 +2481,7 @@ async def leg_reading(answer: Sequence[bytes], *, eof: bool = True) -> mp.HttpLe
     _, leg = await loop.create_connection(lambda: mp.HttpLeg({}), sock=near)
     reader, writer = await asyncio.open_connection(sock=far)
     try:
-        leg.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + mp.header_block({}, 2), b"{}")
+        leg.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n", b"{}")
         await reader.readuntil(b"\r\n\r\n{}")
         with contextlib.suppress(ConnectionError):  # a leg that failed has hung up
             for piece in answer:
@@ -2604,7 +2604,7 @@ async def test_the_pool_reuses_what_is_open_and_replaces_what_the_upstream_close
     pool = mp.UpstreamPool(connect_timeout=FAST, keepalive_timeout=60)
 
     async def get(url: URL) -> bytes:
-        leg = await pool.send(b"POST", url / "v1/completions", {"X": "1"}, b"{}")
+        leg = await pool.send(b"POST", url / "v1/completions", b"X: 1\r\n", b"{}")
         try:
             await leg.wait(leg.is_complete)
             return leg.body()
@@ -2634,14 +2634,14 @@ async def test_idle_connections_close_after_the_keepalive_timeout() -> None:
     pool = mp.UpstreamPool(connect_timeout=FAST, keepalive_timeout=0.1)
     upstream = ScriptedUpstream([b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"])
     async with upstream as url:
-        legs = [await pool.send(b"GET", url / "v1/models", {}) for _ in range(3)]
+        legs = [await pool.send(b"GET", url / "v1/models", b"") for _ in range(3)]
         for leg in legs:
             await leg.wait(leg.is_complete)
             pool.finish(leg)
         async with asyncio.timeout(FAST):
             while upstream.closed_by_proxy < 3:  # the pool's sweep closed all three
                 await asyncio.sleep(0.02)
-        leg = await pool.send(b"GET", url / "v1/models", {})
+        leg = await pool.send(b"GET", url / "v1/models", b"")
         await leg.wait(leg.is_complete)
         assert upstream.connections == 4
         pool.finish(leg)
@@ -2650,7 +2650,7 @@ async def test_idle_connections_close_after_the_keepalive_timeout() -> None:
 
 async def test_a_header_with_a_line_break_is_refused_not_sent() -> None:
     with pytest.raises(mp.ProxyError) as refused:
-        mp.header_block({"X-Id": "a\r\nX-Injected: 1"}, 0)
+        mp.header_lines({"X-Id": "a\r\nX-Injected: 1"})
     assert refused.value.status == 400
 
 
