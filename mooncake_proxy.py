@@ -3523,6 +3523,7 @@ class HttpLeg(asyncio.Protocol):
         "idle_since",
         "informational",
         "kept",
+        "out_of_step",
         "parser",
         "paused",
         "reason",
@@ -3545,7 +3546,8 @@ class HttpLeg(asyncio.Protocol):
         self.content_type: bytes | None = None
         self.content_length: int | None = None
         self.chunked = self.informational = self.answered = False
-        self.head_in = self.complete = self.reusable = self.paused = False
+        self.head_in = self.reusable = self.paused = self.out_of_step = False
+        self.complete = True  # no answer outstanding (send starts one)
         self.error: LegFailed | None = None
 
     @property
@@ -3613,9 +3615,9 @@ class HttpLeg(asyncio.Protocol):
             self.waiter.set_result(None)
 
     def fail(self, message: str) -> None:
+        self.close()
         if self.error is None and not self.complete:
             self.error = LegFailed(message, unreachable=not self.answered)
-            self.close()
             self.wake()
 
     # asyncio.Protocol
@@ -3630,7 +3632,8 @@ class HttpLeg(asyncio.Protocol):
             self.answered = True
             self.fail("answered with a protocol switch it was not asked for")
         except httptools.HttpParserCallbackError:
-            raise  # a bug of the proxy's, in a callback: not the upstream's fault
+            if not self.out_of_step:
+                raise  # a bug of the proxy's, in a callback: not the upstream's fault
         except httptools.HttpParserError as error:
             self.answered = True
             self.fail(f"sent a malformed answer ({error})")
@@ -3657,6 +3660,10 @@ class HttpLeg(asyncio.Protocol):
     # httptools' callbacks, as it parses
 
     def on_message_begin(self) -> None:
+        if self.complete:  # an answer nobody asked for: the connection is out of step
+            self.out_of_step, self.reusable = True, False
+            self.close()
+            raise ConnectionError("an answer nobody asked for")  # stops the parser here
         self.answered = True
         self.reason, self.content_type, self.content_length, self.chunked = b"", None, None, False
 

@@ -2599,6 +2599,15 @@ async def test_informational_answers_are_skipped_and_a_close_ends_an_unsized_bod
     assert (leg.status, leg.content_type, leg.body()) == (200, b"text/plain", b"until the end")
 
 
+async def test_an_answer_nobody_asked_for_is_not_read_and_closes_the_connection() -> None:
+    """Bytes after a whole answer would be read as the next request's: the connection is
+    out of step, so the answer stays as it was and the connection is not kept."""
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    leg = await leg_reading([ok + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nextra"], eof=False)
+    assert leg.error is None and leg.complete and leg.body() == b"ok"
+    assert not leg.reusable
+
+
 async def test_the_pool_reuses_what_is_open_and_replaces_what_the_upstream_closed() -> None:
     ok = [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n", b"ok"]
     pool = mp.UpstreamPool(connect_timeout=FAST, keepalive_timeout=60)
