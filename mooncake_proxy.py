@@ -3638,8 +3638,8 @@ class HttpLeg(asyncio.Protocol):
             self.answered = True
             self.fail(f"sent a malformed answer ({error})")
         if self.kept and self.sink is not None:
-            pieces, self.kept = self.kept, []
-            self.sink(pieces)  # every piece this read brought, in one write to the client
+            self.sink(self.kept)  # every piece this read brought, in one write to the client
+            self.kept.clear()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -4425,6 +4425,7 @@ class DecodeRelay:
         return self.leg.complete or self.leg.paused or self.gone
 
     def __call__(self, pieces: list[bytes]) -> None:
+        """The pieces one read of the decode brought (a list the leg reuses: not kept)."""
         client = self.client
         if client is None or client.is_closing():
             self.gone = True
