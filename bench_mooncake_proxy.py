@@ -9,8 +9,8 @@ proxy as users start it (``python mooncake_proxy.py ...``), and a load generator
 its own. Every scenario runs direct-to-decode and through-the-proxy back to back, so that the
 ratios compare runs on the same noisy machine minutes apart at most; ``vllm-router`` is run as
 well when its binary is installed, and two yardsticks: a plain aiohttp PD proxy, and the same
-with both upstream legs on asyncio protocols (when httptools is installed). Figures are medians
-of the per-request samples.
+with both upstream legs on asyncio protocols and nothing else (the floor of the proxy's own
+legs). Figures are medians of the per-request samples.
 
 Reports per scenario requests/s, streamed chunks/s, TTFT and end-to-end p50/p99, proxy CPU ms per
 request (from /proc/<pid>/stat) and peak RSS, as a table, as JSON (``--json``) and as a PNG plot
@@ -25,13 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import importlib
-import importlib.util
 import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,9 +40,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import aiohttp
+import httptools
 from aiohttp import web
 
 from fake_vllm import free_port
@@ -248,7 +250,7 @@ class RawLeg(asyncio.Protocol):
     woken per chunk, or is kept until a sink is set."""
 
     def __init__(self) -> None:
-        self.parser = importlib.import_module("httptools").HttpResponseParser(self)
+        self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.sink: Callable[[bytes], None] | None = None
         self.kept: list[bytes] = []
@@ -300,8 +302,9 @@ def raw_proxy_app(prefill: str, decode: str) -> web.Application:
     built once per upstream, a keep-alive pool, and the decode's body framed as chunks and
     written to the client's transport from the parser's callback.
 
-    Not a product: no backpressure, timeouts or failover. It tells what the proxy's two legs
-    would cost below aiohttp's client on this machine, the floor issue 15 aims at."""
+    Not a product: no backpressure, timeouts, failover or accounting. The proxy's legs are
+    built the same way (HttpLeg, UpstreamPool) with all of that: this is their floor on this
+    machine, and the distance to it is what the proxy's own work costs."""
     state: dict[str, Any] = {}
     idle: dict[str, list[RawLeg]] = {prefill: [], decode: []}
     heads = {
@@ -649,9 +652,7 @@ class Bench:
         wait_http(url + "/health")
         return Target("plain aiohttp (ref)", url, process.pid, process)
 
-    def start_raw_proxy(self) -> Target | None:
-        if importlib.util.find_spec("httptools") is None:
-            return None
+    def start_raw_proxy(self) -> Target:
         port = free_port()
         argv = [sys.executable, __file__, "raw", self.prefill_url, self.decode_url, str(port)]
         process = self.spawn(argv)
@@ -849,8 +850,13 @@ def bench_main(args: argparse.Namespace) -> int:
                 for target in targets:
                     bench.run_load(target, "sweep", concurrency, stream, seconds)
         # Long answers: 1,000 one-token chunks each, where the relay's cost per chunk counts.
-        for target in targets:  # each stream takes 2 s or more: a few rounds of them
-            bench.run_load(target, "long stream", 32, True, 3 * seconds, max_tokens=LONG_TOKENS)
+        for turn in range(args.rounds):
+            if turn:  # --rounds: the CPU figures again, the targets taking turns (medians)
+                for stream in (True, False):
+                    for target in targets[:: -1 if turn % 2 else 1]:
+                        bench.run_load(target, "sweep", 32, stream, seconds)
+            for target in targets[:: -1 if turn % 2 else 1]:  # a stream takes 2 s or more
+                bench.run_load(target, "long stream", 32, True, 3 * seconds, max_tokens=LONG_TOKENS)
         # The 1 MiB prompt: the proxy against a client that sends both legs itself.
         mib = 1 << 20
         both = Target("client does both legs", bench.decode_url)
@@ -887,6 +893,8 @@ def bench_main(args: argparse.Namespace) -> int:
     table = summarize(bench.results, summary)
     print("\n" + table)
     if (versus := against_router(bench.results, summary)) is not None:
+        if args.rounds > 1:
+            print(f"\nCPU and req/s at 32 concurrent: medians of {args.rounds} rounds")
         print("\n" + versus)
     if args.json:
         Path(args.json).write_text(
@@ -898,10 +906,22 @@ def bench_main(args: argparse.Namespace) -> int:
 
 
 def median_of(results: list[Result], **match: Any) -> Result | None:
-    for r in results:
-        if all(getattr(r, k) == v for k, v in match.items()):
-            return r
-    return None
+    """The results that match, as one: each figure the median of theirs (--rounds repeats the
+    scenarios nearest the router's)."""
+    found = [r for r in results if all(getattr(r, k) == v for k, v in match.items())]
+    if len(found) <= 1:
+        return found[0] if found else None
+    medians: dict[str, Any] = {}
+    for name in MEDIAN_FIELDS:
+        values = [getattr(r, name) for r in found]
+        medians[name] = None if None in values else statistics.median(values)
+    return dataclasses.replace(found[0], **medians)
+
+
+MEDIAN_FIELDS: Final = (
+    "rps", "chunks_per_s", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+    "cpu_ms_per_request", "peak_rss_mib",
+)  # fmt: skip
 
 
 def summarize(results: list[Result], summary: dict[str, Any]) -> str:
@@ -1086,14 +1106,10 @@ def plot(results: list[Result], path: str) -> None:
     figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
     for target in sorted({r.target for r in results if r.scenario == "sweep"}):
         for stream in (True, False):
-            rows = sorted(
-                (
-                    r
-                    for r in results
-                    if r.scenario == "sweep" and r.target == target and r.stream == stream
-                ),
-                key=lambda r: r.concurrency,
-            )
+            match = {"scenario": "sweep", "target": target, "stream": stream}
+            levels = sorted({r.concurrency for r in results if r.scenario == "sweep"})
+            found = (median_of(results, **match, concurrency=level) for level in levels)
+            rows = [r for r in found if r is not None]
             if not rows:
                 continue
             label = f"{target} ({'streamed' if stream else 'plain'})"
@@ -1123,6 +1139,12 @@ def plot(results: list[Result], path: str) -> None:
     print(f"plot: {path}")
 
 
+def rounds(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number, 1 or more")
+    return int(text)
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "fake":
         run_fake(sys.argv[2], int(sys.argv[3]))
@@ -1146,6 +1168,14 @@ def main() -> int:
         "--workers", action="store_true", help="also compare --workers 1/2 in quick mode"
     )
     parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
+    parser.add_argument(
+        "--rounds",
+        type=rounds,
+        default=1,
+        help="run the CPU figures at 32 concurrent (streamed, non-streamed, long answers) this "
+        "many times, the targets taking turns, and report medians: one run is one sample a "
+        "target, minutes apart, and they move 10-20%% between runs",
+    )
     return bench_main(parser.parse_args())
 
 
