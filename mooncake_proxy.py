@@ -3873,6 +3873,9 @@ def failure_detail(error: BaseException) -> str:
 
 
 def os_error_reason(error: OSError) -> str:
+    # An SSLError's errno is OpenSSL's (1 for a certificate refused), not the system's.
+    if isinstance(error, ssl.SSLError):
+        return str(error)
     if isinstance(error, socket.gaierror) or not error.errno:
         return error.strerror or str(error) or type(error).__name__
     return os.strerror(error.errno)

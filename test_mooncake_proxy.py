@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import textwrap
@@ -2666,6 +2667,61 @@ async def test_a_header_with_a_line_break_is_refused_not_sent() -> None:
         mp.header_lines({"X-Id": "a\r\nX-Injected: 1"})
     assert refused.value.status == 500  # none can come from a client or the configuration
     assert mp.header_lines({"X-Id": "a", "Y": "b"}) == b"X-Id: a\r\nY: b\r\n"
+
+
+# A self-signed certificate for 127.0.0.1 (openssl req -x509, EC P-256, valid 100 years).
+TLS_CERTIFICATE = """\
+-----BEGIN CERTIFICATE-----
+MIIBpTCCAUqgAwIBAgIUXYLB7kdSvEeHXP72SXPwU7sFmR4wCgYIKoZIzj0EAwIw
+HjEcMBoGA1UEAwwTbW9vbmNha2UtcHJveHkgdGVzdDAgFw0yNjEyMDUwODQwMTFa
+GA8yMTI2MTExMTA4NDAxMVowHjEcMBoGA1UEAwwTbW9vbmNha2UtcHJveHkgdGVz
+dDBZMBMGByqGSM49AgEGCCqGSM49AwEHA0IABGdd7gubtd/BUC3RY2HxQ/NTfjBr
+7CAeIRgA7RhTaH6Uno9KEa8SnoOuKdZfyRDIHJ8zhvbHpV2C2W/e0iKH4N+jZDBi
+MB0GA1UdDgQWBBQjv3av2CnQJ5LsPjyO2HmmvSJg1TAfBgNVHSMEGDAWgBQjv3av
+2CnQJ5LsPjyO2HmmvSJg1TAPBgNVHRMBAf8EBTADAQH/MA8GA1UdEQQIMAaHBH8A
+AAEwCgYIKoZIzj0EAwIDSQAwRgIhALYPStiYqg8QbjCuz5AfrCrwUBkgzCeWLclU
+RC/ogZiEAiEAiS//6wcmrcDiNNLePH4a72dW2SCBNMwZa6JnZ0+cotc=
+-----END CERTIFICATE-----
+"""
+TLS_KEY = """\
+-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgccigoXZvkAAMAuvw
+TSkJ8dI7DzBDzbKYlJI47FD/ShahRANCAARnXe4Lm7XfwVAt0WNh8UPzU34wa+wg
+HiEYAO0YU2h+lJ6PShGvEp6DrinWX8kQyByfM4b2x6Vdgtlv3tIih+Df
+-----END PRIVATE KEY-----
+"""
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+async def test_a_decode_behind_tls_is_served_only_with_a_certificate_it_trusts(
+    start_cluster: StartCluster,
+    aiohttp_server: AiohttpServer,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    trusted: bool,
+) -> None:
+    """An https:// upstream: the leg checks its certificate against the system's trust store
+    (SSL_CERT_FILE names the test's own, where trusted), then streams as over plain HTTP."""
+    (tmp_path / "cert.pem").write_text(TLS_CERTIFICATE)
+    (tmp_path / "key.pem").write_text(TLS_KEY)
+    if trusted:
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "cert.pem"))
+    cluster = await start_cluster()
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    server = await aiohttp_server(cluster.decodes[0].api_app(), ssl=tls)
+    decode = cluster.client.app[mp.STATE_KEY].fleet.decodes[0]
+    decode.routes = mp.route_urls(URL(f"https://127.0.0.1:{server.port}"))
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+        raw = await response.read()
+    if trusted:
+        assert response.status == 200 and sse_events(raw)[-1] == "[DONE]"
+        return
+    assert response.status == 502
+    message = json.loads(raw)["error"]["message"]
+    assert "unreachable: cannot connect to 127.0.0.1" in message
+    assert "CERTIFICATE_VERIFY_FAILED" in message, message
 
 
 async def test_a_decode_answering_malformed_http_is_a_502_and_the_proxy_serves_on(
