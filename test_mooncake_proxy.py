@@ -1362,11 +1362,13 @@ async def test_a_rolling_upgrade_under_load_fails_no_request_and_cuts_no_stream(
 
 
 def test_a_connection_found_closing_as_its_body_is_written_is_tried_elsewhere() -> None:
-    """A keep-alive connection that a stopping server closed just as a leg's body was
-    written: aiohttp says "Can not write request body" with no errno, its cause the reset.
-    The rolling upgrade above met it (one 502 in a few hundred requests, in CI). The server
-    never read the request, so it is unreachable (tried elsewhere), not a broken answer; the
-    same words without a reset behind them stay a failure."""
+    """A keep-alive connection that a stopping server closed just as a request was written:
+    aiohttp says "Can not write request body" with no errno, its cause the reset. The rolling
+    upgrade above met it when the legs still ran on aiohttp's client (one 502 in a few hundred
+    requests, in CI); health checks still do. The server never read the request, so it is
+    unreachable, not a broken answer; the same words without a reset behind them stay a
+    failure. (The legs' own wire says so by not having a byte of an answer:
+    test_a_broken_answer_says_what_broke.)"""
     url = URL("http://127.0.0.1:1/v1/completions")
     error = aiohttp.ClientOSError(None, f"Can not write request body for {url}")
     error.__cause__ = aiohttp.ClientConnectionResetError("Cannot write to closing transport")
