@@ -3713,6 +3713,9 @@ class HttpLeg(asyncio.Protocol):
         self.wake()
 
 
+HEADS_KEPT: Final = 4096  # UpstreamPool's request lines: a few routes per instance
+
+
 class UpstreamPool:
     """The legs' keep-alive connections, by upstream.
 
@@ -3791,6 +3794,8 @@ class UpstreamPool:
         """The request line and Host, made once per upstream route."""
         head = self._heads.get((method, url))
         if head is None:
+            if len(self._heads) >= HEADS_KEPT:  # instances come and go (DNS): start again
+                self._heads.clear()
             line = f"{method.decode()} {url.raw_path_qs} HTTP/1.1\r\nHost: {url.raw_authority}\r\n"
             head = self._heads[method, url] = line.encode()
         return head
