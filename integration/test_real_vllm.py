@@ -166,6 +166,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
     # Two CPU vLLM servers saturate this 2-core machine: under 32 new connections at once the
     # decode once took over the default 5 s to accept one. Real nodes accept in microseconds.
     argv += ["--connect-timeout", "30"]
+    # For the same reason their /health, /metrics and /query once took over the 3 s default
+    # for a minute on end, a request at a time: both left the rotation (a 502 and two 503s),
+    # which is not what these tests are about (the prefill-restart test says the same).
+    argv += ["--health-timeout", "10"]
     proxy = Server(
         "proxy",
         argv,
