@@ -4141,7 +4141,7 @@ class Exchange:
         if self.failures:
             failure = self.failures[-1].message
             log.info("%s; retrying on %s as request %s", failure, engine.url, request_id)
-        return Attempt(self, request_id, engine, decode, self.lines)
+        return Attempt(self, request_id, engine, decode)
 
     def fail_over(self, stage: str, backend: Backend, failure: Unreachable) -> None:
         """Step 7, for either leg: take the instance that could not be reached out of the
@@ -4211,7 +4211,6 @@ class Attempt:
     request_id: str
     engine: PrefillEngine
     decode: DecodeInstance
-    headers: bytes  # both legs' (header_lines), made once
     prefill: asyncio.Task[None] | None = None
     decode_leg: HttpLeg | None = None
     prefill_span: Any = None  # with --otlp-traces-endpoint
@@ -4250,7 +4249,7 @@ class Attempt:
         """The leg's headers; with tracing, its own span too, which they name as their parent."""
         exchange = self.exchange
         if exchange.stats.span is None or exchange.state.tracing is None:
-            return None, self.headers
+            return None, exchange.lines
         span, headers = exchange.state.tracing.leg(exchange.stats.span, stage, exchange.headers)
         span.set_attributes(
             {"server.address": str(backend.url), "mooncake.transfer_id": self.transfer_id}
