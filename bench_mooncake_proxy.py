@@ -644,21 +644,14 @@ class Bench:
             f"proxy (workers={workers})" if workers > 1 else "proxy", url, process.pid, process
         )
 
-    def start_plain_proxy(self) -> Target:
+    def start_yardstick(self, kind: str, name: str) -> Target:
+        """One of this file's own proxies (``kind``: plain or raw), in a process of its own."""
         port = free_port()
-        argv = [sys.executable, __file__, "plain", self.prefill_url, self.decode_url, str(port)]
+        argv = [sys.executable, __file__, kind, self.prefill_url, self.decode_url, str(port)]
         process = self.spawn(argv)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health")
-        return Target("plain aiohttp (ref)", url, process.pid, process)
-
-    def start_raw_proxy(self) -> Target:
-        port = free_port()
-        argv = [sys.executable, __file__, "raw", self.prefill_url, self.decode_url, str(port)]
-        process = self.spawn(argv)
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health")
-        return Target(RAW_REF, url, process.pid, process)
+        return Target(name, url, process.pid, process)
 
     def start_vllm_router(self) -> Target | None:
         here = str(Path(sys.executable).parent)  # the venv's bin, when it is not on PATH
@@ -842,8 +835,8 @@ def bench_main(args: argparse.Namespace) -> int:
         direct = Target("direct", bench.decode_url)
         proxy = bench.start_proxy()
         router = None if args.no_router else bench.start_vllm_router()
-        plain = bench.start_plain_proxy()
-        raw = bench.start_raw_proxy()
+        plain = bench.start_yardstick("plain", "plain aiohttp (ref)")
+        raw = bench.start_yardstick("raw", RAW_REF)
         targets = [t for t in (direct, proxy, plain, raw, router) if t is not None]
         for stream in (True, False):
             for concurrency in concurrencies:
