@@ -5494,7 +5494,8 @@ class ClientConnection(web.RequestHandler):
         if transport is None or transport.is_closing():
             return
         self._closing = True
-        assert isinstance(transport, asyncio.WriteTransport)
+        # aiohttp types it asyncio.Transport; uvloop's (the default loop) are no subclass of
+        # asyncio's, so it is used as one, never checked (an isinstance here failed on uvloop).
         transport.write(raw_error_response(error))
         transport.write_eof()
         asyncio.get_running_loop().call_later(CLOSE_LINGER, self.force_close)

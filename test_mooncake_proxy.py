@@ -256,6 +256,14 @@ def chat(**extra: Any) -> dict[str, Any]:
     return {"model": "fake-model", "messages": messages, "max_tokens": 8, **extra}
 
 
+async def test_async_tests_run_on_the_loop_they_name(request: pytest.FixtureRequest) -> None:
+    """conftest.py runs each async test on asyncio's loop and on uvloop, the daemon's default:
+    the second really is uvloop (a failure path that works on one loop only once hid here)."""
+    loop = type(asyncio.get_running_loop())
+    assert request.node.name.endswith(("[asyncio]", "[uvloop]"))
+    assert (loop.__module__.split(".")[0] == "uvloop") == request.node.name.endswith("[uvloop]")
+
+
 # --- pure functions: body rewriting
 
 
