@@ -50,12 +50,14 @@ VOCAB = (
 )
 
 
-def error(status: int, message: str, param: str | None = None) -> web.Response:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+def error(
+    status: int, message: str, param: str | None = None, kind: str | None = None
+) -> web.Response:
+    kinds = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
     body = {
         "error": {
             "message": message,
-            "type": kind.get(status, "InternalServerError"),
+            "type": kind or kinds.get(status, "InternalServerError"),
             "param": param,
             "code": status,
         }
@@ -612,6 +614,12 @@ class FakeVllm:
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
         if (denied := self.check_auth(request)) is not None:
             return denied
+        if request.content_type.lower() != "application/json":
+            # vLLM's validate_json_request, answered before the body is read.
+            message = (
+                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
+            )
+            return error(400, message, kind="Bad Request")
         try:
             body = await request.json()
         except ValueError:
@@ -938,6 +946,12 @@ async def wait_for_proxy(
 
 
 async def demo(once: bool, port: int) -> int:
+    # SIGTERM (kill, a closed terminal's SIGHUP) ends the demo as Ctrl-C does, the proxy it
+    # started with it: by default it would end only this process, the proxy left listening.
+    task, loop = asyncio.current_task(), asyncio.get_running_loop()
+    assert task is not None
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(signum, task.cancel)
     runners: list[web.AppRunner] = []
     cluster = [
         await start_fake(FakeVllm("prefill", dp_size=2), runners),
@@ -1055,7 +1069,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.serve:
             return asyncio.run(serve_one(args))
         return asyncio.run(demo(args.once, args.port))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM (demo)
         return 0
 
 

@@ -5144,6 +5144,7 @@ async def read_body(request: web.Request) -> bytearray:
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
     require_ready(request)
+    require_json(request)
     body = parse_request_json(await read_body(request))
     if isinstance(model := body.get("model"), str):
         request[STATS_KEY].model = model[:100]
@@ -5161,6 +5162,14 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         return await run_pd_request(request, body)
     finally:
         admission.leave()
+
+
+def require_json(request: web.Request) -> None:
+    """A body declared JSON, as vLLM requires before it reads one (its answer, and status, to
+    anything else; a form or text/plain re-sent as JSON would only meet that answer later)."""
+    if request.content_type.lower() != "application/json":  # parameters (charset) aside
+        message = "Unsupported Media Type: Only 'application/json' is allowed"
+        raise ProxyError(400, message, reason="content_type")
 
 
 async def handle_models(request: web.Request) -> web.Response:
@@ -5982,6 +5991,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "%s %d listening on %s:%d (%s); %s", ID, VERSION, host, port, details, config.describe()
     )
     config.warn_shadowed()
+    if os.environ.get("OPENAI_API_KEY") and not config.upstream_api_key:
+        # vLLM's example proxy sends it upstream; a user switching from it, whose vLLM runs
+        # with --api-key, would otherwise meet 401s with no word why.
+        log.warning(
+            "$OPENAI_API_KEY is set but not sent to vLLM: if vLLM runs with --api-key, give "
+            "the key with --upstream-api-key or %sUPSTREAM_API_KEY",
+            ENV_PREFIX,
+        )
     if config.workers > 1:
         remove_metrics_dir = metrics_across_workers()
         try:

@@ -65,6 +65,9 @@ FAST = 3.0
 KV_TIMEOUT = 20.0
 
 CHAT = "/v1/chat/completions"
+JSON_TYPE = {"Content-Type": "application/json"}  # for bodies not sent with json=
+# Fakes refuse prompts past their max_model_len (4096 tokens of 4 bytes) as vLLM does.
+LONG_CONTEXT = {"max_model_len": 1 << 26}
 COMPLETIONS = "/v1/completions"
 SPEC = mp.PrefillSpec(URL("http://p:1"), URL("http://p:8998"))
 
@@ -2284,12 +2287,30 @@ async def test_open_client_connections_are_capped(
     assert sample(samples, "mooncake_proxy_client_connections_rejected_total") == 1
 
 
-async def test_json_with_another_content_type_is_still_served(start_cluster: StartCluster) -> None:
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None],
+)
+async def test_a_body_not_declared_json_gets_vllms_400_and_no_leg(
+    start_cluster: StartCluster, content_type: str | None
+) -> None:
+    # vLLM 0.32 answers these 400 before reading the body (seen on the real server).
     cluster = await start_cluster()
-    response = await cluster.client.post(
-        COMPLETIONS, data=json.dumps(completion()), headers={"Content-Type": "text/plain"}
-    )
-    assert response.status == 200
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    async with aiohttp.ClientSession(skip_auto_headers=["Content-Type"]) as session:
+        url = cluster.client.make_url(COMPLETIONS)
+        data = json.dumps(completion()).encode()
+        async with session.post(url, data=data, headers=headers) as response:
+            assert response.status == 400
+            payload = await response.json()
+    assert_openai_error(payload, 400)
+    assert "Only 'application/json' is allowed" in payload["error"]["message"]
+    assert not cluster.prefills[0].requests and not cluster.decodes[0].requests
+    for declared in ("application/json; charset=utf-8", "Application/JSON"):
+        served = await cluster.client.post(
+            COMPLETIONS, data=json.dumps(completion()), headers={"Content-Type": declared}
+        )
+        assert served.status == 200, declared
 
 
 async def test_oversized_body_is_a_413(start_cluster: StartCluster) -> None:
@@ -2304,7 +2325,7 @@ async def test_oversized_body_is_a_413(start_cluster: StartCluster) -> None:
         for start in range(0, len(data), 4096):
             yield data[start : start + 4096]
 
-    chunked = await cluster.client.post(COMPLETIONS, data=chunks())
+    chunked = await cluster.client.post(COMPLETIONS, data=chunks(), headers=JSON_TYPE)
     assert chunked.status == 413
     assert_openai_error(await chunked.json(), 413)
     assert (
@@ -2327,7 +2348,7 @@ async def test_a_big_prompt_is_passed_on_whole(start_cluster: StartCluster) -> N
             yield data[start : start + 65536]
 
     async with asyncio.timeout(FAST * 3):
-        chunked = await cluster.client.post(COMPLETIONS, data=chunks())
+        chunked = await cluster.client.post(COMPLETIONS, data=chunks(), headers=JSON_TYPE)
     assert chunked.status == 200
     assert cluster.decodes[0].requests[1].body == {
         **completion(prompt=prompt, max_tokens=3),
@@ -2893,6 +2914,33 @@ async def test_the_demo_fails_clearly_when_a_silent_listener_holds_its_port() ->
         code, stderr, took = await run_demo(silent.getsockname()[1])
     assert code != 0 and took < 30
     assert "cannot listen" in stderr and "the proxy exited with code" in stderr
+
+
+async def test_sigterm_to_the_demo_stops_the_proxy_it_started(tmp_path: Path) -> None:
+    port, out = free_port(), tmp_path / "demo.out"
+    with out.open("wb") as stdout:  # not a pipe: the proxy would hold it open if it outlived
+        demo = await asyncio.create_subprocess_exec(
+            *(sys.executable, str(HERE / "fake_vllm.py"), "--port", str(port)),
+            stdout=stdout,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+    try:
+        # Serving, after its streamed request.
+        await eventually(lambda: b"keeps serving" in out.read_bytes(), 60)
+        assert listening(port)
+        demo.terminate()
+        assert await asyncio.wait_for(demo.wait(), 15) == 0
+        await eventually(lambda: not listening(port), 10)  # nothing left on its port
+    finally:
+        if demo.returncode is None:
+            demo.kill()
+            await asyncio.wait_for(demo.wait(), 15)
+
+
+def listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+        return True
+    return False
 
 
 # --- a live fleet: health, re-discovery, failover, load-aware routing
@@ -4483,7 +4531,7 @@ async def test_one_access_line_per_request(
     cluster = await start_cluster()
     ok = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
     await ok.read()
-    assert (await cluster.client.post(CHAT, data=b"nope")).status == 400
+    assert (await cluster.client.post(CHAT, data=b"nope", headers=JSON_TYPE)).status == 400
     await cluster.client.get("/health")  # probes are DEBUG
     lines = [r for r in caplog.records if r.name == "mooncake_proxy.access"]
     assert len(lines) == 2
@@ -4667,6 +4715,9 @@ async def test_the_upstream_key_comes_only_from_its_own_setting_and_says_whence(
     )
     assert leg.headers["Authorization"] == expected
     assert said in log and "the-sdk-key" not in log and "vllm-key" not in log
+    # A user switching from vLLM's example proxy, which sends it upstream, is told once.
+    warned = "$OPENAI_API_KEY is set but not sent to vLLM"
+    assert log.count(warned) == (0 if "MOONCAKE_PROXY_UPSTREAM_API_KEY" in env else 1)
     # Text lines: a UTC timestamp with its zone, and the pid that wrote them.
     for line in log.splitlines():
         assert re.match(
