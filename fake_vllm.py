@@ -66,9 +66,9 @@ def error(
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.status = param, status
 
 
 @dataclass
@@ -87,31 +87,62 @@ class Generation:
 
 
 def prompt_of(path: str, body: dict[str, Any]) -> Any:
+    """The request's (first) prompt."""
+    return prompts_of(path, body)[0]
+
+
+def prompts_of(path: str, body: dict[str, Any]) -> list[Any]:
+    """Every prompt of the request: a completion's ``prompt`` may be a batch of them (a list
+    of texts or of token lists), each answered with its own choices, as vLLM does."""
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", "messages")
-        return messages
+        return [messages]
     if "prompt" not in body:
         raise BadRequest("prompt is required", "prompt")
-    return body["prompt"]
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return list(prompt)
+    return [prompt]
+
+
+def sample_count(body: dict[str, Any]) -> int:
+    """``n`` as vLLM reads it ("2" and 2.0 are 2), checked as vLLM checks it."""
+    given = body.get("n", 1)
+    try:
+        count = int(float(given)) if isinstance(given, str | float) else given
+    except ValueError:
+        raise BadRequest("n must be an integer", "n") from None
+    if not isinstance(count, int) or count < 1:
+        raise BadRequest(f"n must be at least 1, got {count}.")
+    temperature = body.get("temperature")
+    if count > 1 and isinstance(temperature, int | float) and temperature < 1e-5:
+        raise BadRequest(f"n must be 1 when using greedy sampling, got {count}.")
+    return count
 
 
 def digest_of(prompt: Any) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()
 
 
-def generate(prompt: Any, body: dict[str, Any]) -> Generation:
-    """What this fake model answers: a function of the prompt and the sampling limits only."""
+def generate(
+    prompt: Any, body: dict[str, Any], choice: int = 0, max_model_len: int | None = None
+) -> Generation:
+    """What this fake model answers: a function of the prompt, the sampling limits and which
+    of the request's ``n`` choices it is, only. A prompt past ``max_model_len`` is refused as
+    vLLM refuses it, and the answer is cut to what fits."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise BadRequest("max_tokens must be a positive integer", "max_tokens")
     min_tokens = body.get("min_tokens", 0)
     if isinstance(min_tokens, int) and min_tokens > max_tokens:
         raise BadRequest("min_tokens must be less than or equal to max_tokens", "min_tokens")
+    if max_model_len is not None:
+        max_tokens = fit(prompt_tokens(prompt), max_tokens, max_model_len)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else list(stop)
-    rng = random.Random(digest_of(prompt))
+    rng = random.Random(digest_of(prompt) + (f"/{choice}" if choice else ""))
     text = json.dumps(prompt)
     tokens: list[str] = []
     for index in range(max_tokens):
@@ -122,6 +153,26 @@ def generate(prompt: Any, body: dict[str, Any]) -> Generation:
             return Generation(tokens, "stop", prompt_tokens(prompt))
         tokens.append(f" {word}")
     return Generation(tokens, "length", prompt_tokens(prompt))
+
+
+def fit(tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """vLLM's checks of a prompt against --max-model-len (vllm/renderers/params.py): a prompt
+    over it is refused, an answer that would run past it is cut to what fits."""
+    if max_tokens > max_model_len:
+        raise BadRequest(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            "max_tokens",
+        )
+    if tokens > max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {tokens} input tokens, which exceeds this limit even without any "
+            "output tokens. Please reduce the length of the input prompt. "
+            f"(parameter=input_tokens, value={tokens})",
+            "input_tokens",
+        )
+    return max(1, min(max_tokens, max_model_len - tokens))
 
 
 # The fakes' own tokenizer and cache geometry, deliberately unlike the proxy's 512-byte blocks:
@@ -374,10 +425,12 @@ class FakeVllm:
     pull_delay: float = 0.0  # decode: seconds before it asks for the KV (its scheduler busy)
     keepalive_first: bool = False  # a streaming decode sends ": keep-alive" before its KV
     break_after_tokens: int | None = None  # drop the connection mid-stream
+    die_after_pull: bool = False  # decode: drop the connection once the KV arrived (killed)
     linger_after_done: float = 0.0  # seconds between a stream's [DONE] and its end
     kv_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
     bootstrap_not_ready: int = 0  # answer /query 503 this many times, then {} once
     health_status: int = 200
+    max_model_len: int = 4096  # tokens, as /v1/models says; longer prompts are refused
     health_delay: float = 0.0  # a busy server: /health answers, slowly
     drop_after: float | None = None  # accept a completion, then reset the connection
     # A prefix cache per engine (0: none) and prefill compute time per uncached prompt token;
@@ -586,7 +639,12 @@ class FakeVllm:
     async def handle_models(self, request: web.Request) -> web.Response:
         if (denied := self.check_auth(request)) is not None:
             return denied
-        model = {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}
+        model = {
+            "id": MODEL,
+            "object": "model",
+            "owned_by": "vllm",
+            "max_model_len": self.max_model_len,
+        }
         return web.json_response({"object": "list", "data": [model]})
 
     async def handle_query(self, request: web.Request) -> web.Response:
@@ -636,7 +694,7 @@ class FakeVllm:
                 self.sim(int(request.headers.get("X-data-parallel-rank") or 0)).finished += 1
             return response
         except BadRequest as bad:
-            return error(400, str(bad), bad.param)
+            return error(bad.status, str(bad), bad.param)
         except asyncio.CancelledError:
             # The client (the proxy) closed the connection: vLLM aborts the request.
             self.aborted.append(request_id)
@@ -656,10 +714,21 @@ class FakeVllm:
         ):
             raise BadRequest(f"data parallel rank {rank_header} is out of range")
         rank = int(rank_header or 0)
-        prompt = prompt_of(request.path, body)
-        generation = generate(prompt, body)
+        model = body.get("model")
+        if model and model != MODEL:
+            message = f"The model `{model}` does not exist. Valid aliases: {MODEL}."
+            raise BadRequest(message, "model", status=404)
+        # vLLM's child requests: one per prompt of a batch and per choice of ``n``.
+        prompts, count = prompts_of(request.path, body), sample_count(body)
+        children = [prompt for prompt in prompts for _ in range(count)]
+        generations = [
+            generate(prompt, body, choice, self.max_model_len)
+            for prompt in prompts
+            for choice in range(count)
+        ]
         if self.tokenizer is not None:  # its usage counts the tokenizer's tokens
-            generation.prompt_tokens = self.prompt_blocks(prompt).tokens
+            for child, generation in zip(children, generations, strict=True):
+                generation.prompt_tokens = self.prompt_blocks(child).tokens
         if self.fail_status is not None:
             return error(self.fail_status, f"injected failure {self.fail_status}")
         if self.hang:
@@ -670,24 +739,23 @@ class FakeVllm:
             request.transport.abort()
             raise asyncio.CancelledError
         if self.force_finish_reason is not None:
-            generation.finish_reason = self.force_finish_reason
+            for generation in generations:
+                generation.finish_reason = self.force_finish_reason
         params = body.get("kv_transfer_params") or {}
         if self.role == "prefill":
             await asyncio.sleep(self.delay)
             if self.cache_blocks:
-                await self.compute_prefill(rank, prompt)
-            if params.get("do_remote_decode") and generation.finish_reason == "length":
-                await self.hold_kv(self.engine_ids[rank], params, prompt, generation)
-            return await self.answer(request, body, request_id, generation)
-        worker: str | None = None
-        if params.get("do_remote_prefill"):
-            # vLLM looks the engine up before answering: an unknown one is an immediate 500.
-            worker, failure = await self.resolve_worker(params)
-            if failure is not None:
-                return error(500, failure)
+                for prompt in prompts:
+                    await self.compute_prefill(rank, prompt)
+            if params.get("do_remote_decode"):
+                # Every child request holds its KV under the one transfer_id, as in vLLM.
+                for child, generation in zip(children, generations, strict=True):
+                    if generation.finish_reason == "length":
+                        await self.hold_kv(self.engine_ids[rank], params, child, generation)
+            return await self.answer(request, body, request_id, generations)
         response: web.StreamResponse | None = None
         if stream:
-            # vLLM sends 200 and its headers at once, before the KV has arrived.
+            # vLLM sends 200 and its headers at once, before it looks for the KV.
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream; charset=utf-8"}
             )
@@ -695,12 +763,23 @@ class FakeVllm:
             self.sent[request_id] = bytearray()
             if self.keepalive_first:
                 await self.write(response, request_id, b": keep-alive\n\n")
-        if worker is not None:
+        if params.get("do_remote_prefill"):
             await asyncio.sleep(self.pull_delay)
-            failure = await self.pull_kv(worker, params, prompt)
-            await asyncio.sleep(self.transfer_delay)
+            # An unknown engine id fails at once (a 500; streamed, in band: seen on vLLM 0.32).
+            worker, failure = await self.resolve_worker(params)
+            if worker is not None:
+                # Every child request pulls the one transfer_id, as in vLLM; Mooncake hands it
+                # to one of them, and the rest wait out the KV timeout (or load another's KV).
+                pulls = [self.pull_kv(worker, params, child) for child in children]
+                failure = next((f for f in await asyncio.gather(*pulls) if f is not None), None)
+                await asyncio.sleep(self.transfer_delay)
             if failure is None and self.cache_blocks:
-                self.receive_kv(prompt)
+                for prompt in prompts:
+                    self.receive_kv(prompt)
+            if failure is None and self.die_after_pull:
+                assert request.transport is not None
+                request.transport.abort()  # as a process killed while it generates
+                raise asyncio.CancelledError
             if failure is not None:
                 if response is None:
                     return error(500, failure)
@@ -711,7 +790,7 @@ class FakeVllm:
                 return response
         else:
             await asyncio.sleep(self.delay)
-        return await self.answer(request, body, request_id, generation, response)
+        return await self.answer(request, body, request_id, generations, response)
 
     # --- Mooncake, simulated over HTTP
 
@@ -796,9 +875,11 @@ class FakeVllm:
         request: web.Request,
         body: dict[str, Any],
         request_id: str,
-        generation: Generation,
+        generations: list[Generation],
         response: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
+        """The choices as vLLM writes them: one per generation, indexed in order; streamed,
+        chunks of one choice each (a chat's role chunks first), the choices' tokens in turn."""
         chat = request.path.endswith("/chat/completions")
         created = int(time.time())
         base = {
@@ -807,21 +888,28 @@ class FakeVllm:
             "created": created,
             "model": body.get("model", MODEL),
         }
+        count = sample_count(body)
+        prompt_tokens = sum(g.prompt_tokens for g in generations[::count])  # once per prompt
+        completion_tokens = sum(len(g.tokens) for g in generations)
         usage = {
-            "prompt_tokens": generation.prompt_tokens,
-            "completion_tokens": len(generation.tokens),
-            "total_tokens": generation.prompt_tokens + len(generation.tokens),
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
         }
         if not body.get("stream"):
-            await asyncio.sleep(self.token_delay * len(generation.tokens))  # generating them
-            text = "".join(generation.tokens)
-            choice: dict[str, Any] = {"index": 0, "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            choice["finish_reason"] = generation.finish_reason
-            payload = {**base, "choices": [choice], "usage": usage, "kv_transfer_params": None}
+            longest = max(len(g.tokens) for g in generations)
+            await asyncio.sleep(self.token_delay * longest)  # generating them
+            choices = []
+            for index, generation in enumerate(generations):
+                text = "".join(generation.tokens)
+                choice: dict[str, Any] = {"index": index, "logprobs": None}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text
+                choice["finish_reason"] = generation.finish_reason
+                choices.append(choice)
+            payload = {**base, "choices": choices, "usage": usage, "kv_transfer_params": None}
             if chat:
                 payload["object"] = "chat.completion"
             raw = json.dumps(payload).encode()
@@ -833,18 +921,24 @@ class FakeVllm:
             )
             await response.prepare(request)
         if chat:
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}}
-            await self.frame(response, request_id, {**base, "choices": [first]})
-        for index, token in enumerate(generation.tokens):
-            if self.break_after_tokens is not None and index == self.break_after_tokens:
+            for index in range(len(generations)):
+                first = {"index": index, "delta": {"role": "assistant", "content": ""}}
+                await self.frame(response, request_id, {**base, "choices": [first]})
+        longest = max(len(g.tokens) for g in generations)
+        for position in range(longest):
+            if self.break_after_tokens is not None and position == self.break_after_tokens:
                 assert request.transport is not None
                 request.transport.abort()
                 return response
-            last = index == len(generation.tokens) - 1
-            delta: dict[str, Any] = {"delta": {"content": token}} if chat else {"text": token}
-            finish = generation.finish_reason if last else None
-            choice = {"index": 0, **delta, "logprobs": None, "finish_reason": finish}
-            await self.frame(response, request_id, {**base, "choices": [choice]})
+            for index, generation in enumerate(generations):
+                if position >= len(generation.tokens):
+                    continue
+                token = generation.tokens[position]
+                last = position == len(generation.tokens) - 1
+                delta: dict[str, Any] = {"delta": {"content": token}} if chat else {"text": token}
+                finish = generation.finish_reason if last else None
+                choice = {"index": index, **delta, "logprobs": None, "finish_reason": finish}
+                await self.frame(response, request_id, {**base, "choices": [choice]})
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
         if (body.get("stream_options") or {}).get("include_usage"):

@@ -1437,12 +1437,44 @@ class Metrics:
         self.admission_wait = histogram(
             "admission_wait_seconds", "Time PD requests waited for --max-in-flight."
         )
+        self.prefill_skipped = counter(
+            "prefill_skipped",
+            "PD requests sent to a decode alone, which computes the prompt itself, by the "
+            "field that makes vLLM split them into several requests (n, best_of, "
+            "use_beam_search, prompt: a batch of prompts).",
+            "reason",
+        )
         self.rejected_counted = 0
         self.engine_series: set[tuple[str, str, str]] = set()
+        self.start_series(state.config)
         self.registry = own
         if self.across_workers:
             self.registry = CollectorRegistry()
             MultiProcessCollector(self.registry)  # type: ignore[no-untyped-call]
+
+    def start_series(self, config: ProxyConfig) -> None:
+        """Make every series whose labels are known before any request, at 0 (as
+        prometheus_client advises), so that dashboards and alerts find them on a proxy that
+        has not met them yet instead of reading "no data"."""
+        for route in COMPLETION_PATHS:
+            for status in PD_STATUSES:
+                self.of(self.requests, route, status)
+            for histogram in (self.duration, self.first_byte, self.first_token):
+                self.of(histogram, route)
+            self.of(self.inter_token, route)
+            self.of(self.kv_wait, route)
+        for stage, reasons in LEG_ERRORS.items():
+            for reason in reasons:
+                self.errors.labels(stage, reason)
+        for stage, policy in zip(("prefill", "decode"), config.policies, strict=True):
+            self.retries.labels(stage)
+            self.of(self.prefix_share, stage)
+            for reason in ROUTING_REASONS.get(policy, (policy.value,)):
+                self.of(self.routing, stage, reason)
+        for result in ("applied", "malformed", "missed"):
+            self.kv_event_batches.labels(result)
+        for field_name in (*SAMPLE_COUNTS, "use_beam_search", "prompt"):
+            self.of(self.prefill_skipped, field_name)
 
     def exposition(self) -> bytes:
         self.refresh()
@@ -1456,6 +1488,8 @@ class Metrics:
         series = set()
         for instance in fleet.prefills:
             self.usable.labels("prefill", str(instance.url)).set(float(instance.usable))
+            self.engine_id_changes.labels(str(instance.url))  # at 0 until it restarts
+            self.check_failures.labels("prefill", str(instance.url))
             for engine in instance.engines:
                 labels = (str(instance.url), str(engine.dp_rank), engine.engine_id)
                 self.prefill_in_flight.labels(*labels).set(engine.in_flight)
@@ -1468,6 +1502,7 @@ class Metrics:
         self.engine_series = series
         for backend in fleet.decodes:
             self.usable.labels("decode", str(backend.url)).set(float(backend.usable))
+            self.check_failures.labels("decode", str(backend.url))
             self.decode_in_flight.labels(str(backend.url)).set(backend.in_flight)
         self.client_connections.set(connections.open)
         self.admission_queue.set(state.admission.queued)
@@ -1515,6 +1550,17 @@ class Metrics:
 
 
 GaugeMode = Literal["livemin", "livesum"]
+# Label values a fresh proxy makes its series for (Metrics.start_series): the statuses PD
+# requests are most often answered with, the reasons a leg fails for (beside http_<status>),
+# and each policy's routing reasons.
+PD_STATUSES: Final = ("200", "400", "404", "429", "499", "500", "502", "503", "504")
+LEG_ERRORS: Final = {
+    "prefill": ("refused", "timeout", "broken", "stopped_early", "kv_lost"),
+    "decode": ("refused", "timeout", "broken"),
+    "client": ("client_gone",),
+    "admission": ("queue_full", "queue_timeout"),
+}
+ROUTING_REASONS: Final = {Policy.PREFIX_AWARE: ("affinity", "spill", "cold", "session", "fallback")}
 # Seconds between two SSE events: a token every few ms at the least, seconds when stalled.
 TOKEN_GAP_BUCKETS: Final = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5,
@@ -1776,13 +1822,15 @@ def prompt_bytes(path: str, body: Mapping[str, Any]) -> bytes:
     A chat becomes one line per message (role, content, name, tool calls), so turn N+1 starts
     with turn N; token ids become their digits; the model and the tools come first.
     """
-    return prompt_reading(path, body)[0]
+    head, data, _ = prompt_reading(path, body)
+    return head + data
 
 
-def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, list[int] | None]:
-    """prompt_bytes, and for a chat, how many of them each of its turns before an answer sent,
-    the latest first, at most EARLIER_TURNS (none where none answered yet; None for a
-    completion)."""
+def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, bytes, list[int] | None]:
+    """prompt_bytes as its head (the model, and a chat's tools) and the rest, kept apart so
+    that a large prompt is not copied once more to join them; and for a chat, how many bytes
+    of the rest each of its turns before an answer sent, the latest first, at most
+    EARLIER_TURNS (none where none answered yet; None for a completion)."""
     head = str(body.get("model", "")).encode() + b"\0"
     if path.endswith("/chat/completions"):
         if tools := body.get("tools"):
@@ -1790,17 +1838,17 @@ def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, list[int]
         messages = body.get("messages")
         messages = messages if isinstance(messages, list) else []
         lines = [message_line(m) for m in messages]
-        ends = itertools.accumulate(map(len, lines), initial=len(head))
+        ends = itertools.accumulate(map(len, lines), initial=0)
         befores = [end for end, m in zip(ends, messages, strict=False) if is_answer(m)]
-        return head + b"".join(lines), befores[: -EARLIER_TURNS - 1 : -1]
+        return head, b"".join(lines), befores[: -EARLIER_TURNS - 1 : -1]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch: it is placed by its first prompt
     if isinstance(prompt, str):
-        return head + prompt.encode("utf-8", "surrogatepass"), None
+        return head, prompt.encode("utf-8", "surrogatepass"), None
     if isinstance(prompt, list):
-        return head + ",".join(map(str, prompt)).encode(), None
-    return head, None
+        return head, ",".join(map(str, prompt)).encode(), None
+    return head, b"", None
 
 
 def is_answer(message: object) -> bool:
@@ -2038,38 +2086,41 @@ def chat_message(message: object) -> object:
     return message
 
 
-def block_chain(data: bytes, size: int = ROUTING_BLOCK_BYTES) -> list[int]:
-    """A hash per full block, chained with every block before it (XOR of each block's hash
-    with its position). Python's hash() is C code seeded per process; each process keeps its
-    own index, so the values need not agree between processes."""
+def block_chain(data: bytes, size: int = ROUTING_BLOCK_BYTES, seed: int = 0) -> list[int]:
+    """A hash per full block, chained with ``seed`` and every block before it (XOR of each
+    block's hash with its position). Python's hash() is C code seeded per process; each
+    process keeps its own index, so the values need not agree between processes."""
     count = len(data) // size
     blocks = map(
         data.__getitem__, map(slice, range(0, count * size, size), itertools.count(size, size))
     )
-    return list(itertools.accumulate(map(hash, zip(itertools.count(), blocks)), operator.xor))
+    hashes = map(hash, zip(itertools.count(), blocks))
+    return list(itertools.accumulate(hashes, operator.xor, initial=seed))[1:]
 
 
 def route_key(
     path: str, body: Mapping[str, Any], session_id: str | None, block: int = ROUTING_BLOCK_BYTES
 ) -> RouteKey:
-    data, befores = prompt_reading(path, body)
+    head, data, befores = prompt_reading(path, body)
+    seed = hash(head)  # in every block's hash: a prompt to another model or with other tools
     if session_id:
         placement = zlib.crc32(b"session\0" + session_id.encode("utf-8", "replace"))
     else:
-        placement = zlib.crc32(data[:block])
-    chain = block_chain(data, block)
+        placement = zlib.crc32(data[:block], zlib.crc32(head))
+    chain = block_chain(data, block, seed)
+    length = len(head) + len(data)
     if befores is None:  # a completion: no later request names it as a turn before
-        return RouteKey(len(data), chain, placement, bool(session_id))
-    turn = turn_id(data, chain, len(data), block)
-    earlier = tuple(turn_id(data, chain, before, block) for before in befores)
-    return RouteKey(len(data), chain, placement, bool(session_id), turn, earlier)
+        return RouteKey(length, chain, placement, bool(session_id))
+    turn = turn_id(data, chain, len(data), block, seed)
+    earlier = tuple(turn_id(data, chain, before, block, seed) for before in befores)
+    return RouteKey(length, chain, placement, bool(session_id), turn, earlier)
 
 
-def turn_id(data: bytes, chain: list[int], length: int, block: int) -> int:
+def turn_id(data: bytes, chain: list[int], length: int, block: int, seed: int) -> int:
     """A hash of the prompt's first ``length`` bytes, from the chain's blocks and the rest:
     a chat's turn, which its later turns name as one before (RouteKey.earlier_turns)."""
     whole = length // block
-    return hash((chain[whole - 1] if whole else 0, length, data[whole * block : length]))
+    return hash((chain[whole - 1] if whole else seed, length, data[whole * block : length]))
 
 
 def token_chain(tokens: Sequence[int], size: int) -> list[int]:
@@ -3258,6 +3309,99 @@ def decode_body(body: Mapping[str, Any], engine: PrefillEngine, transfer_id: str
     return decode
 
 
+def alone_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A request for a decode alone (fans_out): the client's, with no KV to pull."""
+    alone = dict(body)
+    alone.pop("kv_transfer_params", None)
+    return alone
+
+
+# vLLM splits a request with these fields into several that all carry its kv_transfer_params,
+# each computing the prompt on the prefill and pulling it on the decode under the one
+# transfer_id. Mooncake hands a transfer to one puller: the others wait out vLLM's KV timeout
+# (seen on vLLM 0.32 through PD: 3 of 23 requests with n > 1 hung until it, most on prompts
+# the decode had cached before), or load another prompt's KV (a batch of prompts came back
+# with wrong text, with no error). Beam search sends requests of its own, which never pull the
+# KV at all. Such requests go to a decode alone, which computes the prompt itself.
+SAMPLE_COUNTS: Final = ("n", "best_of")
+
+
+def fans_out(path: str, body: Mapping[str, Any]) -> str | None:
+    """Why vLLM would split this request (the field that says so), or None if it would not.
+    Values are read as vLLM's validation reads them: "3" and 3.0 are 3."""
+    for name in SAMPLE_COUNTS:
+        if lax_int(body.get(name)) > 1:
+            return name
+    if lax_bool(body.get("use_beam_search")):
+        return "use_beam_search"
+    if not path.endswith("/chat/completions") and is_prompt_batch(body.get("prompt")):
+        return "prompt"
+    return None
+
+
+def lax_int(value: object) -> int:
+    """An integer as pydantic reads one in its lax mode; 0 for anything else."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) else 0
+
+
+def lax_bool(value: object) -> bool:
+    """True as pydantic reads it in its lax mode."""
+    if isinstance(value, str):
+        return value.strip().lower() in {"1", "true", "t", "yes", "y", "on"}
+    return value is True or (isinstance(value, int | float) and value == 1)
+
+
+def is_prompt_batch(prompt: object) -> bool:
+    """More than one prompt: a list of texts or of token lists (a list of ints is one)."""
+    return (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(one, str | list) for one in prompt)
+    )
+
+
+# The fields either leg sets or drops (prefill_body, decode_body, alone_body). The rest of the
+# client's body is the same on both legs, and is encoded once for both (SharedBody).
+LEG_FIELDS: Final = (
+    *("stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens"),
+    *("stop", "stop_token_ids", "ignore_eos", "kv_transfer_params"),
+)
+# A leg's body as it goes on the wire, in pieces written one after the other.
+LegPayload = tuple[bytes | memoryview, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBody:
+    """What every leg of a request sends of the client's body: its fields but LEG_FIELDS,
+    encoded once. A large prompt is then held once for both legs (and every retry) instead of
+    once per leg, and encoded once."""
+
+    json: bytes  # a JSON object, b"{...}"
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> SharedBody:
+        return cls(
+            encode_json({key: value for key, value in body.items() if key not in LEG_FIELDS})
+        )
+
+    def with_fields(self, leg: Mapping[str, Any]) -> LegPayload:
+        """``leg`` (a body the rewriting functions made from the client's) on the wire: the
+        shared encoding, then the leg's own fields. The same object vLLM would have received
+        in one piece, its keys in another order."""
+        own = {key: leg[key] for key in LEG_FIELDS if key in leg}
+        if not own:
+            return (self.json,)
+        tail = encode_json(own)
+        if self.json == b"{}":
+            return (tail,)
+        return memoryview(self.json)[:-1], b"," + tail[1:]
+
+
 def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -3565,16 +3709,18 @@ class HttpLeg(asyncio.Protocol):
     def open(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
 
-    def send(self, head: bytes, body: bytes) -> None:
-        """Write a request; the answer to the last one was read whole (or there was none)."""
+    def send(self, head: bytes, body: LegPayload, size: int) -> None:
+        """Write a request whose body is ``size`` bytes in pieces; the answer to the last one
+        was read whole (or there was none)."""
         assert self.transport is not None and self.sink is None
         self.kept, self.status, self.answered = [], 0, False
         self.head_in = self.complete = self.reusable = False
-        if len(body) < LEG_BODY_COPY_LIMIT:
-            self.transport.write(head + body)
+        if size < LEG_BODY_COPY_LIMIT:
+            self.transport.write(b"".join((head, *body)))
         else:
             self.transport.write(head)
-            self.transport.write(body)
+            for piece in body:
+                self.transport.write(piece)
 
     async def wait(self, ready: Callable[[], bool]) -> None:
         """Until ``ready()``; raises LegFailed if the exchange fails first."""
@@ -3732,12 +3878,13 @@ class UpstreamPool:
         self._sweep: asyncio.TimerHandle | None = None
         self._tls: ssl.SSLContext | None = None
 
-    async def send(self, method: bytes, url: URL, headers: bytes, body: bytes = b"") -> HttpLeg:
+    async def send(self, method: bytes, url: URL, headers: bytes, body: LegPayload = ()) -> HttpLeg:
         """A request on its way on a kept connection or a new one; LegFailed if none opens.
         ``headers``: header_lines' of the request's own headers."""
-        head = self._head(method, url) + headers + b"Content-Length: %d\r\n\r\n" % len(body)
+        size = sum(map(len, body))
+        head = self._head(method, url) + headers + b"Content-Length: %d\r\n\r\n" % size
         leg = self._reuse(url.raw_authority) or await self._connect(url)
-        leg.send(head, body)
+        leg.send(head, body, size)
         return leg
 
     def finish(self, leg: HttpLeg) -> None:
@@ -3962,9 +4109,9 @@ def leg_error(task: asyncio.Task[None]) -> BaseException | None:
 
 @contextlib.asynccontextmanager
 async def stopped_if_prefill_fails(
-    attempt: Attempt, prefill: asyncio.Task[None]
+    attempt: Attempt, instance: PrefillInstance, prefill: asyncio.Task[None]
 ) -> AsyncIterator[None]:
-    """Runs the decode leg (the block) while ``prefill`` runs beside it.
+    """Runs the decode leg (the block) while ``prefill`` runs beside it on ``instance``.
 
     A prefill that fails while the block runs means its KV will never come: the block is
     cancelled at once rather than after vLLM's KV timeout, and the prefill's error leaves it in
@@ -3978,7 +4125,7 @@ async def stopped_if_prefill_fails(
     """
     handler = asyncio.current_task()
     assert handler is not None
-    instance, exchange = attempt.engine.instance, attempt.exchange
+    exchange = attempt.exchange
     running, stopped = True, False
     lost: Unreachable | None = None  # the KV, with the prefill instance that held it
 
@@ -4029,12 +4176,12 @@ async def run_pd_request(request: web.Request, body: dict[str, Any]) -> web.Stre
         try:
             async with (
                 exchange.attempt() as attempt,  # 2, 3: a prefill engine, a decode, the ids
-                stopped_if_prefill_fails(attempt, attempt.send_prefill()),  # 4; 6, 7 if it fails
+                attempt.beside_prefill(),  # 4; 6, 7 if it fails (none for a decode alone)
             ):
-                await attempt.relay_decode()  # 4, 5; and 7 while a decode is unreachable
+                await attempt.relay_decode()  # 4, 5; and 7 while a decode is refused
             return exchange.response
         except ProxyError as failure:
-            if exchange.fail_over_prefill(failure):  # 7: another prefill, a new transfer_id
+            if exchange.try_again(failure):  # 7: a new pair, a new transfer_id
                 continue
             return await exchange.fail(failure)  # 6: its own answer, or in band once streaming
         except ClientGone:
@@ -4051,8 +4198,10 @@ class Exchange:
     stats: RequestStats
     headers: dict[str, str]  # for both legs; each attempt sets its own X-Request-Id
     lines: bytes  # the headers as written (header_lines), for the attempt they name
+    shared: SharedBody  # what both legs of every attempt send of the body
     retries_left: int
     route: RouteKey | None = None  # for prefix_aware routing
+    alone: str | None = None  # why it goes to a decode alone (fans_out), if it does
     response: RelayResponse = field(default_factory=RelayResponse)
     attempts: int = 0
     failures: list[Unreachable] = field(default_factory=list)
@@ -4075,7 +4224,15 @@ class Exchange:
             )
             route = route_key(request.path, body, session, state.config.prefix_block_bytes)
         lines = header_lines(headers)  # the first attempt's, rendered before any claim
-        return cls(request, state, body, stats, headers, lines, state.config.max_retries, route)
+        shared = SharedBody.of(body)
+        exchange = cls(
+            request, state, body, stats, headers, lines, shared, state.config.max_retries
+        )
+        exchange.route = route
+        if (alone := fans_out(request.path, body)) is not None:
+            exchange.alone = alone
+            state.metrics.of(state.metrics.prefill_skipped, alone).inc()
+        return exchange
 
     async def learn_tokens(self) -> None:
         """With KV events heard, the prompt's token ids as vLLM computes them, as far as they
@@ -4113,22 +4270,22 @@ class Exchange:
             self.state.slots.release(1)
 
     async def begin_attempt(self) -> Attempt:
-        """Claim a prefill engine, a decode and both legs' upstream connections; the first
-        attempt goes by the request's id, a retry by a new one (so a new ``transfer_id``)."""
-        fleet, config = self.state.fleet, self.state.config
+        """Claim a prefill engine (none for a decode alone), a decode and the legs' upstream
+        connections; the first attempt goes by the request's id, a retry by a new one (so a
+        new ``transfer_id``)."""
+        engine, decode = self.claim_pair()
         try:
-            engine = fleet.claim_prefill(self.tried, self.route)
-        except ProxyError as nothing_left:
-            raise self.exhausted() if self.failures else nothing_left from None
-        try:
-            decode = fleet.claim_decode(self.tried, self.route)
-            await self.state.slots.acquire(2, config.pool_timeout)
+            await self.state.slots.acquire(
+                1 if engine is None else 2, self.state.config.pool_timeout
+            )
         except BaseException as error:
-            fleet.release_prefill(engine)
+            self.state.fleet.release_decode(decode)
+            legs = f"decode {decode.url}"
+            if engine is not None:
+                self.state.fleet.release_prefill(engine)
+                legs = f"prefill {engine.url} rank {engine.dp_rank} and {legs}"
             if isinstance(error, TimeoutError):
-                fleet.release_decode(decode)
-                legs = f"prefill {engine.url} rank {engine.dp_rank} and decode {decode.url}"
-                raise pool_exhausted(config, legs) from None
+                raise pool_exhausted(self.state.config, legs) from None
             raise
         self.attempts += 1
         request_id = self.stats.request_id
@@ -4137,11 +4294,27 @@ class Exchange:
             self.stats.request_id = self.headers[REQUEST_ID_HEADER] = request_id
             self.lines = header_lines(self.headers)  # passed once already: cannot fail now
         self.response.headers[REQUEST_ID_HEADER] = request_id
-        self.stats.prefill, self.stats.decode = f"{engine.url}#{engine.dp_rank}", str(decode.url)
+        if engine is not None:
+            self.stats.prefill = f"{engine.url}#{engine.dp_rank}"
+        self.stats.decode = str(decode.url)
         if self.failures:
-            failure = self.failures[-1].message
-            log.info("%s; retrying on %s as request %s", failure, engine.url, request_id)
+            failure, where = self.failures[-1].message, (engine or decode).url
+            log.info("%s; retrying on %s as request %s", failure, where, request_id)
         return Attempt(self, request_id, engine, decode)
+
+    def claim_pair(self) -> tuple[PrefillEngine | None, DecodeInstance]:
+        """A prefill engine (None for a decode alone) and a decode, among those not tried."""
+        fleet = self.state.fleet
+        try:
+            engine = None if self.alone else fleet.claim_prefill(self.tried, self.route)
+            try:
+                return engine, fleet.claim_decode(self.tried, self.route)
+            except ProxyError:
+                if engine is not None:
+                    fleet.release_prefill(engine)
+                raise
+        except ProxyError as nothing_left:
+            raise self.exhausted() if self.failures else nothing_left from None
 
     def fail_over(self, stage: str, backend: Backend, failure: Unreachable) -> None:
         """Step 7, for either leg: take the instance that could not be reached out of the
@@ -4155,13 +4328,15 @@ class Exchange:
         self.retries_left -= 1
         self.state.metrics.retries.labels(stage).inc()
 
-    def fail_over_prefill(self, failure: ProxyError) -> bool:
-        """True to start the pair again elsewhere: the prefill was unreachable, nothing sent."""
+    def try_again(self, failure: ProxyError) -> bool:
+        """True to start the pair again elsewhere: nothing reached the client, and an instance
+        was unreachable or lost the request before answering (a decode that took it may have
+        pulled the KV, which the prefill gives out once, so the pair starts again whole)."""
         if self.response.prepared or not isinstance(failure, Unreachable):
             return False
-        if not isinstance(failure.backend, PrefillInstance):
+        if failure.backend is None:
             return False
-        self.fail_over("prefill", failure.backend, failure)
+        self.fail_over(failure.backend.role, failure.backend, failure)
         return True
 
     def exhausted(self) -> Unreachable:
@@ -4204,12 +4379,13 @@ class Exchange:
 
 @dataclass(eq=False)
 class Attempt:
-    """One try of the pair of legs: the ids it goes by, the prefill engine and the decode it
-    holds claims on (the decode changes if one cannot be reached), and its prefill leg."""
+    """One try of the pair of legs: the ids it goes by, the prefill engine (None for a decode
+    alone) and the decode it holds claims on (the decode changes while one refuses), and its
+    prefill leg."""
 
     exchange: Exchange
     request_id: str
-    engine: PrefillEngine
+    engine: PrefillEngine | None
     decode: DecodeInstance
     prefill: asyncio.Task[None] | None = None
     decode_leg: HttpLeg | None = None
@@ -4220,24 +4396,33 @@ class Attempt:
     def transfer_id(self) -> str:
         return transfer_id_for(self.request_id)
 
-    def send_prefill(self) -> asyncio.Task[None]:
+    def beside_prefill(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """The decode leg's context: the prefill leg sent beside it, which stops it if the
+        prefill fails; nothing for a decode alone."""
+        if self.engine is None:
+            return contextlib.nullcontext()
+        engine = self.engine
+        return stopped_if_prefill_fails(self, engine.instance, self.send_prefill(engine))
+
+    def send_prefill(self, engine: PrefillEngine) -> asyncio.Task[None]:
         """Step 4's prefill leg, as a task beside the decode; its claims go when it ends."""
         exchange = self.exchange
-        payload = encode_json(prefill_body(exchange.body, self.transfer_id))
-        rank = b"%s: %d\r\n" % (DP_RANK_HEADER.encode(), self.engine.dp_rank)
-        self.prefill_span, headers = self.leg_span("prefill", self.engine.instance)
+        payload = exchange.shared.with_fields(prefill_body(exchange.body, self.transfer_id))
+        rank = b"%s: %d\r\n" % (DP_RANK_HEADER.encode(), engine.dp_rank)
+        self.prefill_span, headers = self.leg_span("prefill", engine.instance)
         headers += rank
-        self.prefill = asyncio.create_task(send_prefill(exchange, self.engine, payload, headers))
+        self.prefill = asyncio.create_task(send_prefill(exchange, engine, payload, headers))
         # A done callback runs even for a task cancelled before it started: claims never leak.
         self.prefill.add_done_callback(self.prefill_ended)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "request %s: prefill %s rank %d, decode %s",
-                *(self.request_id, self.engine.url, self.engine.dp_rank, self.decode.url),
+                *(self.request_id, engine.url, engine.dp_rank, self.decode.url),
             )
         return self.prefill
 
     def prefill_ended(self, _: object = None) -> None:
+        assert self.engine is not None  # a prefill leg ran on it
         self.exchange.state.fleet.release_prefill(self.engine)
         self.exchange.state.slots.release(1)
         if self.prefill_span is not None:
@@ -4251,16 +4436,17 @@ class Attempt:
         if exchange.stats.span is None or exchange.state.tracing is None:
             return None, exchange.lines
         span, headers = exchange.state.tracing.leg(exchange.stats.span, stage, exchange.headers)
-        span.set_attributes(
-            {"server.address": str(backend.url), "mooncake.transfer_id": self.transfer_id}
-        )
+        span.set_attribute("server.address", str(backend.url))
+        if self.engine is not None:
+            span.set_attribute("mooncake.transfer_id", self.transfer_id)
         return span, header_lines(headers)
 
     async def abandon_prefill(self) -> None:
         """The client went away or the decode failed: closing the prefill's connection makes
         vLLM abort the request and free its slot."""
         if self.prefill is None:
-            self.prefill_ended()  # never sent (its body could not be encoded)
+            if self.engine is not None:
+                self.prefill_ended()  # never sent: its claims go all the same
         elif not self.prefill.done():
             self.prefill.cancel()
             await asyncio.gather(self.prefill, return_exceptions=True)
@@ -4286,22 +4472,31 @@ class Attempt:
 
     async def open_decode(self) -> HttpLeg:
         """Send the decode leg and wait for its head, moving to another decode while they
-        cannot be reached: the prefill's KV waits for whoever pulls its ``transfer_id``, so
-        any decode can."""
+        refuse the connection: one that never had the request never pulled the KV, which
+        waits for whoever pulls its ``transfer_id``. A decode that took the request and then
+        failed before answering may have pulled it (a non-streamed one answers only once it
+        generated all): the prefill gives a transfer out once, so the failure goes up, and
+        the pair starts again whole (Exchange.try_again)."""
         exchange = self.exchange
         fleet, upstreams = exchange.state.fleet, exchange.state.upstreams
-        payload = encode_json(decode_body(exchange.body, self.engine, self.transfer_id))
+        if self.engine is None:
+            payload = exchange.shared.with_fields(alone_body(exchange.body))
+        else:
+            leg_body = decode_body(exchange.body, self.engine, self.transfer_id)
+            payload = exchange.shared.with_fields(leg_body)
         while True:
             url = self.decode.routes[exchange.request.path]
             self.decode_span, headers = self.leg_span("decode", self.decode)
             try:
                 self.decode_leg = leg = await upstreams.send(b"POST", url, headers, payload)
-                await leg.wait(leg.has_head)
-                return leg
             except LegFailed as error:
-                failure = transport_error("decode", url, error, self.decode)
-                self.end_decode_span(failure.message)
-                self.finish_decode_leg()
+                failure = self.decode_failed(url, error)  # refused: never sent
+            else:
+                try:
+                    await leg.wait(leg.has_head)
+                    return leg
+                except LegFailed as error:
+                    raise self.decode_failed(url, error) from None
             if not isinstance(failure, Unreachable):
                 raise failure
             exchange.fail_over("decode", self.decode, failure)
@@ -4312,6 +4507,12 @@ class Attempt:
             fleet.release_decode(self.decode)
             log.info("decode %s unreachable, trying %s", url, decode.url)
             self.decode, exchange.stats.decode = decode, str(decode.url)
+
+    def decode_failed(self, url: URL, error: LegFailed) -> ProxyError:
+        failure = transport_error("decode", url, error, self.decode)
+        self.end_decode_span(failure.message)
+        self.finish_decode_leg()
+        return failure
 
     async def relay_decode(self) -> None:
         """Step 5: the decode's status, content type and bytes reach the client as they come.
@@ -4347,7 +4548,8 @@ class Attempt:
             if leg.status >= 500:
                 await self.let_prefill_speak()
             url = self.decode.routes[self.exchange.request.path]
-            raise upstream_failure("decode", url, leg, leg.body(), self.engine.instance)
+            suspect = self.decode if self.engine is None else self.engine.instance
+            raise upstream_failure("decode", url, leg, leg.body(), suspect)
         self.decode.last_success = time.monotonic()
         await relay_body(self.exchange, leg)
 
@@ -4474,7 +4676,7 @@ class DecodeRelay:
 
 
 async def send_prefill(
-    exchange: Exchange, engine: PrefillEngine, payload: bytes, headers: bytes
+    exchange: Exchange, engine: PrefillEngine, payload: LegPayload, headers: bytes
 ) -> None:
     """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
     state = exchange.state

@@ -375,6 +375,84 @@ def test_a_request_only_the_prefill_rejects_fails_fast_with_vllms_400(
     assert wait_for(lambda: running(cluster.decode) == 0, 10)
 
 
+def split_requests(prompt: str) -> list[tuple[str, dict[str, Any]]]:
+    """Requests vLLM splits into child requests that all carry the one transfer_id: ``n`` > 1
+    (sampled: vLLM refuses n > 1 with greedy decoding), ``best_of`` (0.32 ignores it), a batch
+    of prompts; completions and chat, streamed and not."""
+    sampled: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0.8}
+    messages = [{"role": "user", "content": prompt}]
+    requests: list[tuple[str, dict[str, Any]]] = []
+    for stream in (False, True):
+        flags = {"stream": stream}
+        requests += [
+            ("/v1/completions", {**sampled, **flags, "prompt": prompt, "n": 3}),
+            ("/v1/chat/completions", {**sampled, **flags, "messages": messages, "n": 3}),
+            ("/v1/completions", {**sampled, **flags, "prompt": prompt, "best_of": 2}),
+            (
+                "/v1/completions",
+                {**flags, "model": MODEL, "max_tokens": 8, "temperature": 0,
+                 "prompt": [prompt, f"{prompt} and then some", f"the other {prompt}"]},
+            ),
+        ]  # fmt: skip
+    return requests
+
+
+def choices_of(raw: bytes, stream: bool) -> dict[int, str]:
+    """Each choice's text by its index; an error, in band or not, fails the test."""
+    if not stream:
+        answer = json.loads(raw)
+        return {c["index"]: c.get("text") or c["message"]["content"] for c in answer["choices"]}
+    texts: dict[int, str] = {}
+    for frame in raw.split(b"\n\n"):
+        if not frame.startswith(b"data: {"):
+            continue
+        event = json.loads(frame[6:])
+        assert "error" not in event, event
+        for choice in event["choices"]:
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            texts[choice["index"]] = texts.get(choice["index"], "") + piece
+    return texts
+
+
+def test_requests_vllm_splits_are_answered_whole_and_at_once(cluster: RealCluster) -> None:
+    """Through PD, 3 of 23 such requests hung until vLLM's KV timeout (most on prompts sent
+    before) and a batch of prompts came back with another prompt's text: each child request
+    pulled the one transfer. The proxy sends them to the decode alone. Each prompt is sent
+    three times, its requests at once."""
+    prompts = [unique_prompt() for _ in range(4)]
+    requests = [request for prompt in prompts for request in split_requests(prompt)]
+    prefill_before = metric(cluster.prefill, "vllm:request_success_total")
+
+    async def send(base: str, path: str, body: dict[str, Any]) -> tuple[int, bytes, float]:
+        started = time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=KV_ABORT_TIMEOUT * 3)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(base + path, json=body) as response,
+        ):
+            return response.status, await response.read(), time.monotonic() - started
+
+    async def round_of(base: str) -> list[tuple[int, bytes, float]]:
+        return await asyncio.gather(*(send(base, path, body) for path, body in requests))
+
+    outcomes = [asyncio.run(round_of(cluster.proxy.url)) for _ in range(3)]
+    local = asyncio.run(round_of(cluster.decode.url))
+    for answers in outcomes:
+        for (path, body), (status, raw, took), (_, local_raw, _) in zip(
+            requests, answers, local, strict=True
+        ):
+            assert status == 200, (path, body, raw[:300])
+            assert took < KV_ABORT_TIMEOUT, (path, body, took)  # no transfer waited out
+            texts = choices_of(raw, body["stream"])
+            prompts_in = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+            assert sorted(texts) == list(range(prompts_in * body.get("n", 1))), (path, body)
+            if body.get("temperature") == 0:  # greedy: the very text of the decode alone
+                assert texts == choices_of(local_raw, body["stream"]), (path, body)
+    # None of them went through the prefill.
+    assert metric(cluster.prefill, "vllm:request_success_total") == prefill_before
+    assert wait_for(lambda: running(cluster.decode) == 0, 10)
+
+
 def test_client_gone_mid_stream_leaves_nothing_running(cluster: RealCluster) -> None:
     body = {
         "model": MODEL,
@@ -514,3 +592,65 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
     # request may wait out a stalled transfer. What matters is how many failed.
     failures = [outcome for _, outcome in outcomes if outcome != "ok"]
     assert len(failures) <= 1, failures
+
+
+def test_a_decode_killed_during_a_plain_answer_is_answered_whole_by_another(
+    cluster: RealCluster, tmp_path: Path
+) -> None:
+    """A second decode beside the cluster's, a proxy in front of both, and a greedy
+    non-streamed completion of 400 tokens: the decode it went to is killed (SIGKILL) while it
+    generates. It had pulled the KV, which the prefill gives out once; the request is sent
+    again as a new pair and answered 200 with the uninterrupted text, long before vLLM's KV
+    timeout (a retry on the same transfer_id waited all of it, then got a 500)."""
+    root = Path(os.environ["VLLM_ENV_ROOT"])
+    victim = vllm_server(root, tmp_path, "kv_consumer", DECODE_MAX_MODEL_LEN, name="decode-2")
+    port = free_port()
+    argv = [sys.executable, str(PROXY), "--port", str(port)]
+    argv += ["--prefill", cluster.prefill.url, str(cluster.prefill.bootstrap_port)]
+    argv += ["--decode", victim.url, "--decode", cluster.decode.url]
+    # In turn, the victim first; checks patient with a starting vLLM on these 2 cores.
+    argv += ["--policy", "round_robin", "--connect-timeout", "30", "--health-timeout", "10"]
+    proxy = Server(
+        "proxy-3", argv, dict(os.environ), tmp_path / "proxy-3.log", f"http://127.0.0.1:{port}"
+    )
+    params: dict[str, Any] = {
+        "prompt": unique_prompt(), "max_tokens": 400, "extra_body": {"ignore_eos": True},
+    }  # fmt: skip
+    outcome: dict[str, Any] = {}
+
+    def send() -> None:
+        started = time.monotonic()
+        try:
+            outcome["text"], _ = completion_text(cluster.client(proxy.url), False, **params)
+        except openai.OpenAIError as error:
+            outcome["error"] = error
+        outcome["took"] = time.monotonic() - started
+
+    try:
+        victim.start()
+        victim.wait_healthy(300)
+        proxy.start()
+        proxy.wait_healthy(60)
+        usable = lambda: all(d["usable"] for d in healthcheck(proxy.url)["decode"])  # noqa: E731
+        assert wait_for(usable, 30)
+        request = threading.Thread(target=send)
+        request.start()
+        deadline = time.monotonic() + 20
+        while not running(victim):  # generating: 400 tokens take about a second here
+            assert time.monotonic() < deadline, "the request did not reach decode-2"
+            time.sleep(0.02)
+        assert victim.process is not None
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        request.join(KV_ABORT_TIMEOUT * 3)
+    finally:
+        proxy.stop()
+        victim.stop()
+    assert "error" not in outcome, outcome
+    assert outcome["took"] < KV_ABORT_TIMEOUT, outcome["took"]
+    local, _ = completion_text(cluster.client(cluster.decode.url), False, **params)
+    assert outcome["text"] == local
+
+
+def healthcheck(base: str) -> dict[str, Any]:
+    payload: dict[str, Any] = json.loads(http_get(f"{base}/healthcheck")[1])
+    return payload
