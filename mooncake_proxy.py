@@ -3353,7 +3353,7 @@ def lax_bool(value: object) -> bool:
     """True as pydantic reads it in its lax mode."""
     if isinstance(value, str):
         return value.strip().lower() in {"1", "true", "t", "yes", "y", "on"}
-    return value is True or (isinstance(value, int | float) and value == 1)
+    return isinstance(value, int | float) and value == 1  # True among them
 
 
 def is_prompt_batch(prompt: object) -> bool:
@@ -4224,15 +4224,10 @@ class Exchange:
             )
             route = route_key(request.path, body, session, state.config.prefix_block_bytes)
         lines = header_lines(headers)  # the first attempt's, rendered before any claim
-        shared = SharedBody.of(body)
-        exchange = cls(
-            request, state, body, stats, headers, lines, shared, state.config.max_retries
-        )
-        exchange.route = route
         if (alone := fans_out(request.path, body)) is not None:
-            exchange.alone = alone
             state.metrics.of(state.metrics.prefill_skipped, alone).inc()
-        return exchange
+        retries, shared = state.config.max_retries, SharedBody.of(body)
+        return cls(request, state, body, stats, headers, lines, shared, retries, route, alone)
 
     async def learn_tokens(self) -> None:
         """With KV events heard, the prompt's token ids as vLLM computes them, as far as they
