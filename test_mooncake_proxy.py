@@ -322,6 +322,28 @@ def test_decode_body_names_the_chosen_engine_and_keeps_stream_flags() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        completion(stream=True, stop=["."], stream_options={"include_usage": True}),
+        {"max_tokens": 3},  # nothing but fields the legs set
+        {"prompt": "only a prompt"},
+        {},
+    ],
+)
+def test_a_large_bodys_legs_are_the_same_objects_in_pieces(body: dict[str, Any]) -> None:
+    """Both legs send one encoding of the fields neither changes, then their own: what vLLM
+    parses is the leg's body, whichever fields the client sent."""
+    shared = mp.SharedBody.of(body)
+    engine = mp.PrefillEngine(mp.PrefillInstance(SPEC), 0, "engine-0")
+    for leg in (
+        mp.prefill_body(body, "xfer-1"),
+        mp.decode_body(body, engine, "xfer-1"),
+        mp.alone_body({**body, "kv_transfer_params": {"from": "the client"}}),
+    ):
+        assert json.loads(b"".join(shared.with_fields(leg))) == leg
+
+
 def test_request_ids_are_random_and_keep_a_safe_client_id_as_prefix() -> None:
     ids = {mp.mint_request_id(None) for _ in range(1000)}
     assert len(ids) == 1000
