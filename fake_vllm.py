@@ -448,6 +448,7 @@ class FakeVllm:
     aborted: list[str] = field(default_factory=list)  # request ids whose client went away
     running: int = 0
     kv_tokens_received: int = 0
+    resolved: int = 0  # decode legs whose prefill engine the bootstrap named (resolve_worker)
     transfers_served: int = 0
     transfer_collisions: int = 0
     query_count: int = 0
@@ -753,9 +754,18 @@ class FakeVllm:
                     if generation.finish_reason == "length":
                         await self.hold_kv(self.engine_ids[rank], params, child, generation)
             return await self.answer(request, body, request_id, generations)
+        worker: str | None = None
+        if params.get("do_remote_prefill"):
+            # An unknown engine id fails at once: a 500. Streamed, vLLM 0.32 answers it 200 and
+            # in band (seen); this fake answers 500 still, until the proxy tries a stream whose
+            # first event is an error again (issue 34) instead of relaying it.
+            worker, failure = await self.resolve_worker(params)
+            if failure is not None:
+                return error(500, failure)
+            self.resolved += 1
         response: web.StreamResponse | None = None
         if stream:
-            # vLLM sends 200 and its headers at once, before it looks for the KV.
+            # vLLM sends 200 and its headers at once, before the KV has arrived.
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream; charset=utf-8"}
             )
@@ -763,16 +773,13 @@ class FakeVllm:
             self.sent[request_id] = bytearray()
             if self.keepalive_first:
                 await self.write(response, request_id, b": keep-alive\n\n")
-        if params.get("do_remote_prefill"):
+        if worker is not None:
             await asyncio.sleep(self.pull_delay)
-            # An unknown engine id fails at once (a 500; streamed, in band: seen on vLLM 0.32).
-            worker, failure = await self.resolve_worker(params)
-            if worker is not None:
-                # Every child request pulls the one transfer_id, as in vLLM; Mooncake hands it
-                # to one of them, and the rest wait out the KV timeout (or load another's KV).
-                pulls = [self.pull_kv(worker, params, child) for child in children]
-                failure = next((f for f in await asyncio.gather(*pulls) if f is not None), None)
-                await asyncio.sleep(self.transfer_delay)
+            # Every child request pulls the one transfer_id, as in vLLM; Mooncake hands it to
+            # one of them, and the rest wait out the KV timeout (or load another's KV).
+            pulls = [self.pull_kv(worker, params, child) for child in children]
+            failure = next((f for f in await asyncio.gather(*pulls) if f is not None), None)
+            await asyncio.sleep(self.transfer_delay)
             if failure is None and self.cache_blocks:
                 for prompt in prompts:
                     self.receive_kv(prompt)

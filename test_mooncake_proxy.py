@@ -3220,6 +3220,7 @@ async def test_a_prefill_lost_before_its_kv_was_pulled_is_tried_again(
     await eventually(lambda: any(p.requests for p in cluster.prefills))
     (first,) = (p for p in cluster.prefills if p.requests)
     await eventually(lambda: first.running == 0)  # it answered: the KV waits for its pull
+    await eventually(lambda: cluster.decodes[0].resolved == 1)  # and the decode knows where
     first.restart()  # the KV it held is gone, and its engine ids are new
     if how == "down":
         first.health_status = 503
