@@ -4,7 +4,8 @@
 # and the proxy and stops them all at the end.
 #
 # If the environment cannot be built (a registry unreachable), this says so loudly and exits 0,
-# so CI goes on; REAL_VLLM_REQUIRED=1 makes that a failure. Once built, any failure fails.
+# so a developer without it runs the rest; REAL_VLLM_REQUIRED=1 (CI sets it) makes that a
+# failure. Once built, any failure fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
