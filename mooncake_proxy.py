@@ -40,6 +40,7 @@ import os
 import random
 import re
 import resource
+import select
 import shutil
 import signal
 import socket
@@ -6002,65 +6003,230 @@ Reread = Callable[[], ProxyConfig]
 
 
 def run_serve(
-    config: ProxyConfig, sock: socket.socket, loop_factory: LoopFactory | None, reread: Reread
-) -> int:
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(serve(config, sock, reread))
-
-
-def run_workers(
     config: ProxyConfig,
-    sockets: list[socket.socket],
+    sock: socket.socket,
     loop_factory: LoopFactory | None,
     reread: Reread,
+    warm_up: float = 0.0,
 ) -> int:
-    """Fork one serving process per socket and supervise them; only this one talks to systemd.
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(serve(config, sock, reread, warm_up))
 
-    SIGTERM/SIGINT are passed on, so each worker drains its own requests; a second signal is
-    passed on too and makes them exit at once. SIGHUP is passed on: each worker reloads.
+
+# Signals the supervisor passes on to its workers, each of which acts on them itself.
+PASSED_ON: Final = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+# A worker that dies is started again at once if it had served this long, else after a wait
+# that doubles up to WORKER_BACKOFF_MAX: one that cannot start must not spin the host.
+WORKER_STEADY_SECONDS: Final = 10.0
+WORKER_BACKOFF_MAX: Final = 30.0
+# Each worker reports to the supervisor as to systemd (READY=1, then WATCHDOG=1 every second
+# from its event loop); one silent for this long is not healthy, and systemd is not told the
+# daemon is.
+WORKER_SILENT_SECONDS: Final = 3.0
+# How long a replacement waits for a usable fleet before it takes its socket's connections.
+WORKER_WARM_UP_SECONDS: Final = 10.0
+
+
+@dataclass(eq=False)
+class Worker:
+    """One serving process as the supervisor sees it: its socket, and what it last said."""
+
+    index: int
+    sock: socket.socket  # the listener it serves, kept open here for its replacement
+    inbox: socket.socket  # where it reports, as to systemd's NOTIFY_SOCKET
+    address: str  # the inbox's, as NOTIFY_SOCKET names it
+    pid: int = 0
+    started: float = 0.0
+    ready: bool = False
+    heard: float = 0.0  # when it last reported (monotonic)
+    restart_at: float | None = None  # dead, and started again then
+    backoff: float = 0.0
+
+    def healthy(self, now: float) -> bool:
+        return self.restart_at is None and self.ready and now - self.heard < WORKER_SILENT_SECONDS
+
+
+class Supervisor:
+    """--workers N: one serving process per socket, each forked with the configuration the
+    daemon's sources say when it starts, and started again when it dies (the parent never
+    serves). Only the supervisor talks to systemd: READY=1 once every worker serves, the
+    watchdog only while every worker reports, a STATUS line on each change. SIGTERM and
+    SIGINT are passed on, so each worker drains its own requests (a second signal is passed on
+    too); SIGHUP is passed on, and each worker reloads.
     """
-    children: dict[int, int] = {}
-    for index, sock in enumerate(sockets):
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        sockets: list[socket.socket],
+        loop_factory: LoopFactory | None,
+        reread: Reread,
+    ) -> None:
+        self.config, self.loop_factory, self.reread = config, loop_factory, reread
+        self.workers = [Worker(i, sock, *worker_inbox()) for i, sock in enumerate(sockets)]
+        self.stopping = False
+        self.ready_sent = False
+        self.worst = 0
+        self.restarts = worker_restarts_counter()
+
+    def run(self) -> int:
+        for signum in PASSED_ON:
+            signal.signal(signum, self.pass_on)
+        for worker in self.workers:
+            if not self.stopping:
+                self.start(worker)
+        watchdog_usec = int(os.environ.get("WATCHDOG_USEC") or 0)
+        next_watchdog = 0.0
+        while any(worker.pid or self.restarting(worker) for worker in self.workers):
+            self.reap()
+            self.listen(timeout=0.1)
+            now = time.monotonic()
+            self.start_due(now)
+            if watchdog_usec and now >= next_watchdog and self.healthy(now):
+                sd_notify("WATCHDOG=1")
+                next_watchdog = now + min(1.0, watchdog_usec / 2e6)
+        sd_notify("STOPPING=1")
+        for worker in self.workers:
+            worker.sock.close()
+            worker.inbox.close()
+        return self.worst
+
+    def start(self, worker: Worker) -> None:
+        config, warm_up = self.config, 0.0
+        if worker.started:  # a replacement: the configuration as its sources say now
+            with contextlib.suppress(ConfigError):
+                config = self.config = self.reread()
+            warm_up = WORKER_WARM_UP_SECONDS
+        # Forked with the signals blocked: serve() takes them once it handles them.
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
         pid = os.fork()
-        if pid == 0:  # a worker: serve on its own socket, never notify systemd itself
-            for other in sockets[:index] + sockets[index + 1 :]:
-                other.close()
-            os.environ.pop("NOTIFY_SOCKET", None)
-            code = 1
-            try:
-                code = run_serve(config, sock, loop_factory, reread)
-            finally:
-                os._exit(code)
-        children[pid] = index
-    for sock in sockets:
-        sock.close()
+        if pid == 0:
+            self.become(worker, config, warm_up)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        worker.pid, worker.started, worker.ready = pid, time.monotonic(), False
+        worker.heard, worker.restart_at = worker.started, None
 
-    def pass_on(signum: int, _: object) -> None:
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+    def restarting(self, worker: Worker) -> bool:
+        return worker.restart_at is not None and not self.stopping
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, pass_on)
-    sd_notify("READY=1", f"STATUS=serving with {len(children)} workers")
-    watchdog_usec = int(os.environ.get("WATCHDOG_USEC") or 0)
-    worst = 0
-    while children:
+    def become(self, worker: Worker, config: ProxyConfig, warm_up: float) -> NoReturn:
+        """In the forked child: serve on the worker's socket, reporting to the supervisor."""
+        code = 1
+        try:
+            for other in self.workers:
+                other.inbox.close()
+                if other is not worker:
+                    other.sock.close()
+            for signum in PASSED_ON:
+                signal.signal(signum, signal.SIG_DFL)  # blocked until serve() handles them
+            # A group of its own: a terminal's Ctrl-C reaches the supervisor alone, which
+            # passes it on once (twice, a worker would exit at once instead of draining).
+            os.setpgid(0, 0)
+            os.environ["NOTIFY_SOCKET"] = worker.address
+            os.environ["WATCHDOG_USEC"], os.environ["WATCHDOG_PID"] = "2000000", str(os.getpid())
+            code = run_serve(config, worker.sock, self.loop_factory, self.reread, warm_up)
+        except BaseException:
+            log.exception("worker %d failed", worker.index)  # not lost in os._exit
+        finally:
+            os._exit(code)
+
+    def pass_on(self, signum: int, _: object) -> None:
+        if signum != signal.SIGHUP:
+            self.stopping = True  # no worker is started again from now on
+        for worker in self.workers:
+            if worker.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signum)
+
+    def reap(self) -> None:
         with contextlib.suppress(ChildProcessError, InterruptedError):
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid:
-                children.pop(pid, None)
-                mark_process_dead(pid)  # type: ignore[no-untyped-call]  # its live gauges go
-                code = os.waitstatus_to_exitcode(status)
-                worst = max(worst, abs(code))
-                if code:
-                    log.warning("worker %d exited with %d", pid, code)
-                continue
-        if watchdog_usec:
-            sd_notify("WATCHDOG=1")
-        time.sleep(0.1)
-    sd_notify("STOPPING=1")
-    return worst
+            while (found := os.waitpid(-1, os.WNOHANG))[0]:
+                self.ended(*found)
+
+    def ended(self, pid: int, status: int) -> None:
+        worker = next((w for w in self.workers if w.pid == pid), None)
+        if worker is None:
+            return
+        worker.pid, worker.ready = 0, False
+        mark_process_dead(pid)  # type: ignore[no-untyped-call]  # its live gauges go
+        code = os.waitstatus_to_exitcode(status)
+        if self.stopping:
+            self.worst = max(self.worst, abs(code))
+            if code:
+                log.warning("worker %d (pid %d) exited with %d", worker.index, pid, code)
+            return
+        lived = time.monotonic() - worker.started
+        worker.backoff = (
+            0.0 if lived >= WORKER_STEADY_SECONDS
+            else min(max(2 * worker.backoff, 1.0), WORKER_BACKOFF_MAX)
+        )  # fmt: skip
+        worker.restart_at = time.monotonic() + worker.backoff
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+        log.error(
+            "worker %d (pid %d) %s after %.1f s; starting it again in %g s",
+            worker.index, pid, how, lived, worker.backoff,
+        )  # fmt: skip
+        self.restarts.inc()
+        self.report()
+
+    def start_due(self, now: float) -> None:
+        for worker in self.workers:
+            if self.restarting(worker) and now >= (worker.restart_at or 0.0):
+                self.start(worker)
+                log.info("worker %d started again as pid %d", worker.index, worker.pid)
+
+    def listen(self, timeout: float) -> None:
+        """Take what the workers reported (READY=1, WATCHDOG=1, STATUS=...)."""
+        inboxes = {worker.inbox: worker for worker in self.workers}
+        with contextlib.suppress(InterruptedError):
+            readable, _, _ = select.select(list(inboxes), [], [], timeout)
+        for inbox in readable:
+            while (datagram := receive(inbox)) is not None:
+                worker = inboxes[inbox]
+                worker.heard = time.monotonic()
+                if b"READY=1" in datagram.split(b"\n") and not worker.ready:
+                    worker.ready = True
+                    self.report()
+
+    def healthy(self, now: float) -> bool:
+        return all(worker.healthy(now) for worker in self.workers)
+
+    def report(self) -> None:
+        serving = sum(worker.ready for worker in self.workers)
+        status = f"STATUS=serving with {serving} of {len(self.workers)} workers"
+        if not self.ready_sent and serving == len(self.workers):
+            self.ready_sent = True
+            sd_notify("READY=1", status)
+        elif self.ready_sent:
+            sd_notify(status)
+
+
+def receive(inbox: socket.socket) -> bytes | None:
+    """One datagram waiting on ``inbox``, or None."""
+    try:
+        return inbox.recv(4096)
+    except BlockingIOError:
+        return None
+
+
+def worker_inbox() -> tuple[socket.socket, str]:
+    """A datagram socket in the abstract namespace, where one worker reports, and its name as
+    NOTIFY_SOCKET gives it."""
+    name = f"mooncake-proxy-{os.getpid()}-{os.urandom(6).hex()}"
+    inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    inbox.bind("\0" + name)
+    inbox.setblocking(False)
+    return inbox, "@" + name
+
+
+def worker_restarts_counter() -> Counter:
+    """Counted by the supervisor in the workers' metrics directory, so that every worker's
+    scrape shows it."""
+    return Counter(
+        "mooncake_proxy_worker_restarts",
+        "Workers (--workers) that died and were started again.",
+        registry=None,
+    )
 
 
 def reload_config(app: web.Application, reread: Callable[[], ProxyConfig]) -> None:
@@ -6079,10 +6245,14 @@ def reload_config(app: web.Application, reread: Callable[[], ProxyConfig]) -> No
 
 
 async def serve(
-    config: ProxyConfig, sock: socket.socket, reread: Callable[[], ProxyConfig] | None = None
+    config: ProxyConfig,
+    sock: socket.socket,
+    reread: Callable[[], ProxyConfig] | None = None,
+    warm_up: float = 0.0,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain: stop accepting, let streams finish, exit 0.
-    SIGHUP applies ``reread()``, the configuration as its sources say now."""
+    SIGHUP applies ``reread()``, the configuration as its sources say now. ``warm_up``: how
+    long to wait for a usable fleet before taking connections (a replacement worker's)."""
     app = create_app(config)
     runner = web.AppRunner(
         app,
@@ -6093,6 +6263,7 @@ async def serve(
         shutdown_timeout=1.0,
     )
     await runner.setup()
+    await warmed_up(app[STATE_KEY], warm_up)
     listener = await listen(runner, sock)
     sd_notify("READY=1", f"STATUS={readiness_status(app)}")
     stop = asyncio.Event()
@@ -6113,6 +6284,9 @@ async def serve(
         loop.add_signal_handler(signum, on_signal, signum)
     if reread is not None:
         loop.add_signal_handler(signal.SIGHUP, reload_config, app, reread)
+    # A worker is forked with these blocked (Supervisor): one that came before its handlers
+    # were in place is taken now, instead of ending it (SIGHUP's default action).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
     await stop.wait()
     state = app[STATE_KEY]
     state.draining = True
@@ -6126,6 +6300,16 @@ async def serve(
     await runner.cleanup()
     log.info("stopped")
     return 0
+
+
+async def warmed_up(state: ProxyState, within: float) -> None:
+    """Until the fleet is usable, or ``within`` seconds passed. A worker started again in a
+    serving daemon waits so: meanwhile the kernel's share of new connections for its socket
+    waits in its queue, instead of being answered 503 (not ready) by a fleet not yet checked."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(within):
+            while not state.serving:
+                await asyncio.sleep(DRAIN_POLL_SECONDS)
 
 
 async def drained(admission: Admission, within: float) -> None:
@@ -6230,7 +6414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.workers > 1:
         remove_metrics_dir = metrics_across_workers()
         try:
-            return run_workers(config, sockets, loop_factory, reread)
+            return Supervisor(config, sockets, loop_factory, reread).run()
         finally:
             remove_metrics_dir()
     return run_serve(config, sockets[0], loop_factory, reread)

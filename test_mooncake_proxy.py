@@ -5190,6 +5190,194 @@ async def test_metrics_add_up_across_workers(aiohttp_server: AiohttpServer, tmp_
     assert not (metrics_dir / "counter_1.db").exists()  # cleared when the daemon started
 
 
+def children_of(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (its workers)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            if int(parent) == pid and state != "Z":
+                found.add(int(stat.parent.name))
+    return found
+
+
+async def post_completions(base: str, count: int, **extra: Any) -> list[int]:
+    """``count`` requests one after another, each on a connection of its own (so on whichever
+    worker the kernel hands it to); their statuses."""
+    statuses = []
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session, asyncio.timeout(60):
+        for _ in range(count):
+            async with session.post(f"{base}/v1/completions", json=completion(**extra)) as r:
+                await r.read()
+                statuses.append(r.status)
+    return statuses
+
+
+async def scrape_process(base: str, name: str) -> float:
+    async with aiohttp.ClientSession() as session, session.get(f"{base}/metrics") as page:
+        families = text_string_to_metric_families(await page.text())
+    return sum(s.value for family in families for s in family.samples if s.name == name)
+
+
+async def test_a_killed_worker_is_started_again_and_requests_keep_succeeding(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    proxy, _ = await ProxyProcess.start(aiohttp_server, "--workers", "2")
+    pid = proxy.process.pid
+    try:
+        await eventually(lambda: len(children_of(pid)) == 2, 10)
+        victim = min(children_of(pid))
+        os.kill(victim, signal.SIGKILL)
+        # New connections the kernel hands to its socket wait there for its replacement.
+        assert await post_completions(proxy.base, 20) == [200] * 20
+        await eventually(lambda: len(children_of(pid) - {victim}) == 2, 10)
+        restarts = await scrape_process(proxy.base, "mooncake_proxy_worker_restarts_total")
+        assert restarts == 1
+    finally:
+        log = await proxy.stop()
+    assert re.search(rf"worker \d \(pid {victim}\) was killed by SIGKILL after", log), log
+    assert "started again as pid" in log and "Traceback" not in log
+
+
+async def test_sighup_as_the_workers_start_ends_none_of_them(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    """Workers are forked with SIGHUP blocked, and take it once they handle it: its default
+    action would end a worker that has no handler yet."""
+    prefill = FakeVllm("prefill")
+    api = await serve(aiohttp_server, prefill.api_app())
+    bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
+    prefill.api_url = f"http://127.0.0.1:{api.port}"  # where decodes pull its KV
+    decode = FakeVllm("decode")
+    decode_api = await serve(aiohttp_server, decode.api_app())
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port), "--workers", "2",
+        "--prefill", f"http://127.0.0.1:{api.port}", str(bootstrap.port),
+        "--decode", f"http://127.0.0.1:{decode_api.port}", stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    proxy = ProxyProcess(process, port)
+    try:
+        await eventually(lambda: len(children_of(process.pid)) == 2, 10)
+        workers = children_of(process.pid)
+        for _ in range(5):  # as they start, before they serve
+            process.send_signal(signal.SIGHUP)
+            await asyncio.sleep(0.02)
+        assert await post_completions(proxy.base, 4) == [200] * 4
+        assert children_of(process.pid) == workers
+    finally:
+        log = await proxy.stop()
+    assert "exited" not in log and "killed" not in log, log
+    assert log.count("configuration reloaded") >= 2  # each worker took it, once serving
+
+
+async def test_a_reload_under_workers_sends_every_request_to_the_new_decode(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    prefill = FakeVllm("prefill")
+    api = await serve(aiohttp_server, prefill.api_app())
+    bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
+    prefill.api_url = f"http://127.0.0.1:{api.port}"  # where decodes pull its KV
+    old, new = FakeVllm("decode"), FakeVllm("decode")
+    old_api = await serve(aiohttp_server, old.api_app())
+    new_api = await serve(aiohttp_server, new.api_app())
+    port, file = free_port(), tmp_path / "proxy.toml"
+    lines = [f"port = {port}", "workers = 2"]
+    lines.append(f'prefill = ["http://127.0.0.1:{api.port} {bootstrap.port}"]')
+    file.write_text("\n".join([*lines, f'decode = ["http://127.0.0.1:{old_api.port}"]', ""]))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(HERE / "mooncake_proxy.py"), "--config", str(file),
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stderr is not None
+    proxy, log = ProxyProcess(process, port), ProcessLog(process.stderr)
+    try:
+        await log.wait_for_processes("is usable", 2, seconds=15)
+        file.write_text("\n".join([*lines, f'decode = ["http://127.0.0.1:{new_api.port}"]', ""]))
+        process.send_signal(signal.SIGHUP)
+        await log.wait_for_processes("configuration reloaded: --decode", 2)
+        await log.wait_for_processes(f"decode http://127.0.0.1:{new_api.port} is usable", 2)
+        before = len(old.requests)
+        assert await post_completions(proxy.base, 12) == [200] * 12
+        assert len(old.requests) == before and len(new.requests) == 12
+        served_by = {
+            line.split("[")[1].split("]")[0]
+            for line in log.lines
+            if "POST /v1/completions 200" in line
+        }
+        assert len(served_by) == 2  # both workers took some (each of 12 a coin toss)
+    finally:
+        process.terminate()
+        assert await process.wait() == 0
+        await log.task
+
+
+async def test_a_drain_under_workers_lets_every_stream_finish(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    proxy, decode = await ProxyProcess.start(
+        aiohttp_server, "--workers", "2", decode={"token_delay": 0.1}
+    )
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session, asyncio.timeout(30):
+
+        async def stream() -> list[Any]:
+            body = completion(stream=True, max_tokens=15)
+            async with session.post(f"{proxy.base}/v1/completions", json=body) as answer:
+                return sse_events(await answer.read())
+
+        streams = [asyncio.create_task(stream()) for _ in range(6)]
+        await eventually(lambda: decode.running == 6)
+        proxy.process.send_signal(signal.SIGTERM)
+        for events in await asyncio.gather(*streams):
+            assert events[-1] == "[DONE]" and len(events) == 16
+    assert await asyncio.wait_for(proxy.process.wait(), 20) == 0
+    assert "Traceback" not in await proxy.stop()
+
+
+async def test_under_workers_systemd_hears_ready_once_all_serve_and_a_watchdog_while_healthy(
+    aiohttp_server: AiohttpServer, tmp_path: Path
+) -> None:
+    address = str(tmp_path / "notify.sock")
+    heard: list[tuple[float, str]] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(address)
+        notify.setblocking(False)
+
+        def drain() -> list[str]:
+            """What systemd heard so far, each line with when it was read."""
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    for line in notify.recv(4096).decode().splitlines():
+                        heard.append((time.monotonic(), line))
+            return [line for _, line in heard]
+
+        env = {"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "400000"}
+        proxy, _ = await ProxyProcess.start(aiohttp_server, "--workers", "2", env=env)
+        pid = proxy.process.pid
+        try:
+            await eventually(lambda: "READY=1" in drain(), 10)
+            ready_at = next(t for t, line in heard if line == "READY=1")
+            assert any(line.startswith("STATUS=serving with 2 of 2") for _, line in heard)
+            await asyncio.sleep(1.0)
+            drain()
+            assert sum(line == "WATCHDOG=1" and t > ready_at for t, line in heard) >= 3
+            victim = min(children_of(pid))
+            os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
+            await eventually(lambda: len(children_of(pid) - {victim}) == 2, 10)
+            await asyncio.sleep(2.5)  # its replacement serves and reports
+            drain()
+            pings = [t - killed for t, line in heard if line == "WATCHDOG=1" and t > killed]
+            # None while a worker was missing (a 1 s wait before a young worker is started
+            # again), then again.
+            assert pings and pings[0] > 0.9, pings
+            assert [line for _, line in heard].count("READY=1") == 1
+        finally:
+            await proxy.stop()
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["orjson", "stdlib"])
 def test_leg_bodies_encode_alike_with_or_without_the_speed_extra(
     monkeypatch: pytest.MonkeyPatch, fast: bool
