@@ -39,6 +39,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 MODEL = "fake-model"
+# vLLM's API server closes a connection idle this long (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, passed to
+# uvicorn's timeout_keep_alive): the fakes are served with it, so that a client pool keeping
+# idle connections longer meets closed sockets here as it would there.
+KEEPALIVE_SECONDS = 5.0
 # The identity the proxy's /healthcheck reports (mooncake_proxy.ID, not imported here so the
 # fakes stay independent of the module they test).
 PROXY_ID = "inferlab-vllm-mooncake-proxy"
@@ -431,6 +435,7 @@ class FakeVllm:
     bootstrap_not_ready: int = 0  # answer /query 503 this many times, then {} once
     health_status: int = 200
     max_model_len: int = 4096  # tokens, as /v1/models says; longer prompts are refused
+    engine_dead: str | None = None  # why its engine core died, as vLLM's can (check_kv_params)
     health_delay: float = 0.0  # a busy server: /health answers, slowly
     drop_after: float | None = None  # accept a completion, then reset the connection
     # A prefix cache per engine (0: none) and prefill compute time per uncached prompt token;
@@ -551,7 +556,7 @@ class FakeVllm:
     async def handle_health(self, request: web.Request) -> web.Response:
         self.health_count += 1
         await asyncio.sleep(self.health_delay)
-        return web.Response(status=self.health_status)
+        return web.Response(status=503 if self.engine_dead else self.health_status)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         """vLLM's series, one per engine (the "engine" label is the DP rank)."""
@@ -715,6 +720,12 @@ class FakeVllm:
         ):
             raise BadRequest(f"data parallel rank {rank_header} is out of range")
         rank = int(rank_header or 0)
+        if self.engine_dead is not None:
+            return error(500, "The server had an error while processing your request.")
+        params = body.get("kv_transfer_params") or {}
+        if (fatal := self.check_kv_params(params)) is not None:
+            self.engine_dead = fatal
+            return error(500, "The server had an error while processing your request.")
         model = body.get("model")
         if model and model != MODEL:
             message = f"The model `{model}` does not exist. Valid aliases: {MODEL}."
@@ -742,7 +753,6 @@ class FakeVllm:
         if self.force_finish_reason is not None:
             for generation in generations:
                 generation.finish_reason = self.force_finish_reason
-        params = body.get("kv_transfer_params") or {}
         if self.role == "prefill":
             await asyncio.sleep(self.delay)
             if self.cache_blocks:
@@ -805,8 +815,8 @@ class FakeVllm:
         self, engine_id: str, params: dict[str, Any], prompt: Any, generation: Generation
     ) -> None:
         transfer_id = params.get("transfer_id")
-        if not isinstance(transfer_id, str):
-            return  # vLLM warns and transfers nothing
+        if not isinstance(transfer_id, str) or not transfer_id:
+            return  # vLLM warns "Missing transfer_id" and transfers nothing
         if transfer_id in self._held_kv:
             self.transfer_collisions += 1
         async with self.condition():
@@ -831,12 +841,32 @@ class FakeVllm:
         self.transfers_served += 1
         return web.json_response({"digest": digest, "prompt_tokens": prompt_tokens})
 
+    def check_kv_params(self, params: Any) -> str | None:
+        """What kills vLLM's engine core in these kv_transfer_params (MooncakeConnector's
+        asserts, vLLM 0.33: the engine dies, this and every later request gets a 500 and
+        /health 503), or None. Its flags are read as truthy values, as vLLM reads them."""
+        if not isinstance(params, dict):
+            return "kv_transfer_params is not an object"
+        if self.role == "prefill" and params.get("do_remote_prefill"):
+            return "do_remote_prefill on a kv_producer"
+        if self.role == "decode" and params.get("do_remote_decode"):
+            return "do_remote_decode on a kv_consumer"
+        return None
+
     async def resolve_worker(self, params: dict[str, Any]) -> tuple[str | None, str | None]:
         """The prefill worker holding ``remote_engine_id``, found through the bootstrap."""
+        if not all(
+            p in params for p in ("remote_bootstrap_addr", "remote_engine_id", "transfer_id")
+        ):
+            # vLLM logs "Got invalid KVTransferParams" and queues no pull: the request waits
+            # for KV that never comes, until its client leaves.
+            await asyncio.Event().wait()
         bootstrap = params.get("remote_bootstrap_addr")
         engine_id = params.get("remote_engine_id")
-        if not all(isinstance(v, str) for v in (bootstrap, engine_id, params.get("transfer_id"))):
-            return None, "kv_transfer_params lacks remote_bootstrap_addr, engine id or transfer_id"
+        if not isinstance(bootstrap, str):
+            await asyncio.Event().wait()  # vLLM's lookup fails before its try: it waits too
+        if not all(isinstance(v, str) for v in (engine_id, params.get("transfer_id"))):
+            return None, "Internal server error"  # the prefill's typed decoder refuses it
         try:
             async with self._session.get(f"{bootstrap}/query") as query:
                 if query.status != 200:
@@ -1002,7 +1032,9 @@ class RunningFake:
 
 async def start_fake(fake: FakeVllm, runners: list[web.AppRunner]) -> RunningFake:
     async def serve(app: web.Application) -> int:
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_SECONDS
+        )
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -1131,7 +1163,9 @@ async def serve_one(args: argparse.Namespace) -> int:
         apps.append(fake.bootstrap_app())
     runners = []
     for app, port in zip(apps, (args.port, args.bootstrap_port), strict=False):
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_SECONDS
+        )
         await runner.setup()
         await web.TCPSite(runner, args.host, port).start()
         runners.append(runner)

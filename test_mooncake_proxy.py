@@ -51,6 +51,7 @@ import mooncake_proxy as mp
 from fake_vllm import (
     BLOCK_TOKENS,
     EOS_MARKER,
+    KEEPALIVE_SECONDS,
     EngineSim,
     FakeVllm,
     build_tokenizer,
@@ -142,7 +143,9 @@ class UncancelledTestServer(TestServer):
 async def serve(
     aiohttp_server: AiohttpServer, app: web.Application, port: int | None = None
 ) -> TestServer:
-    server: TestServer = await aiohttp_server(app, port=port)
+    """An app (a fake vLLM's, mostly) served as vLLM's uvicorn serves: idle connections are
+    closed after KEEPALIVE_SECONDS."""
+    server: TestServer = await aiohttp_server(app, port=port, keepalive_timeout=KEEPALIVE_SECONDS)
     return server
 
 
@@ -1832,6 +1835,92 @@ async def test_the_fakes_answer_n_choices_and_a_batch_as_vllm_does(
     )
     roles = [e["choices"][0]["index"] for e in chat_events[:2]]
     assert roles == [0, 1] and all("role" in e["choices"][0]["delta"] for e in chat_events[:2])
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # the fake's own behaviour: one loop is enough
+async def test_the_fakes_close_an_idle_connection_after_vllms_keepalive(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    fake = FakeVllm("decode")
+    server = await serve(aiohttp_server, fake.api_app())
+    assert server.port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+    answered = time.monotonic()
+    assert await asyncio.wait_for(reader.read(), KEEPALIVE_SECONDS + 3) == b""  # closed
+    assert KEEPALIVE_SECONDS - 0.5 < time.monotonic() - answered < KEEPALIVE_SECONDS + 2
+    writer.close()
+
+
+async def test_the_pool_lets_idle_connections_go_before_vllm_closes_them(
+    start_cluster: StartCluster,
+) -> None:
+    """--keepalive-timeout (4 s) under vLLM's 5: a request after 4.5 s idle goes on a new
+    connection, never on one vLLM is closing as it is written."""
+    cluster = await start_cluster()
+    decode = cluster.decodes[0]
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    await asyncio.sleep(cluster.config.keepalive_timeout + 0.5)
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    first, second = (recorded.peer for recorded in decode.requests)
+    assert first != second
+    assert sample(await scrape(cluster), "mooncake_proxy_retries_total", stage="decode") == 0
+
+
+@pytest.mark.parametrize(
+    ("role", "params"),
+    [("prefill", {"do_remote_prefill": True}), ("decode", {"do_remote_decode": "false"})],
+)
+async def test_the_fakes_die_of_kv_params_vllms_engine_asserts_against(
+    aiohttp_client: AiohttpClient, role: str, params: dict[str, Any]
+) -> None:
+    """MooncakeConnector asserts its role: vLLM's engine core dies (every request then 500,
+    /health 503). Its flags are read as truthy values: "false" is true."""
+    fake = FakeVllm(role)
+    client = await aiohttp_client(fake.api_app())
+    body = completion(kv_transfer_params=params)
+    assert (await client.post(COMPLETIONS, json=body)).status == 500
+    assert (await client.get("/health")).status == 503
+    assert (await client.post(COMPLETIONS, json=completion())).status == 500
+
+
+async def test_a_fake_decode_told_no_kv_source_waits_as_vllm_does(
+    aiohttp_client: AiohttpClient,
+) -> None:
+    """vLLM logs "Got invalid KVTransferParams" and queues no pull: the request waits."""
+    client = await aiohttp_client(FakeVllm("decode").api_app())
+    body = completion(kv_transfer_params={"do_remote_prefill": True, "transfer_id": "x"})
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.5):
+            await client.post(COMPLETIONS, json=body)
+
+
+async def test_a_duplicate_transfer_id_collides_in_the_fake_as_in_vllm(
+    start_cluster: StartCluster,
+) -> None:
+    """Two prefills of one transfer_id: vLLM keeps one entry, which the last to finish
+    writes; one decode pulls it (the other prompt's KV: vLLM answers with the wrong text, the
+    fake fails it), the next waits out the KV timeout."""
+    cluster = await start_cluster()
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    decode.kv_timeout = 0.5
+    session, engine = cluster.client.session, prefill.engine_ids[0]
+    for prompt in ("the first prompt", "the second prompt"):
+        kv = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "xfer-1"}
+        body = completion(prompt=prompt, kv_transfer_params=kv)
+        assert (await session.post(prefill.api_url + COMPLETIONS, json=body)).status == 200
+    assert prefill.transfer_collisions == 1
+    bootstrap = fleet_of(cluster).prefills[0].spec.bootstrap
+    pull = {
+        "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": "xfer-1",
+        "remote_bootstrap_addr": str(bootstrap), "remote_engine_id": engine,
+    }  # fmt: skip
+    first = completion(prompt="the first prompt", kv_transfer_params=pull)
+    assert (await session.post(decode.api_url + COMPLETIONS, json=first)).status == 500
+    second = completion(prompt="the second prompt", kv_transfer_params=pull)
+    answer = await session.post(decode.api_url + COMPLETIONS, json=second)
+    assert answer.status == 500 and "did not arrive" in (await answer.json())["error"]["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
