@@ -103,6 +103,14 @@ class Server:
     def tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
 
+    def warm_up(self) -> None:
+        """One request of its own: a CPU vLLM's first ones are slow (the proxy's health checks
+        timed out on them), and the tests' requests should not be those."""
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+        client.with_options(timeout=120).completions.create(
+            model=MODEL, prompt="warm up", max_tokens=2
+        )
+
 
 def vllm_server(
     root: Path, logs: Path, role: str, max_len: int, *extra: str, name: str | None = None
@@ -183,6 +191,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
             server.start()
         prefill.wait_healthy(300)
         decode.wait_healthy(300)
+        prefill.warm_up()
+        decode.warm_up()
         proxy.wait_healthy(60)
         yield RealCluster(prefill, decode, proxy)
     finally:
@@ -537,17 +547,18 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
         "proxy-2", argv, dict(os.environ), tmp_path / "proxy-2.log", f"http://127.0.0.1:{port}"
     )
     second.start()
-    outcomes: list[tuple[float, str]] = []  # (when it ended, "ok" or why it failed)
+    outcomes: list[tuple[float, float, str]] = []  # (started, ended, "ok" or why it failed)
     stop = threading.Event()
 
     def light_load() -> None:
         client = cluster.client(proxy.url)
         while not stop.is_set():
+            started = time.monotonic()
             try:
                 complete(client, True, prompt=unique_prompt(), max_tokens=8)
-                outcomes.append((time.monotonic(), "ok"))
+                outcomes.append((started, time.monotonic(), "ok"))
             except openai.OpenAIError as error:
-                outcomes.append((time.monotonic(), f"failed: {error}"))
+                outcomes.append((started, time.monotonic(), f"failed: {error}"))
             # Light: back to back, the load would slow the restart down on these 2 cores.
             stop.wait(0.25)
 
@@ -566,6 +577,7 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
 
     try:
         second.wait_healthy(300)
+        second.warm_up()
         proxy.start()
         proxy.wait_healthy(60)
         assert wait_for(lambda: bool(engine_ids()), 30)
@@ -574,6 +586,7 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
         load.start()
         before_load = max(served(), 0.0)
         assert wait_for(lambda: served() > before_load + 2, 120)
+        stopped_at = time.monotonic()
         second.stop(signal.SIGTERM)
         second.start()
         second.wait_healthy(300)
@@ -581,7 +594,7 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
         # Back in the rotation: the restarted server counts from 0.
         assert wait_for(lambda: served() >= 2, 120)
         back = time.monotonic()  # and requests through the proxy still succeed
-        assert wait_for(lambda: any(at > back and ok == "ok" for at, ok in outcomes), 90)
+        assert wait_for(lambda: any(end > back and ok == "ok" for _, end, ok in outcomes), 90)
         stop.set()
         load.join(120)
     finally:
@@ -589,9 +602,15 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
         proxy.stop()
         second.stop()
     # How many requests the load sent varies: on these 2 cores a restart takes minutes and a
-    # request may wait out a stalled transfer. What matters is how many failed.
-    failures = [outcome for _, outcome in outcomes if outcome != "ok"]
-    assert len(failures) <= 1, failures
+    # request may wait out a stalled transfer. What matters is which failed: at most the one
+    # in flight when SIGTERM reached the second prefill (one at a time), which vLLM may abort
+    # as it stops, after bytes of its answer reached the client. Any other failure fails.
+    in_flight = [o for o in outcomes if o[0] <= stopped_at <= o[1]]
+    failures = [o for o in outcomes if o[2] != "ok"]
+    assert all(failure in in_flight for failure in failures) and len(in_flight) <= 1, (
+        stopped_at,
+        failures,
+    )
 
 
 def test_a_decode_killed_during_a_plain_answer_is_answered_whole_by_another(
@@ -629,6 +648,7 @@ def test_a_decode_killed_during_a_plain_answer_is_answered_whole_by_another(
     try:
         victim.start()
         victim.wait_healthy(300)
+        victim.warm_up()
         proxy.start()
         proxy.wait_healthy(60)
         usable = lambda: all(d["usable"] for d in healthcheck(proxy.url)["decode"])  # noqa: E731

@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
@@ -80,6 +81,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
         decode.start()
         prefill.wait_healthy(400)
         decode.wait_healthy(300)
+        prefill.warm_up()
+        decode.warm_up()
         yield prefill, decode
     finally:
         decode.stop()
@@ -138,26 +141,43 @@ def prefix_text(policy: str, p: int) -> str:
     return " ".join(f"{tag} document {p} line {n} says the cache holds blocks" for n in range(8))
 
 
-def run_workload(base: str, policy: str) -> None:
-    """Shared prefixes of 288 tokens (two full blocks and a part), each asked ROUNDS times with
-    another question, in a shuffled order."""
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-    prefixes = [prefix_text(policy, p) for p in range(PREFIXES)]
-    order = random.Random(3)
-    for round_ in range(ROUNDS):
-        for p in order.sample(range(PREFIXES), PREFIXES):
-            complete(client, f"{prefixes[p]} question {round_} {p}")
+# The one failure a test may meet and go on: on these loaded 2-core machines Mooncake's TCP
+# transport now and then stalls one transfer for its whole 30 s timeout, whichever policy
+# routed it; the decode logs one of these and answers 500. Anything else fails the test.
+STALL_SIGNATURES = (
+    "no transfer progress within",
+    "Mooncake transfer engine returned -1",
+    "Sync batch data transfer timeout",
+)
 
 
-def complete(client: openai.OpenAI, prompt: str) -> None:
-    """One request; asked again once if the decode's KV pull failed. On these 2 loaded cores
-    Mooncake's TCP transport now and then stalls a transfer for its whole 30 s timeout
-    ("no transfer progress within 30s"; the decode answers 500), whichever policy routed it:
-    the same request then goes through. Anything else fails the test."""
-    try:
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
-    except openai.InternalServerError as failure:
-        print(f"a KV transfer stalled ({failure}); asked again once the proxy is ready")
+@dataclass
+class Stalls:
+    """At most one environmental stall a test: proven by the decode's own log, printed, the
+    request asked once more, and what both attempts did left out of the test's figures."""
+
+    decode: Server
+    prefill: Server
+    met: list[str] = field(default_factory=list)
+    hits_left_out: float = 0.0
+    queries_left_out: float = 0.0
+
+    def complete(self, client: openai.OpenAI, prompt: str) -> bool:
+        """One request; True if it met a stall and was asked again."""
+        logged = self.decode.log.stat().st_size
+        before = hits_and_queries(self.prefill)
+        try:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            return False
+        except openai.InternalServerError as failure:
+            with self.decode.log.open("rb") as log:
+                log.seek(logged)
+                said = log.read().decode(errors="replace")
+            signature = next((s for s in STALL_SIGNATURES if s in said), None)
+            if signature is None or self.met:
+                raise  # not the environment's, or not the first: a failure of the test
+            self.met.append(f"{prompt[:40]}...: {signature} ({failure})")
+            print(f"a KV transfer stalled ({signature}); asked again once the proxy is ready")
         # The stalled prefill may have missed its health checks meanwhile: out for a moment.
         base = str(client.base_url).removesuffix("/").removesuffix("/v1")
         deadline = time.monotonic() + 60
@@ -165,6 +185,21 @@ def complete(client: openai.OpenAI, prompt: str) -> None:
             assert time.monotonic() < deadline, "the proxy did not become ready again"
             time.sleep(0.5)
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        after = hits_and_queries(self.prefill)
+        self.hits_left_out += after[0] - before[0]  # the failed attempt cached the prefix
+        self.queries_left_out += after[1] - before[1]
+        return True
+
+
+def run_workload(base: str, policy: str, stalls: Stalls) -> None:
+    """Shared prefixes of 288 tokens (two full blocks and a part), each asked ROUNDS times with
+    another question, in a shuffled order."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    prefixes = [prefix_text(policy, p) for p in range(PREFIXES)]
+    order = random.Random(3)
+    for round_ in range(ROUNDS):
+        for p in order.sample(range(PREFIXES), PREFIXES):
+            stalls.complete(client, f"{prefixes[p]} question {round_} {p}")
 
 
 def healthcheck_status(base: str) -> int:
@@ -193,6 +228,7 @@ def test_prefix_aware_finds_the_prefix_where_vllm_cached_it(
 ) -> None:
     prefill, decode = servers
     rates = {}
+    stalls = Stalls(decode, prefill)
     for policy in POLICIES:
         reset_prefix_caches(prefill, decode)
         router = proxy(prefill, decode, policy, tmp_path)
@@ -201,8 +237,11 @@ def test_prefix_aware_finds_the_prefix_where_vllm_cached_it(
                 wait_for_tokenizer(router)
             hits, queries = hits_and_queries(prefill)
             local = metric(decode, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
-            run_workload(router.url, policy)
+            left_out = (stalls.hits_left_out, stalls.queries_left_out)
+            run_workload(router.url, policy, stalls)
             new_hits, new_queries = hits_and_queries(prefill)
+            new_hits -= stalls.hits_left_out - left_out[0]  # a stall's request: not counted
+            new_queries -= stalls.queries_left_out - left_out[1]
             rates[policy] = (new_hits - hits) / (new_queries - queries)
             local_gain = (
                 metric(decode, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
@@ -210,7 +249,7 @@ def test_prefix_aware_finds_the_prefix_where_vllm_cached_it(
             )
             print(f"{policy}: prefill hit rate {rates[policy]:.3f}, decode local hits {local_gain}")
             if policy == "kv_events":
-                check_the_view_agrees_with_vllm(router, prefill, decode)
+                check_the_view_agrees_with_vllm(router, prefill, decode, stalls)
         finally:
             router.stop()
     # An oracle with both engines' capacity computes each prefix once: 5 of 6 rounds hit 256 of
@@ -223,7 +262,9 @@ def test_prefix_aware_finds_the_prefix_where_vllm_cached_it(
     assert local_gain > 0
 
 
-def check_the_view_agrees_with_vllm(router: Server, prefill: Server, decode: Server) -> None:
+def check_the_view_agrees_with_vllm(
+    router: Server, prefill: Server, decode: Server, stalls: Stalls
+) -> None:
     """Every engine's view comes from its events, and it agrees with vLLM's cache: each prefix
     asked once more hits where the proxy found it held (affinity), and misses where it found
     it nowhere (cold)."""
@@ -241,7 +282,8 @@ def check_the_view_agrees_with_vllm(router: Server, prefill: Server, decode: Ser
     for p in range(PREFIXES):
         hits = metric(prefill, "vllm:prefix_cache_hits_total")
         found = decisions(router)
-        complete(client, f"{prefix_text('kv_events', p)} once more")
+        if stalls.complete(client, f"{prefix_text('kv_events', p)} once more"):
+            continue  # asked twice: the second found what the first cached, whatever routed it
         (reason,) = [r for r, n in decisions(router).items() if n > found.get(r, 0)]
         seen[reason] += 1
         hit = metric(prefill, "vllm:prefix_cache_hits_total") - hits
