@@ -111,6 +111,22 @@ def prompts_of(path: str, body: dict[str, Any]) -> list[Any]:
     return [prompt]
 
 
+def refuse_unencodable(prompt: Any) -> None:
+    """vLLM's tokenizer refuses a text UTF-8 cannot encode (a lone surrogate, which JSON can
+    carry): a 400 with its words (seen on vLLM 0.32, completions and chat)."""
+    texts: list[Any] = [prompt]
+    if isinstance(prompt, list):
+        texts = [m.get("content") if isinstance(m, dict) else m for m in prompt]
+    try:
+        for text in texts:
+            if isinstance(text, str):
+                text.encode()
+    except UnicodeEncodeError:
+        raise BadRequest(
+            "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"
+        ) from None
+
+
 def sample_count(body: dict[str, Any]) -> int:
     """``n`` as vLLM reads it ("2" and 2.0 are 2), checked as vLLM checks it."""
     given = body.get("n", 1)
@@ -256,7 +272,10 @@ def build_tokenizer(out: Path) -> Any:
 class KvEventPublisher:
     """vLLM's ZmqEventPublisher as a subscriber sees it: a PUB socket sending (topic, 8-byte
     sequence number, msgpack [ts, events, dp_rank]) and, given a port, a ROUTER that replays
-    buffered batches from a sequence number on, then (b"", -1, b"")."""
+    buffered batches from a sequence number on, then (b"", -1, b"").
+
+    An XPUB here, which sends as a PUB does and also hears each subscription: a test waits
+    for its subscribers instead of sleeping while ZMQ connects them."""
 
     def __init__(self, port: int, replay_port: int | None, rank: int) -> None:
         import zmq
@@ -264,9 +283,12 @@ class KvEventPublisher:
 
         self.rank = rank
         self.context = zmq.asyncio.Context()
-        self.pub = self.context.socket(zmq.PUB)
+        self.pub = self.context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not the first
         self.pub.bind(f"tcp://127.0.0.1:{port}")
+        self.subscribers = 0  # subscriptions heard (less those withdrawn)
+        self.hear_task = asyncio.ensure_future(self.hear_subscriptions())
         self.seq = 0
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=10_000)
         self.drop: set[int] = set()  # sequence numbers to lose on the way (still replayable)
@@ -295,6 +317,11 @@ class KvEventPublisher:
     def send(self, frames: list[bytes]) -> None:
         self.pub.send_multipart(frames)  # a PUB socket never blocks: it drops at its limit
 
+    async def hear_subscriptions(self) -> None:
+        while True:
+            message = await self.pub.recv()
+            self.subscribers += 1 if message[:1] == b"\x01" else -1
+
     async def serve_replay(self) -> None:
         answers: set[asyncio.Task[None]] = set()  # each in its own task: a delay holds one
         while True:
@@ -321,6 +348,7 @@ class KvEventPublisher:
         return [b"", seq.to_bytes(8, "big", signed=True), payload]
 
     def close(self) -> None:
+        self.hear_task.cancel()
         if self.replay_task is not None:
             self.replay_task.cancel()
         self.context.destroy(linger=0)
@@ -732,6 +760,8 @@ class FakeVllm:
             raise BadRequest(message, "model", status=404)
         # vLLM's child requests: one per prompt of a batch and per choice of ``n``.
         prompts, count = prompts_of(request.path, body), sample_count(body)
+        for prompt in prompts:
+            refuse_unencodable(prompt)
         children = [prompt for prompt in prompts for _ in range(count)]
         generations = [
             generate(prompt, body, choice, self.max_model_len)
