@@ -1906,6 +1906,18 @@ async def test_a_fake_decode_told_no_kv_source_waits_as_vllm_does(
             await client.post(COMPLETIONS, json=body)
 
 
+async def test_a_fake_decode_that_dies_after_its_pull_took_the_kv_and_answers_nothing(
+    start_cluster: StartCluster,
+) -> None:
+    """die_after_pull: the KV left the prefill (it gives a transfer out once), then the
+    connection drops before any answer, as a decode killed while it generates."""
+    cluster = await start_cluster()
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    decode.die_after_pull = True
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 502
+    assert prefill.transfers_served == 1 and not decode.sent  # pulled, nothing answered
+
+
 async def test_a_duplicate_transfer_id_collides_in_the_fake_as_in_vllm(
     start_cluster: StartCluster,
 ) -> None:
