@@ -6178,8 +6178,8 @@ class Supervisor:
     def listen(self, timeout: float) -> None:
         """Take what the workers reported (READY=1, WATCHDOG=1, STATUS=...)."""
         inboxes = {worker.inbox: worker for worker in self.workers}
-        with contextlib.suppress(InterruptedError):
-            readable, _, _ = select.select(list(inboxes), [], [], timeout)
+        # A signal (pass_on) does not interrupt it: select retries (PEP 475).
+        readable, _, _ = select.select(list(inboxes), [], [], timeout)
         for inbox in readable:
             while (datagram := receive(inbox)) is not None:
                 worker = inboxes[inbox]
