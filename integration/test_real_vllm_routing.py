@@ -32,6 +32,7 @@ from test_real_vllm import (  # the suite's own servers and helpers
     Server,
     free_port,
     metric,
+    stall_in,
     vllm_server,
 )
 
@@ -141,16 +142,6 @@ def prefix_text(policy: str, p: int) -> str:
     return " ".join(f"{tag} document {p} line {n} says the cache holds blocks" for n in range(8))
 
 
-# The one failure a test may meet and go on: on these loaded 2-core machines Mooncake's TCP
-# transport now and then stalls one transfer for its whole 30 s timeout, whichever policy
-# routed it; the decode logs one of these and answers 500. Anything else fails the test.
-STALL_SIGNATURES = (
-    "no transfer progress within",
-    "Mooncake transfer engine returned -1",
-    "Sync batch data transfer timeout",
-)
-
-
 @dataclass
 class Stalls:
     """At most one environmental stall a test: proven by the decode's own log, printed, the
@@ -164,16 +155,13 @@ class Stalls:
 
     def complete(self, client: openai.OpenAI, prompt: str) -> bool:
         """One request; True if it met a stall and was asked again."""
-        logged = self.decode.log.stat().st_size
+        logged = self.decode.logged()
         before = hits_and_queries(self.prefill)
         try:
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
             return False
         except openai.InternalServerError as failure:
-            with self.decode.log.open("rb") as log:
-                log.seek(logged)
-                said = log.read().decode(errors="replace")
-            signature = next((s for s in STALL_SIGNATURES if s in said), None)
+            signature = stall_in(self.decode, logged)
             if signature is None or self.met:
                 raise  # not the environment's, or not the first: a failure of the test
             self.met.append(f"{prompt[:40]}...: {signature} ({failure})")
