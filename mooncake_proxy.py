@@ -86,11 +86,17 @@ except ImportError as missing:  # one line instead of a traceback, saying what t
         "install the proxy first: pip install . (or pip install -r requirements.txt)"
     )
 
-log = logging.getLogger("mooncake_proxy")
-T = TypeVar("T")
-B = TypeVar("B", bound="Backend")
 
-# --- identity and defaults
+# ================================================================================================
+# 1. Identity and defaults
+# Holds the process's name, version and wire constants every chapter shares. Uses: nothing.
+# ================================================================================================
+
+log = logging.getLogger("mooncake_proxy")
+
+T = TypeVar("T")
+
+B = TypeVar("B", bound="Backend")
 
 
 # The fast path (regular dependencies where they install): the same behaviour, less CPU.
@@ -107,26 +113,36 @@ FAST_DUMPS: Final = _fast_dumps()
 
 # Byte-stable identity that tools launching the proxy record as evidence (the seed's values).
 ID: Final = "inferlab-vllm-mooncake-proxy"
+
 VERSION: Final = 1
+
 USER_AGENT: Final = f"{ID}/{VERSION}"
+
 # The package's own release (setup.cfg reads it from here).
 __version__ = "1.0.0"
 
 # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default: one bootstrap server per prefill instance.
 DEFAULT_BOOTSTRAP_PORT: Final = 8998
+
 # Prompts are hashed in blocks of --prefix-block-bytes (512 by default: about 128 tokens at 4
 # bytes a token, vLLM's block size on the CPU). A GPU's 16-token blocks are finer, but a few
 # hundred bytes at the end of a long shared prefix is all the coarser grain loses, and a 1 MiB
 # prompt is then 2,048 blocks, hashed in about a millisecond.
 ROUTING_BLOCK_BYTES: Final = 512
+
 LISTEN_BACKLOG: Final = 1024
+
 # Every flag can also be set as MOONCAKE_PROXY_<FLAG> (systemd EnvironmentFile); flags win.
 ENV_PREFIX: Final = "MOONCAKE_PROXY_"
 
 COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
+
 REQUEST_ID_HEADER: Final = "X-Request-Id"
+
 DP_RANK_HEADER: Final = "X-data-parallel-rank"
+
 PRIORITY_HEADER: Final = "X-Vllm-Priority"  # vLLM's, with --scheduling-policy priority
+
 SSE_CONTENT_TYPE: Final = "text/event-stream"
 
 # Headers that describe one hop, not the request (RFC 9110 section 7.6.1), plus the ones the
@@ -144,6 +160,7 @@ HOP_BY_HOP_HEADERS: Final = frozenset(
         "upgrade",
     }
 )
+
 NOT_FORWARDED_HEADERS: Final = HOP_BY_HOP_HEADERS | {
     "host",
     "content-length",
@@ -159,14 +176,21 @@ NOT_FORWARDED_HEADERS: Final = HOP_BY_HOP_HEADERS | {
     "traceparent",  # checked, or minted, by trace_headers
     "tracestate",
 }
+
 # W3C trace context: version, trace id, parent span id, flags (a later version may add more).
 TRACEPARENT_PATTERN: Final = re.compile(
     r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[^-].*)?"
 )
+
 # A client's own request id is kept for tracing only if it is short and harmless in logs.
 CLIENT_REQUEST_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
-# --- configuration
+
+# ================================================================================================
+# 2. Configuration
+# Holds flags, environment and the TOML file parsed into one frozen ProxyConfig (SETTINGS names each
+# setting once). Uses: 1.
+# ================================================================================================
 
 
 class ConfigError(ValueError):
@@ -454,6 +478,7 @@ def header_value(text: str) -> str:
 
 
 TRUE_WORDS: Final = frozenset({"1", "true", "yes", "on"})
+
 FALSE_WORDS: Final = frozenset({"0", "false", "no", "off", ""})
 
 
@@ -997,7 +1022,9 @@ class Setting:
 SETTINGS: Final = tuple(
     Setting.of(declared) for declared in dataclasses.fields(ProxyConfig) if declared.metadata
 )
+
 SETTINGS_BY_KEY: Final = {option.key: option for option in SETTINGS}
+
 SETTINGS_BY_NAME: Final = {option.name: option for option in SETTINGS}
 
 
@@ -1068,7 +1095,11 @@ def load_config(
     return ProxyConfig(**values)
 
 
-# --- errors
+# ================================================================================================
+# 3. Errors and state
+# Holds ProxyError, the one exception a request fails with (HTTP status and OpenAI error type), and
+# ProxyState, what the application holds. Uses: 1-2.
+# ================================================================================================
 
 
 def error_type(status: int) -> str:
@@ -1152,9 +1183,6 @@ class ProxyError(Exception):
                 if isinstance(upstream, dict) and isinstance(upstream.get("error"), dict):
                     return b"data: " + json.dumps(upstream).encode() + b"\n\ndata: [DONE]\n\n"
         return b"data: " + json.dumps(self.payload()).encode() + b"\n\ndata: [DONE]\n\n"
-
-
-# --- state
 
 
 @dataclass(eq=False)
@@ -1254,495 +1282,1954 @@ class ProxyState:
 STATE_KEY: Final = web.AppKey("state", ProxyState)
 
 
-# --- metrics and access log
+# ================================================================================================
+# 4. HTTP handlers
+# Holds the routes clients call, readiness and the middlewares (access log, auth, errors). The
+# request path starts here: handle_completion -> run_pd_request (5). Uses: 1-3, 5, 10, 11.
+# ================================================================================================
 
-LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
-# Probed every few seconds by load balancers: counted, but their access lines are DEBUG.
-PROBE_ROUTES: Final = frozenset({"/health", "/healthcheck", "/metrics"})
-access_log = logging.getLogger("mooncake_proxy.access")
+
+def require_ready(request: web.Request) -> Fleet:
+    state = request.app[STATE_KEY]
+    fleet = state.fleet
+    if state.draining:
+        raise ProxyError(503, "proxy is draining: it is shutting down")
+    if not fleet.ready:
+        missing = "prefill engine" if not fleet.engine_count else "decode instance"
+        raise ProxyError(503, f"proxy is not ready: no usable {missing}")
+    return fleet
+
+
+async def read_body(request: web.Request) -> bytearray:
+    """The body, within --max-request-bytes (else 413) and its deadline (else 408).
+
+    The deadline is --body-timeout plus a second per --body-min-rate bytes received, so a big
+    upload at a sane rate gets the time it needs while a trickle is cut off. Read here and not
+    with request.read(), which would keep a second copy for the whole request.
+    """
+    config = request.app[STATE_KEY].config
+    limit = config.max_request_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise ProxyError(413, f"request body of {request.content_length} bytes exceeds {limit}")
+    content = request.content
+    body = bytearray(content.read_nowait())  # what came with the head: most often all of it
+    if content.at_eof():
+        if len(body) > limit:
+            raise ProxyError(413, f"request body exceeds {limit} bytes")
+        return body
+    started = asyncio.get_running_loop().time()
+    try:
+        async with asyncio.timeout_at(started + config.body_timeout) as deadline:
+            while chunk := await request.content.readany():
+                body += chunk
+                if len(body) > limit:
+                    raise ProxyError(413, f"request body exceeds {limit} bytes")
+                allowed = config.body_timeout + len(body) / config.body_min_rate
+                deadline.reschedule(started + allowed)
+    except TimeoutError:
+        raise ProxyError(
+            408,
+            f"request body not received in time: {len(body)} bytes in "
+            f"{config.body_timeout + len(body) / config.body_min_rate:.1f} s "
+            f"(--body-timeout {config.body_timeout:g} s plus 1 s per --body-min-rate "
+            f"{config.body_min_rate} bytes)",
+            reason="body_timeout",
+        ) from None
+    return body
+
+
+async def handle_completion(request: web.Request) -> web.StreamResponse:
+    require_ready(request)
+    require_json(request)
+    body = parse_request_json(await read_body(request))
+    if isinstance(model := body.get("model"), str):
+        request[STATS_KEY].model = model[:100]
+    state = request.app[STATE_KEY]
+    admission = state.admission
+    try:
+        waited = await admission.enter(request_priority(request, body))
+    except ProxyError as refused:
+        state.metrics.errors.labels("admission", refused.reason).inc()
+        raise
+    try:
+        if admission.limit:
+            state.metrics.admission_wait.observe(waited)
+            require_ready(request)  # the fleet may have changed while it waited
+        return await run_pd_request(request, body)
+    finally:
+        admission.leave()
+
+
+def require_json(request: web.Request) -> None:
+    """A body declared JSON, as vLLM requires before it reads one (its answer, and status, to
+    anything else; a form or text/plain re-sent as JSON would only meet that answer later)."""
+    if request.content_type.lower() != "application/json":  # parameters (charset) aside
+        message = "Unsupported Media Type: Only 'application/json' is allowed"
+        raise ProxyError(400, message, reason="content_type")
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    fleet = require_ready(request)
+    state = request.app[STATE_KEY]
+    config = state.config
+    decode = fleet.claim_decode()
+    fleet.release_decode(decode)  # a quick read: not worth counting as load
+    url = decode.routes["/v1/models"]
+    headers: dict[str, str] = {hdrs.USER_AGENT: USER_AGENT}
+    if authorization := upstream_authorization(request.headers, config):
+        headers[hdrs.AUTHORIZATION] = authorization
+    slots = state.slots
+    try:
+        await slots.acquire(1, config.pool_timeout)
+    except TimeoutError:
+        raise pool_exhausted(config, f"decode {decode.url}") from None
+    leg = None
+    try:
+        async with asyncio.timeout(config.request_timeout):
+            leg = await state.upstreams.send(b"GET", url, header_lines(headers))
+            await leg.wait(leg.is_complete)
+        response = web.Response(status=leg.status, body=leg.body())
+        content_type = (leg.content_type or b"application/json").decode("latin-1")
+        response.headers[hdrs.CONTENT_TYPE] = content_type
+        return response
+    except (LegFailed, TimeoutError) as error:
+        raise transport_error("decode", url, error) from None
+    finally:
+        if leg is not None:
+            state.upstreams.finish(leg)
+        slots.release(1)
+
+
+def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
+    fleet = state.fleet
+    return {
+        "id": ID,
+        "version": VERSION,
+        "ready": state.serving,
+        "draining": state.draining,
+        "pid": os.getpid(),  # which --workers process answered
+        # Under --workers this page is one worker's view (each checks the fleet itself, and
+        # in-flight counts are its own); /metrics adds up the whole daemon.
+        "scope": "daemon" if state.config.workers == 1 else f"worker of {state.config.workers}",
+        "prefill_instances": len(fleet.prefills),
+        "decode_instances": len(fleet.decodes),
+        "tokenizer": state.tokenizer.path if state.tokenizer else None,  # with KV events
+        "dns": [
+            {
+                "name": str(name),
+                "role": name.role,
+                "addresses": list(state.dns_answers.get(name, ())),
+                "error": state.dns_errors.get(name),
+            }
+            for name in state.config.dns_names
+        ],
+        "prefill": [instance.status() for instance in fleet.prefills],
+        "decode": [instance.status() for instance in fleet.decodes],
+    }
+
+
+async def handle_healthcheck(request: web.Request) -> web.Response:
+    payload = healthcheck_payload(request.app[STATE_KEY])
+    return web.json_response(payload, status=200 if payload["ready"] else 503)
+
+
+async def handle_livez(request: web.Request) -> web.Response:
+    """Liveness: 200 while the process serves, draining included (unlike /health, which says
+    whether to send it requests); what a Kubernetes livenessProbe asks."""
+    return web.json_response({"alive": True, "draining": request.app[STATE_KEY].draining})
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    ready = request.app[STATE_KEY].serving
+    return web.Response(status=200 if ready else 503)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    response = web.Response(body=request.app[STATE_KEY].metrics.exposition())
+    response.headers[hdrs.CONTENT_TYPE] = "text/plain; version=0.0.4; charset=utf-8"
+    return response
+
+
+@web.middleware
+async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outermost: one access line and the request metrics per request, however it ended."""
+    stats = request[STATS_KEY] = RequestStats(
+        request.method, route_label(request), loggable_path(request)
+    )
+    # Every request gets an id, for the access line and the client's X-Request-Id.
+    stats.request_id = mint_request_id(request.headers.get(REQUEST_ID_HEADER))
+    connection = request.protocol
+    if isinstance(connection, ClientConnection):
+        connection.head_received()
+    status = 499  # nginx's "client closed request", for a client that left before the answer
+    try:
+        response: web.StreamResponse = await handler(request)
+        status = response.status
+        if not response.prepared and isinstance(response, web.Response):
+            stats.bytes_out = response.content_length or 0
+        if request.app[STATE_KEY].draining:
+            response.force_close()  # the client's next request goes to a proxy that stays
+        return response
+    except asyncio.CancelledError:
+        # 499 (nginx's "client closed request") only if the client left before the answer began.
+        status = stats.status_sent or status
+        stats.outcome = "client_gone"
+        request.app[STATE_KEY].metrics.errors.labels("client", "client_gone").inc()
+        raise
+    finally:
+        record_request(request.app, stats, status)
+        if isinstance(connection, ClientConnection):
+            connection.request_done()
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With --api-key, /v1/* (and /metrics with --protect-metrics) need the bearer key."""
+    config = request.app[STATE_KEY].config
+    if config.api_key and (
+        request.path.startswith("/v1/") or (config.protect_metrics and request.path == "/metrics")
+    ):
+        supplied = request.headers.get(hdrs.AUTHORIZATION, "").encode()
+        # Constant time: how much of a guess matched must not show in the answer's timing.
+        if not hmac.compare_digest(supplied, f"Bearer {config.api_key}".encode()):
+            raise ProxyError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves as an OpenAI-style error body, never as a traceback."""
+    stats = request[STATS_KEY]
+    allow = None
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except ProxyError as error:
+        log.info("%s %s -> %d: %s", request.method, stats.path, error.status, error.message)
+        failure = error
+    except web.HTTPException as http_error:  # aiohttp's own 404 and 405
+        if http_error.status < 400:
+            raise
+        message = f"{request.method} {stats.path}: {http_error.reason}"
+        failure = ProxyError(http_error.status, message, reason="http")
+        allow = http_error.headers.get(hdrs.ALLOW)
+    except Exception:
+        log.exception("unexpected error while handling %s %s", request.method, stats.path)
+        failure = ProxyError(
+            500, "internal error in mooncake-proxy; see its log", reason="internal"
+        )
+    stats.outcome = f"error:{failure.reason}"
+    response = failure.response({REQUEST_ID_HEADER: stats.request_id})
+    if allow:
+        response.headers[hdrs.ALLOW] = allow
+    if not request.content.is_eof():
+        response.force_close()  # a body left unread (413, 408): the connection ends here
+    return response
+
+
+# ================================================================================================
+# 5. The PD flow
+# Holds one request as the protocol's steps (run_pd_request), its attempts (Exchange, Attempt),
+# what a failure means (prefill_outcome, upstream_failure) and the relay of the decode's bytes.
+# Uses: 1-3, 6-7 (the bodies and the legs), 8 (routing), 11 (metrics).
+# ================================================================================================
+
+
+async def run_pd_request(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    """One PD request, as the README's "How a request flows" numbers its steps (1 is the
+    handler's: the body is parsed, the proxy is ready)."""
+    exchange = Exchange.of(request, body)
+    await exchange.learn_tokens()
+    while True:
+        try:
+            async with (
+                exchange.attempt() as attempt,  # 2, 3: a prefill engine, a decode, the ids
+                attempt.beside_prefill(),  # 4; 6, 7 if it fails (none for a decode alone)
+            ):
+                await attempt.relay_decode()  # 4, 5; and 7 while a decode is refused
+            return exchange.response
+        except ProxyError as failure:
+            if exchange.try_again(failure):  # 7: a new pair, a new transfer_id
+                continue
+            return await exchange.fail(failure)  # 6: its own answer, or in band once streaming
+        except ClientGone:
+            return exchange.client_gone()
+
+
+class RelayResponse(web.StreamResponse):
+    """The client's response: its headers leave together with the first body bytes.
+
+    The relay prepares it only when those bytes are in hand, so buffering the headers saves
+    a write (a syscall and a TCP segment) per request and delays nothing.
+    """
+
+    _send_headers_immediately = False
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it closed its connection before its answer was whole."""
 
 
 @dataclass(eq=False)
-class RequestStats:
-    """What the access line and the metrics say about one client request."""
+class Exchange:
+    """One client request on its way through the PD flow: what its attempts share."""
 
-    method: str
-    route: str
-    path: str = "-"
-    started: float = field(default_factory=time.monotonic)
-    request_id: str = "-"
-    model: str = "-"
-    prefill: str = "-"
-    decode: str = "-"
-    first_byte: float | None = None
-    first_token: float | None = None  # a stream's first SSE event relayed, or a whole answer
-    prefill_answered: float | None = None
-    token_gaps: TokenGaps | None = None  # a stream's, as relayed
-    trace_id: str = "-"
-    span: Any = None  # the proxy's own, with --otlp-traces-endpoint
-    # The status whose headers already went out, for a client that leaves after them.
-    status_sent: int | None = None
-    bytes_out: int = 0
-    outcome: str = "ok"
+    request: web.Request
+    state: ProxyState
+    body: dict[str, Any]
+    stats: RequestStats
+    headers: dict[str, str]  # for both legs; each attempt sets its own X-Request-Id
+    lines: bytes  # the headers as written (header_lines), for the attempt they name
+    shared: SharedBody | None  # what both legs of every attempt send of a large body
+    retries_left: int
+    route: RouteKey | None = None  # for prefix_aware routing
+    alone: str | None = None  # why it goes to a decode alone (fans_out), if it does
+    response: RelayResponse = field(default_factory=RelayResponse)
+    attempts: int = 0
+    failures: list[Unreachable] = field(default_factory=list)
+    tried: set[Backend] = field(default_factory=set)  # instances found unreachable
 
-    def access_fields(self, status: int, now: float) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "method": self.method,
-            "route": self.route,
-            "path": self.path,
-            "model": self.model,
-            "prefill": self.prefill,
-            "decode": self.decode,
-            "status": status,
-            "ttfb_s": round((self.first_byte or now) - self.started, 6),
-            "total_s": round(now - self.started, 6),
-            "bytes_out": self.bytes_out,
-            "outcome": self.outcome,
-            "trace_id": self.trace_id,
-        }
+    @classmethod
+    def of(cls, request: web.Request, body: dict[str, Any]) -> Exchange:
+        state, stats = request.app[STATE_KEY], request[STATS_KEY]
+        headers = upstream_headers(request.headers, stats.request_id, state.config)
+        stats.trace_id = trace_id_of(headers)
+        if state.tracing is not None:
+            stats.span = state.tracing.request_span(request.headers, stats.route)
+            stats.span.set_attribute("mooncake.request_id", stats.request_id)
+            stats.trace_id = trace_id_of_span(stats.span)
+        route = None
+        if state.fleet.routes_by_prefix:
+            user = body.get("user")
+            session = request.headers.get(SESSION_HEADER) or (
+                user if isinstance(user, str) else None
+            )
+            route = route_key(request.path, body, session, state.config.prefix_block_bytes)
+        lines = header_lines(headers)  # the first attempt's, rendered before any claim
+        if (alone := fans_out(request.path, body)) is not None:
+            state.metrics.of(state.metrics.prefill_skipped, alone).inc()
+        # A large body's fields that both legs send are encoded once, for both; a small one's
+        # legs are each encoded whole, which costs less than the pieces (3 us a request).
+        size = request.content_length  # None: chunked
+        shared = None if size is not None and size < LEG_BODY_COPY_LIMIT else SharedBody.of(body)
+        retries = state.config.max_retries
+        return cls(request, state, body, stats, headers, lines, shared, retries, route, alone)
+
+    def payload(self, leg: Mapping[str, Any]) -> LegPayload:
+        """``leg`` (a body the rewriting functions made of the client's) as it is sent."""
+        return (encode_json(leg),) if self.shared is None else self.shared.with_fields(leg)
+
+    async def learn_tokens(self) -> None:
+        """With KV events heard, the prompt's token ids as vLLM computes them, as far as they
+        match blocks the engines hold (a long prompt is tokenized in a thread, off the loop)."""
+        state = self.state
+        if self.route is None or not state.fleet.hears_kv_events:
+            return
+        if (tokens := prompt_token_ids(self.request.path, self.body)) is not None:
+            self.route = dataclasses.replace(self.route, tokens=tokens)
+        elif (tokenizer := state.tokenizer) is not None:
+            views = state.fleet.kv_views()
+            reading = TokenReading(tokenizer, self.request.path, self.body, views)
+            if self.route.length > INLINE_TOKENS:
+                await asyncio.to_thread(reading.read)
+            else:
+                reading.read()
+            self.route = reading.key(self.route)
+            if reading.share < 1.0:
+                state.read_rest(reading)
+
+    @contextlib.asynccontextmanager
+    async def attempt(self) -> AsyncIterator[Attempt]:
+        """One try: its claims and slots are released however it ends, and a prefill still
+        running is kept if the decode finished, else cancelled (vLLM then aborts it)."""
+        attempt = await self.begin_attempt()
+        try:
+            yield attempt
+        except BaseException:
+            await attempt.abandon_prefill()
+            raise
+        else:
+            attempt.hand_over_prefill()
+        finally:
+            self.state.fleet.release_decode(attempt.decode)
+            self.state.slots.release(1)
+
+    async def begin_attempt(self) -> Attempt:
+        """Claim a prefill engine (none for a decode alone), a decode and the legs' upstream
+        connections; the first attempt goes by the request's id, a retry by a new one (so a
+        new ``transfer_id``)."""
+        engine, decode = self.claim_pair()
+        try:
+            await self.state.slots.acquire(
+                1 if engine is None else 2, self.state.config.pool_timeout
+            )
+        except BaseException as error:
+            self.state.fleet.release_decode(decode)
+            legs = f"decode {decode.url}"
+            if engine is not None:
+                self.state.fleet.release_prefill(engine)
+                legs = f"prefill {engine.url} rank {engine.dp_rank} and {legs}"
+            if isinstance(error, TimeoutError):
+                raise pool_exhausted(self.state.config, legs) from None
+            raise
+        self.attempts += 1
+        request_id = self.stats.request_id
+        if self.attempts > 1:
+            request_id = mint_request_id(self.request.headers.get(REQUEST_ID_HEADER))
+            self.stats.request_id = self.headers[REQUEST_ID_HEADER] = request_id
+            self.lines = header_lines(self.headers)  # passed once already: cannot fail now
+        self.response.headers[REQUEST_ID_HEADER] = request_id
+        if engine is not None:
+            self.stats.prefill = f"{engine.url}#{engine.dp_rank}"
+        self.stats.decode = str(decode.url)
+        if self.failures:
+            failure, where = self.failures[-1].message, (engine or decode).url
+            log.info("%s; retrying on %s as request %s", failure, where, request_id)
+        return Attempt(self, request_id, engine, decode)
+
+    def claim_pair(self) -> tuple[PrefillEngine | None, DecodeInstance]:
+        """A prefill engine (None for a decode alone) and a decode, among those not tried."""
+        fleet = self.state.fleet
+        try:
+            engine = None if self.alone else fleet.claim_prefill(self.tried, self.route)
+            try:
+                return engine, fleet.claim_decode(self.tried, self.route)
+            except ProxyError:
+                if engine is not None:
+                    fleet.release_prefill(engine)
+                raise
+        except ProxyError as nothing_left:
+            raise self.exhausted() if self.failures else nothing_left from None
+
+    def fail_over(self, stage: str, backend: Backend, failure: Unreachable) -> None:
+        """Step 7, for either leg: take the instance that could not be reached out of the
+        rotation and allow another try elsewhere; raises naming every try when none is left."""
+        self.failures.append(failure)
+        self.tried.add(backend)
+        self.state.fleet.take_out(backend, failure.message)
+        self.state.metrics.errors.labels(stage, failure.reason).inc()
+        if self.retries_left <= 0:
+            raise self.exhausted()
+        self.retries_left -= 1
+        self.state.metrics.retries.labels(stage).inc()
+
+    def try_again(self, failure: ProxyError) -> bool:
+        """True to start the pair again elsewhere: nothing reached the client, and an instance
+        was unreachable or lost the request before answering (a decode that took it may have
+        pulled the KV, which the prefill gives out once, so the pair starts again whole)."""
+        if self.response.prepared or not isinstance(failure, Unreachable):
+            return False
+        if failure.backend is None:
+            return False
+        self.fail_over(failure.backend.role, failure.backend, failure)
+        return True
+
+    def exhausted(self) -> Unreachable:
+        """The error of a request that ran out of tries: it names each, and is not retried."""
+        last = self.failures[-1]
+        message = last.message
+        if len(self.failures) > 1:
+            tried = "; ".join(failure.message for failure in self.failures)
+            message = f"{len(self.failures)} attempts failed: {tried}"
+        return Unreachable(last.status, message, reason=last.reason)
+
+    def count_failure(self, stage: str, failure: ProxyError) -> None:
+        if not isinstance(failure, Unreachable):  # fail_over counts those
+            self.state.metrics.errors.labels(stage, failure.reason).inc()
+
+    async def fail(self, error: ProxyError) -> web.StreamResponse:
+        """Answer with the error, or in band once the stream has started (step 6)."""
+        response = self.response
+        if not response.prepared:
+            raise error  # the error middleware answers with it
+        self.stats.outcome = f"stream_error:{error.reason}"
+        log.warning("stream already started, ending it with an error: %s", error.message)
+        if response.headers.get(hdrs.CONTENT_TYPE, "").startswith(SSE_CONTENT_TYPE):
+            frame = error.sse_frame()
+            self.stats.bytes_out += len(frame)
+            with contextlib.suppress(ConnectionError):
+                await response.write(frame)
+                await response.write_eof()
+        elif self.request.transport is not None:
+            # A plain body cut short must not look complete: drop the connection instead.
+            self.request.transport.close()
+        return response
+
+    def client_gone(self) -> web.StreamResponse:
+        # Found on a write before aiohttp cancelled the handler: the same as being cancelled.
+        self.stats.outcome = "client_gone"
+        self.state.metrics.errors.labels("client", "client_gone").inc()
+        return self.response
 
 
-# Per request: what its access line and metrics will say.
-STATS_KEY: Final = web.RequestKey("stats", RequestStats)
+@dataclass(eq=False)
+class Attempt:
+    """One try of the pair of legs: the ids it goes by, the prefill engine (None for a decode
+    alone) and the decode it holds claims on (the decode changes while one refuses), and its
+    prefill leg."""
+
+    exchange: Exchange
+    request_id: str
+    engine: PrefillEngine | None
+    decode: DecodeInstance
+    prefill: asyncio.Task[None] | None = None
+    decode_leg: HttpLeg | None = None
+    prefill_span: Any = None  # with --otlp-traces-endpoint
+    decode_span: Any = None
+
+    @property
+    def transfer_id(self) -> str:
+        return transfer_id_for(self.request_id)
+
+    def beside_prefill(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """The decode leg's context: the prefill leg sent beside it, which stops it if the
+        prefill fails; nothing for a decode alone."""
+        if self.engine is None:
+            return contextlib.nullcontext()
+        engine = self.engine
+        return stopped_if_prefill_fails(self, engine.instance, self.send_prefill(engine))
+
+    def send_prefill(self, engine: PrefillEngine) -> asyncio.Task[None]:
+        """Step 4's prefill leg, as a task beside the decode; its claims go when it ends."""
+        exchange = self.exchange
+        payload = exchange.payload(prefill_body(exchange.body, self.transfer_id))
+        rank = b"%s: %d\r\n" % (DP_RANK_HEADER.encode(), engine.dp_rank)
+        self.prefill_span, headers = self.leg_span("prefill", engine.instance)
+        headers += rank
+        self.prefill = asyncio.create_task(send_prefill(exchange, engine, payload, headers))
+        # A done callback runs even for a task cancelled before it started: claims never leak.
+        self.prefill.add_done_callback(self.prefill_ended)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "request %s: prefill %s rank %d, decode %s",
+                *(self.request_id, engine.url, engine.dp_rank, self.decode.url),
+            )
+        return self.prefill
+
+    def prefill_ended(self, _: object = None) -> None:
+        assert self.engine is not None  # a prefill leg ran on it
+        self.exchange.state.fleet.release_prefill(self.engine)
+        self.exchange.state.slots.release(1)
+        if self.prefill_span is not None:
+            if self.prefill is not None and (error := leg_error(self.prefill)) is not None:
+                self.prefill_span.set_status(span_error(str(error)))
+            self.prefill_span.end()
+
+    def leg_span(self, stage: str, backend: Backend) -> tuple[Any, bytes]:
+        """The leg's headers; with tracing, its own span too, which they name as their parent."""
+        exchange = self.exchange
+        if exchange.stats.span is None or exchange.state.tracing is None:
+            return None, exchange.lines
+        span, headers = exchange.state.tracing.leg(exchange.stats.span, stage, exchange.headers)
+        span.set_attribute("server.address", str(backend.url))
+        if self.engine is not None:
+            span.set_attribute("mooncake.transfer_id", self.transfer_id)
+        return span, header_lines(headers)
+
+    async def abandon_prefill(self) -> None:
+        """The client went away or the decode failed: closing the prefill's connection makes
+        vLLM abort the request and free its slot."""
+        if self.prefill is None:
+            if self.engine is not None:
+                self.prefill_ended()  # never sent: its claims go all the same
+        elif not self.prefill.done():
+            self.prefill.cancel()
+            await asyncio.gather(self.prefill, return_exceptions=True)
+
+    def hand_over_prefill(self) -> None:
+        """The decode finished: a prefill still running is kept until it answers."""
+        prefill = self.prefill
+        if prefill is None:
+            return
+        lingering = self.exchange.state.lingering
+        if prefill.done():
+            self.prefill_outlived(prefill)
+            return
+        lingering.add(prefill)
+        prefill.add_done_callback(lingering.discard)
+        prefill.add_done_callback(self.prefill_outlived)
+
+    def prefill_outlived(self, prefill: asyncio.Task[None]) -> None:
+        if (error := leg_error(prefill)) is not None:
+            log.warning(
+                "request %s: prefill failed after decode finished: %s", self.request_id, error
+            )
+
+    async def open_decode(self) -> HttpLeg:
+        """Send the decode leg and wait for its head, moving to another decode while they
+        refuse the connection: one that never had the request never pulled the KV, which
+        waits for whoever pulls its ``transfer_id``. A decode that took the request and then
+        failed before answering may have pulled it (a non-streamed one answers only once it
+        generated all): the prefill gives a transfer out once, so the failure goes up, and
+        the pair starts again whole (Exchange.try_again)."""
+        exchange = self.exchange
+        fleet, upstreams = exchange.state.fleet, exchange.state.upstreams
+        if self.engine is None:
+            payload = exchange.payload(alone_body(exchange.body))
+        else:
+            payload = exchange.payload(decode_body(exchange.body, self.engine, self.transfer_id))
+        while True:
+            url = self.decode.routes[exchange.request.path]
+            self.decode_span, headers = self.leg_span("decode", self.decode)
+            try:
+                self.decode_leg = leg = await upstreams.send(b"POST", url, headers, payload)
+            except LegFailed as error:
+                failure = self.decode_failed(url, error)  # refused: never sent
+            else:
+                try:
+                    await leg.wait(leg.has_head)
+                    return leg
+                except LegFailed as error:
+                    raise self.decode_failed(url, error) from None
+            if not isinstance(failure, Unreachable):
+                raise failure
+            exchange.fail_over("decode", self.decode, failure)
+            try:
+                decode = fleet.claim_decode(exchange.tried, exchange.route)
+            except ProxyError:
+                raise exchange.exhausted() from None
+            fleet.release_decode(self.decode)
+            log.info("decode %s unreachable, trying %s", url, decode.url)
+            self.decode, exchange.stats.decode = decode, str(decode.url)
+
+    def decode_failed(self, url: URL, error: LegFailed) -> ProxyError:
+        failure = transport_error("decode", url, error, self.decode)
+        self.end_decode_span(failure.message)
+        self.finish_decode_leg()
+        return failure
+
+    async def relay_decode(self) -> None:
+        """Step 5: the decode's status, content type and bytes reach the client as they come.
+
+        The client's headers are held until the decode's first body bytes: a streaming decode
+        sends 200 before its KV arrives, and until real bytes flow a prefill failure can still
+        be answered with the prefill's own status.
+        """
+        exchange = self.exchange
+        try:
+            if (limit := exchange.state.config.request_timeout) is None:
+                await self.decode_leg_through()  # the default: a stream may last for hours
+            else:
+                async with asyncio.timeout(limit):
+                    await self.decode_leg_through()
+        except (LegFailed, TimeoutError) as error:
+            url = self.decode.routes[exchange.request.path]
+            failure = transport_error("decode", url, error)
+            exchange.count_failure("decode", failure)
+            raise ProxyError(failure.status, failure.message, reason="broken") from None
+        except ProxyError as failure:
+            exchange.count_failure("decode", failure)
+            self.end_decode_span(failure.message)
+            raise
+        finally:
+            self.finish_decode_leg()
+            self.end_decode_span()
+
+    async def decode_leg_through(self) -> None:
+        leg = await self.open_decode()
+        if leg.status >= 400:
+            await leg.wait(leg.is_complete)
+            if leg.status >= 500:
+                await self.let_prefill_speak()
+            url = self.decode.routes[self.exchange.request.path]
+            suspect = self.decode if self.engine is None else self.engine.instance
+            raise upstream_failure("decode", url, leg, leg.body(), suspect)
+        self.decode.last_success = time.monotonic()
+        await relay_body(self.exchange, leg)
+
+    def finish_decode_leg(self) -> None:
+        if self.decode_leg is not None:
+            self.exchange.state.upstreams.finish(self.decode_leg)
+            self.decode_leg = None
+
+    async def let_prefill_speak(self) -> None:
+        """A decode's 5xx is often the echo of a prefill that is gone (its bootstrap refused,
+        its engine id unknown): a moment for the prefill leg to fail first, so that its error
+        wins and the pair is tried elsewhere (stopped_if_prefill_fails) instead of failing."""
+        if self.prefill is not None and not self.prefill.done():
+            await asyncio.wait({self.prefill}, timeout=PREFILL_FAILURE_GRACE)
+
+    def end_decode_span(self, error: str | None = None) -> None:
+        if (span := self.decode_span) is None:
+            return
+        if error is not None:
+            span.set_status(span_error(error))
+        span.end()
+        self.decode_span = None
 
 
-class Metrics:
-    """Prometheus metrics. Labels are routes, statuses, stages and instances from the
-    configuration, never request data. The fleet's gauges are set from its state when
-    scraped, so the request path pays only for a few counter and histogram updates.
+@contextlib.asynccontextmanager
+async def stopped_if_prefill_fails(
+    attempt: Attempt, instance: PrefillInstance, prefill: asyncio.Task[None]
+) -> AsyncIterator[None]:
+    """Runs the decode leg (the block) while ``prefill`` runs beside it on ``instance``.
 
-    Under --workers every worker writes its metrics to files in one directory
-    (prometheus_client's multiprocess mode, metrics_across_workers) and any worker's scrape
-    reads them all: counters and histograms add up, in-flight gauges too, and ``ready`` and
-    ``instance_usable`` are the least of the live workers' (one worker that cannot serve shows).
+    A prefill that fails while the block runs means its KV will never come: the block is
+    cancelled at once rather than after vLLM's KV timeout, and the prefill's error leaves it in
+    place of whatever the decode did, as the root cause. So does a prefill instance that goes
+    down (its checks fail, its port refuses) or restarts before a streamed decode's first
+    bytes, even after the prefill answered: the KV it held went with it, and the decode would
+    wait out Mooncake's timeouts; no byte has reached the client, so the pair is tried again
+    elsewhere. Not a non-streamed one: it sends nothing before its whole answer, so a decode
+    still waiting for the KV cannot be told from one generating. The block runs in the
+    handler's own task (one task less per request); a client gone at the same time still wins.
+    """
+    handler = asyncio.current_task()
+    assert handler is not None
+    exchange = attempt.exchange
+    running, stopped = True, False
+    lost: Unreachable | None = None  # the KV, with the prefill instance that held it
+
+    def stop() -> None:
+        # Once: a second cancel would outlive the uncancel() below and read as the client's.
+        nonlocal stopped
+        if running and not stopped:
+            stopped = True
+            handler.cancel()
+
+    def stop_the_decode(done: asyncio.Task[None]) -> None:
+        if leg_error(done) is not None:
+            stop()
+
+    def instance_down(why: str) -> None:
+        nonlocal lost
+        if running and not stopped and not exchange.response.prepared:
+            message = f"prefill {instance.url} {why} before its KV was pulled"
+            lost = Unreachable(502, message, reason="kv_lost", backend=instance)
+            stop()
+
+    prefill.add_done_callback(stop_the_decode)
+    if exchange.body.get("stream") is True:
+        instance.down_watchers.add(instance_down)
+    try:
+        yield
+    except (asyncio.CancelledError, ProxyError) as error:
+        cause = leg_error(prefill) or lost
+        if cause is None:
+            raise
+        if isinstance(error, asyncio.CancelledError) and handler.uncancel() > 0:
+            raise  # the client went away as well
+        raise cause from None
+    finally:
+        running = False
+        instance.down_watchers.discard(instance_down)
+
+
+async def send_prefill(
+    exchange: Exchange, engine: PrefillEngine, payload: LegPayload, headers: bytes
+) -> None:
+    """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
+    state = exchange.state
+    url = engine.instance.routes[exchange.request.path]
+    where = f"prefill rank {engine.dp_rank}"
+    started = time.monotonic()
+    leg = None
+    try:
+        async with asyncio.timeout(state.config.prefill_timeout):
+            leg = await state.upstreams.send(b"POST", url, headers, payload)
+            await leg.wait(leg.is_complete)  # to the end, so the connection goes back to the pool
+        body = leg.body()
+        if not 200 <= leg.status < 300:
+            raise upstream_failure(where, url, leg, body, suspect=engine.instance)
+        problem, prompt_tokens = prefill_outcome(body)
+        if problem:
+            raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
+        exchange.stats.prefill_answered = time.monotonic()
+        if exchange.route is not None:
+            state.fleet.learn_bytes_per_token(exchange.route.length, prompt_tokens)
+    except (LegFailed, TimeoutError) as error:
+        failure = transport_error(where, url, error, engine.instance)
+        exchange.count_failure("prefill", failure)
+        raise failure from None
+    except ProxyError as failure:
+        exchange.count_failure("prefill", failure)
+        raise
+    finally:
+        if leg is not None:
+            state.upstreams.finish(leg)
+        finished = time.monotonic()
+        state.metrics.prefill_duration.observe(finished - started)
+    engine.instance.last_success = finished
+
+
+async def relay_body(exchange: Exchange, leg: HttpLeg) -> None:
+    """Pass an answer on byte for byte: no re-chunking, what each read brought at once.
+
+    The first bytes leave with the client's headers through aiohttp's response; the rest is
+    written by the leg's read callback (DecodeRelay), and this task only wakes when the answer
+    is over, the client is gone, or the client fell behind and reading must wait for it.
+    """
+    response, stats = exchange.response, exchange.stats
+    response.set_status(leg.status, leg.reason.decode("latin-1"))
+    content_type = "application/octet-stream"
+    if leg.content_type is not None:
+        content_type = leg.content_type.decode("latin-1")
+    response.headers[hdrs.CONTENT_TYPE] = content_type
+    if leg.content_length is not None and not leg.chunked:
+        # A whole answer of known size (not a stream): headers, body and end in one write
+        # instead of a chunked body and its terminator.
+        response.content_length = leg.content_length
+    gaps = None
+    if leg.status == 200 and content_type.startswith(SSE_CONTENT_TYPE):
+        gaps = stats.token_gaps = TokenGaps()
+    await leg.wait(leg.has_piece)
+    writer = await response.prepare(exchange.request)
+    assert writer is not None  # None only for a response already ended
+    stats.first_byte = time.monotonic()
+    stats.status_sent = response.status
+    relay = DecodeRelay(exchange, leg, gaps)
+    try:
+        if first := leg.body():
+            relay.account(first)
+            await response.write(first)
+        relay.start()
+        while not leg.complete:
+            await leg.wait(relay.must_act)
+            if relay.gone:
+                raise ClientGone
+            if leg.paused:
+                await writer.drain()
+                leg.resume()
+    except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
+        raise ClientGone from None
+    if gaps is None and leg.status == 200:
+        stats.first_token = time.monotonic()  # a whole answer: its first token came with it
+    # A client that closed as soon as it read the last bytes had its whole answer.
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
+
+
+class DecodeRelay:
+    """The decode's body after its first bytes, written to the client's connection from the
+    leg's read callback: one write per read, framed as the client's response is (chunked, or
+    as it is), and no task woken for it. When the client's connection holds more than it can
+    send (aiohttp's protocol says its writing is paused) the leg stops reading, and the
+    request's task waits for the client before it reads on: a slow client slows its decode
+    instead of filling the proxy's memory.
     """
 
-    def __init__(self, state: ProxyState) -> None:
-        self.state = state
-        self._children: dict[tuple[Any, ...], Any] = {}  # of()
-        self.across_workers = state.config.workers > 1
-        own = CollectorRegistry()  # where this process's metrics live
+    __slots__ = ("chunked", "client", "gaps", "gone", "leg", "protocol", "stats")
 
-        def counter(name: str, doc: str, *labels: str) -> Counter:
-            return Counter(f"mooncake_proxy_{name}", doc, labels, registry=own)
+    def __init__(self, exchange: Exchange, leg: HttpLeg, gaps: TokenGaps | None) -> None:
+        request = exchange.request
+        self.client = request.transport
+        self.protocol = request.protocol
+        self.leg, self.stats, self.gaps = leg, exchange.stats, gaps
+        self.chunked = exchange.response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked"
+        self.gone = self.client is None
 
-        def histogram(name: str, doc: str, *labels: str) -> Histogram:
-            name = f"mooncake_proxy_{name}"
-            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=own)
+    def start(self) -> None:
+        """From now on the leg's pieces come here, those that came meanwhile first."""
+        self.leg.sink = self
+        if self.leg.kept:
+            self([self.leg.body()])
 
-        def gauge(name: str, doc: str, *labels: str, mode: GaugeMode) -> Gauge:
-            name = f"mooncake_proxy_{name}"
-            return Gauge(name, doc, labels, registry=own, multiprocess_mode=mode)
+    def must_act(self) -> bool:
+        return self.leg.complete or self.leg.paused or self.gone
 
-        self.requests = counter(
-            "requests", "Client requests by route and final HTTP status.", "route", "status"
-        )
-        self.errors = counter(
-            "errors",
-            "Failed legs (stage prefill/decode) and clients gone (stage client), by reason.",
-            *("stage", "reason"),
-        )
-        self.duration = histogram(
-            "request_duration_seconds", "End-to-end time of a client request.", "route"
-        )
-        self.first_byte = histogram(
-            "time_to_first_byte_seconds",
-            "Time until the first response body byte reached the client.",
-            "route",
-        )
-        self.first_token = histogram(
-            "time_to_first_token_seconds",
-            "Arrival to the first token frame relayed to the client (a streamed answer's "
-            "first SSE event); for an answer not streamed, to the whole answer.",
-            "route",
-        )
-        self.inter_token = Histogram(
-            "mooncake_proxy_inter_token_latency_seconds",
-            "Gaps between the SSE events of a streamed answer as they were relayed (events "
-            "that arrived together count a gap of 0).",
-            ["route"],
-            buckets=TOKEN_GAP_BUCKETS,
-            registry=own,
-        )
-        self.kv_wait = histogram(
-            "kv_wait_seconds",
-            "From the prefill's answer to the decode's first token frame: the part of a "
-            "streamed answer's TTFT spent moving KV and starting the decode.",
-            "route",
-        )
-        self.prefill_duration = histogram(
-            "prefill_duration_seconds", "Time of the prefill leg, sent to answered."
-        )
-        self.retries = counter(
-            "retries",
-            "Legs tried again elsewhere because their upstream could not be reached.",
-            "stage",
-        )
-        self.engine_id_changes = counter(
-            "engine_id_changes",
-            "Times a prefill instance came back with other engine ids (a restart).",
-            "backend",
-        )
-        self.check_failures = counter(
-            "check_failures",
-            "Failed health checks, discoveries and load scrapes.",
-            "role",
-            "backend",
-        )
-        self.routing = counter(
-            "routing_decisions",
-            "Targets picked, by stage and reason (affinity, spill, cold, session, fallback, or "
-            "the policy's name for round_robin and least_loaded).",
-            *("stage", "reason"),
-        )
-        self.prefix_share = Histogram(
-            "mooncake_proxy_routing_prefix_share",
-            "Share of the prompt's blocks the chosen target was believed to hold (prefix_aware).",
-            ["stage"],
-            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
-            registry=own,
-        )
-        self.kv_event_batches = counter(
-            "kv_event_batches",
-            "KV event batches from the engines (--kv-events-port), by result: applied, "
-            "malformed, missed (never received, not even by replay).",
-            "result",
-        )
-        self.ready = gauge("ready", "1 while PD requests are served.", mode="livemin")
-        self.usable = gauge(
-            "instance_usable", "1 while an instance is in the rotation.", "role", "backend",
-            mode="livemin",
-        )  # fmt: skip
-        # "backend", not "instance": Prometheus gives that name to the scraped target.
-        self.prefill_in_flight = gauge(
-            "prefill_in_flight",
-            "Prefill legs in flight per prefill engine (instance and DP rank).",
-            *("backend", "dp_rank", "engine_id"),
-            mode="livesum",
-        )
-        self.decode_in_flight = gauge(
-            "decode_in_flight", "Decode legs in flight per decode instance.", "backend",
-            mode="livesum",
-        )  # fmt: skip
-        self.client_connections = gauge(
-            "client_connections", "Client connections open.", mode="livesum"
-        )
-        self.connections_rejected = counter(
-            "client_connections_rejected",
-            "Client connections answered 503 and closed: --max-client-connections were open.",
-        )
-        self.admission_queue = gauge(
-            "admission_queue", "PD requests waiting for --max-in-flight.", mode="livesum"
-        )
-        self.admission_wait = histogram(
-            "admission_wait_seconds", "Time PD requests waited for --max-in-flight."
-        )
-        self.prefill_skipped = counter(
-            "prefill_skipped",
-            "PD requests sent to a decode alone, which computes the prompt itself, by the "
-            "field that makes vLLM split them into several requests (n, best_of, "
-            "use_beam_search, prompt: a batch of prompts).",
-            "reason",
-        )
-        self.rejected_counted = 0
-        self.engine_series: set[tuple[str, str, str]] = set()
-        self.start_series(state.config)
-        self.registry = own
-        if self.across_workers:
-            self.registry = CollectorRegistry()
-            MultiProcessCollector(self.registry)  # type: ignore[no-untyped-call]
+    def __call__(self, pieces: list[bytes]) -> None:
+        """The pieces one read of the decode brought (a list the leg reuses: not kept)."""
+        client = self.client
+        if client is None or client.is_closing():
+            self.gone = True
+            self.leg.close()  # vLLM aborts the request
+            self.leg.wake()
+            return
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        client.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        self.account(data)
+        if self.protocol.writing_paused:
+            self.leg.pause()
 
-    def start_series(self, config: ProxyConfig) -> None:
-        """Make every series whose labels are known before any request, at 0 (as
-        prometheus_client advises), so that dashboards and alerts find them on a proxy that
-        has not met them yet instead of reading "no data"."""
-        for route in COMPLETION_PATHS:
-            for status in PD_STATUSES:
-                self.of(self.requests, route, status)
-            for histogram in (self.duration, self.first_byte, self.first_token):
-                self.of(histogram, route)
-            self.of(self.inter_token, route)
-            self.of(self.kv_wait, route)
-        for stage, reasons in LEG_ERRORS.items():
-            for reason in reasons:
-                self.errors.labels(stage, reason)
-        for stage, policy in zip(("prefill", "decode"), config.policies, strict=True):
-            self.retries.labels(stage)
-            self.of(self.prefix_share, stage)
-            for reason in ROUTING_REASONS.get(policy, (policy.value,)):
-                self.of(self.routing, stage, reason)
-        for result in ("applied", "malformed", "missed"):
-            self.kv_event_batches.labels(result)
-        for field_name in (*SAMPLE_COUNTS, "use_beam_search", "prompt"):
-            self.of(self.prefill_skipped, field_name)
-
-    def exposition(self) -> bytes:
-        self.refresh()
-        return generate_latest(self.registry)
-
-    def refresh(self) -> None:
-        """Set the fleet's gauges from its state (under --workers, into this worker's file)."""
-        state = self.state
-        fleet, connections = state.fleet, state.connections
-        self.ready.set(float(state.serving))
-        series = set()
-        for instance in fleet.prefills:
-            self.usable.labels("prefill", str(instance.url)).set(float(instance.usable))
-            self.engine_id_changes.labels(str(instance.url))  # at 0 until it restarts
-            self.check_failures.labels("prefill", str(instance.url))
-            for engine in instance.engines:
-                labels = (str(instance.url), str(engine.dp_rank), engine.engine_id)
-                self.prefill_in_flight.labels(*labels).set(engine.in_flight)
-                series.add(labels)
-        for gone in self.engine_series - series:  # a restart gave the engine a new id
-            if self.across_workers:
-                self.prefill_in_flight.labels(*gone).set(0)  # files keep series: zero it
-            else:
-                self.prefill_in_flight.remove(*gone)
-        self.engine_series = series
-        for backend in fleet.decodes:
-            self.usable.labels("decode", str(backend.url)).set(float(backend.usable))
-            self.check_failures.labels("decode", str(backend.url))
-            self.decode_in_flight.labels(str(backend.url)).set(backend.in_flight)
-        self.client_connections.set(connections.open)
-        self.admission_queue.set(state.admission.queued)
-        self.connections_rejected.inc(connections.rejected - self.rejected_counted)
-        self.rejected_counted = connections.rejected
-
-    def forget(self, gone: Sequence[Backend]) -> None:
-        """Instances that left the fleet: their gauges go (under --workers, the files keep a
-        series to the end of the process: it reads 0)."""
-        for backend in gone:
-            url = str(backend.url)
-            series: list[tuple[Gauge, tuple[str, ...]]] = [(self.usable, (backend.role, url))]
-            if isinstance(backend, DecodeInstance):
-                series.append((self.decode_in_flight, (url,)))
-            for gauge, labels in series:
-                if self.across_workers:
-                    gauge.labels(*labels).set(0)
-                else:
-                    with contextlib.suppress(KeyError):
-                        gauge.remove(*labels)
-
-    def of(self, metric: Any, *labels: str) -> Any:
-        """``metric.labels(*labels)``, looked up once: prometheus_client checks the values and
-        takes a lock on every call, several times a request. For the request path's series
-        only, which are never removed."""
-        key = (metric, *labels)
-        if (child := self._children.get(key)) is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
-
-    def routed(self, stage: str, choice: Choice, key: RouteKey | None) -> None:
-        self.of(self.routing, stage, choice.reason).inc()
-        if key is not None and key.chain:
-            self.of(self.prefix_share, stage).observe(choice.matched / len(key.chain))
-
-    def token_gaps(self, route: str, gaps: TokenGaps) -> None:
-        """Add one stream's gaps to the histogram at once: a few increments per request
-        instead of a locked update per token (prometheus_client has no bulk observe, so
-        this adds to its per-bucket values; a test checks the totals)."""
-        child = self.of(self.inter_token, route)
-        for bucket, count in zip(child._buckets, gaps.counts, strict=True):
-            if count:
-                bucket.inc(count)
-        child._sum.inc(gaps.total)
+    def account(self, data: bytes) -> None:
+        """Bytes out, and token timing for a stream: an SSE event ends with a blank line and
+        a JSON payload has no raw newline, so counting b"\n\n" finds the events unparsed."""
+        stats = self.stats
+        stats.bytes_out += len(data)
+        if self.gaps is not None and (events := data.count(b"\n\n")):
+            now = time.monotonic()
+            self.gaps.events(events, now)
+            if stats.first_token is None:
+                stats.first_token = now
 
 
-GaugeMode = Literal["livemin", "livesum"]
-# Label values a fresh proxy makes its series for (Metrics.start_series): the statuses PD
-# requests are most often answered with, the reasons a leg fails for (beside http_<status>),
-# and each policy's routing reasons.
-PD_STATUSES: Final = ("200", "400", "404", "429", "499", "500", "502", "503", "504")
-LEG_ERRORS: Final = {
-    "prefill": ("refused", "timeout", "broken", "stopped_early", "kv_lost"),
-    "decode": ("refused", "timeout", "broken"),
-    "client": ("client_gone",),
-    "admission": ("queue_full", "queue_timeout"),
-}
-ROUTING_REASONS: Final = {Policy.PREFIX_AWARE: ("affinity", "spill", "cold", "session", "fallback")}
-# Seconds between two SSE events: a token every few ms at the least, seconds when stalled.
-TOKEN_GAP_BUCKETS: Final = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5,
-)  # fmt: skip
+def leg_error(task: asyncio.Task[None]) -> BaseException | None:
+    """How a leg run as a task failed; None while it runs, or if it succeeded or was cancelled."""
+    if not task.done() or task.cancelled():
+        return None
+    return task.exception()
 
 
-class TokenGaps:
-    """One stream's gaps between SSE events, counted in TOKEN_GAP_BUCKETS as they pass."""
+class Unreachable(ProxyError):
+    """A leg never reached its upstream: safe to try elsewhere, and a sign the host is down.
 
-    __slots__ = ("counts", "last", "total")
+    ``backend`` is the instance that could not be reached; None once no try is left.
+    """
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(TOKEN_GAP_BUCKETS) + 1)  # and +Inf
-        self.total = 0.0
-        self.last = 0.0
-
-    def events(self, count: int, now: float) -> None:
-        """``count`` events completed in one chunk: the first after the gap since the last
-        one (none before the first), the rest together with it."""
-        if self.last:
-            gap = now - self.last
-            self.counts[bisect.bisect_left(TOKEN_GAP_BUCKETS, gap)] += 1
-            self.total += gap
-        self.counts[0] += count - 1
-        self.last = now
+    def __init__(self, *args: Any, backend: Backend | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.backend = backend
 
 
-METRICS_REFRESH_SECONDS: Final = 1.0  # how stale, under --workers, another worker's gauges get
+# Seconds a decode's 5xx waits for its prefill leg to fail too (a refused or reset connection
+# shows within a round trip); a prefill still computing is not waited for longer than this.
+PREFILL_FAILURE_GRACE: Final = 0.25
+
+# Refused or reset connections and connect timeouts; not a slow answer, not an HTTP status.
+UNREACHABLE_ERRORS: Final = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ConnectionTimeoutError,
+)
 
 
-async def refresh_metrics(app: web.Application) -> None:
-    """Under --workers a scrape reads every worker's gauges from their files: keep this
-    worker's current even while the scrapes go to the others."""
-    metrics = app[STATE_KEY].metrics
-    while True:
-        metrics.refresh()
-        await asyncio.sleep(METRICS_REFRESH_SECONDS)
+def was_reset(error: BaseException) -> bool:
+    """A connection reset before the answer came: a restarting server closing its idle
+    keep-alive connections as the request was written on one (uvicorn does on SIGTERM)."""
+    if isinstance(error, aiohttp.ClientConnectionResetError):
+        return True
+    if not isinstance(error, aiohttp.ClientOSError):
+        return False
+    # A connection found closing as the body is written comes as "Can not write request
+    # body", a ClientOSError without an errno, the reset its cause (aiohttp 3.14).
+    return error.errno in RESET_ERRNOS or isinstance(error.__cause__, ConnectionResetError)
 
 
-def metrics_across_workers() -> Callable[[], None]:
-    """Before the workers fork: prometheus_client's multiprocess mode, in the directory that
-    PROMETHEUS_MULTIPROC_DIR names (emptied: counts start again with the daemon) or in a new
-    one. prometheus_client picks how it stores values when imported; no metric exists yet,
-    so choosing again here is what it would have chosen with the variable set before.
-    Returns what to do at exit: remove a directory made here."""
-    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if given:
-        os.makedirs(given, exist_ok=True)
-        for stale in glob.glob(os.path.join(given, "*.db")):
-            os.remove(stale)
-        path = given
+RESET_ERRNOS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+
+
+def failure_detail(error: BaseException) -> str:
+    """What went wrong, in words: aiohttp's connect errors mention ssl even for plain http."""
+    if isinstance(error, aiohttp.ClientConnectorError) and not isinstance(
+        error, aiohttp.ClientSSLError
+    ):
+        return f"cannot connect to {error.host}:{error.port}: {os_error_reason(error.os_error)}"
+    return str(error) or type(error).__name__
+
+
+def os_error_reason(error: OSError) -> str:
+    # An SSLError's errno is OpenSSL's (1 for a certificate refused), not the system's.
+    if isinstance(error, ssl.SSLError):
+        return str(error)
+    if isinstance(error, socket.gaierror) or not error.errno:
+        return error.strerror or str(error) or type(error).__name__
+    return os.strerror(error.errno)
+
+
+def transport_error(
+    stage: str, url: URL, error: BaseException, backend: Backend | None = None
+) -> ProxyError:
+    """The one place that turns a failure to reach an upstream into the client's error: a
+    leg's (LegFailed, or its deadline) or a health check's (aiohttp's client)."""
+    if isinstance(error, LegFailed):
+        unreachable, timed_out = error.unreachable, error.timed_out
     else:
-        path = tempfile.mkdtemp(prefix="mooncake-proxy-metrics-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-    prometheus_client.values.ValueClass = prometheus_client.values.get_value_class()  # type: ignore[no-untyped-call]
-    return (lambda: None) if given else functools.partial(shutil.rmtree, path, True)
+        unreachable = isinstance(error, UNREACHABLE_ERRORS) or was_reset(error)
+        timed_out = isinstance(error, TimeoutError)
+    status = 504 if timed_out else 502
+    if unreachable:
+        reason = "timeout" if timed_out else "refused"
+        message = f"{stage} {url} unreachable: {failure_detail(error)}"
+        return Unreachable(status, message, reason=reason, backend=backend)
+    if timed_out:
+        return ProxyError(status, f"{stage} {url} timed out", reason="timeout")
+    return ProxyError(status, f"{stage} {url} failed: {failure_detail(error)}", reason="broken")
 
 
-def route_label(request: web.Request) -> str:
-    resource = request.match_info.route.resource
-    return resource.canonical if resource is not None else "unmatched"
+def upstream_failure(
+    stage: str, url: URL, leg: HttpLeg, body: bytes, suspect: Backend
+) -> ProxyError:
+    """An upstream's own error answer, passed on as it came. A 5xx has ``suspect`` checked at
+    once: vLLM answers a decode that names a stale engine id with an immediate 500."""
+    if leg.status >= 500:
+        suspect.recheck.set()
+    ctype = (leg.content_type or b"").decode("latin-1")
+    return ProxyError.from_upstream(stage, url, leg.status, body, ctype)
 
 
-def loggable_path(request: web.BaseRequest) -> str:
-    """The request's path as the client sent it, cut short and safe for one log line."""
-    path = request.raw_path
-    path = path if len(path) <= 200 else f"{path[:200]}..."
-    return path if path.isprintable() and path.isascii() else ascii(path)[1:-1]
+def prefill_outcome(body: bytes) -> tuple[str | None, int]:
+    """Why a 2xx prefill answer means its KV will never reach the decode (None if it will),
+    and the prompt's length in tokens that it reports (0 if it does not)."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return "answered 2xx with a body that is not JSON", 0
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return "answered 2xx without choices", 0
+    for choice in choices:
+        reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+        if reason != "length":
+            return (
+                f"ended with finish_reason {reason!r} instead of 'length', "
+                "so vLLM frees its KV cache instead of sending it"
+            ), 0
+    usage = payload.get("usage")
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return None, tokens if isinstance(tokens, int) else 0
 
 
-def record_request(app: web.Application, stats: RequestStats, status: int) -> None:
-    now = time.monotonic()
-    metrics = app[STATE_KEY].metrics
-    metrics.of(metrics.requests, stats.route, str(status)).inc()
-    if stats.span is not None:
-        stats.span.set_attribute("http.response.status_code", status)
-        stats.span.end()
-    probe = stats.route in PROBE_ROUTES
-    if not probe:
-        metrics.of(metrics.duration, stats.route).observe(now - stats.started)
-        first_byte = (stats.first_byte or now) - stats.started
-        metrics.of(metrics.first_byte, stats.route).observe(first_byte)
-        if stats.first_token is not None:
-            record_token_times(metrics, stats)
-    level = logging.DEBUG if probe else logging.INFO
-    if access_log.isEnabledFor(level):
-        fields = stats.access_fields(status, now)
-        access_log.log(
-            level,
-            "%(request_id)s %(method)s %(path)s %(status)d model=%(model)s "
-            "prefill=%(prefill)s decode=%(decode)s ttfb=%(ttfb_s).4fs total=%(total_s).4fs "
-            "bytes=%(bytes_out)d outcome=%(outcome)s trace=%(trace_id)s",
-            fields,
-            extra={"access": fields},
+# ================================================================================================
+# 6. Request bodies and admission
+# Holds what each leg receives (prefill_body, decode_body, SharedBody), what goes to a decode
+# alone (fans_out), the leg's headers, and the limits a request waits on (Admission,
+# UpstreamSlots). Uses: 1-3.
+# ================================================================================================
+
+
+class PrefillKvTransferParams(TypedDict):
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    transfer_id: str
+
+
+class DecodeKvTransferParams(TypedDict):
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    remote_bootstrap_addr: str
+    remote_engine_id: str
+    transfer_id: str
+
+
+def mint_request_id(client_request_id: str | None) -> str:
+    """A request id unique across restarts and replicas: random, never a counter.
+
+    A client's own id is kept as a prefix so it shows in vLLM's logs and response ids, but the
+    random part keeps two requests with the same client id from sharing a ``transfer_id``.
+    """
+    suffix = os.urandom(16).hex()  # a random UUID's 32 hex digits, without making one
+    if client_request_id and CLIENT_REQUEST_ID_PATTERN.fullmatch(client_request_id):
+        return f"{client_request_id}-{suffix}"
+    return suffix
+
+
+def transfer_id_for(request_id: str) -> str:
+    return f"xfer-{request_id}"
+
+
+def prefill_body(body: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
+    """The prefill leg: one length-capped token whose only purpose is the KV cache.
+
+    The prefill pushes KV only if its single token ends the request by length. EOS, a stop
+    string or a stop token would end it "stopped" and free the KV unsent, so everything that
+    can stop it early is removed; the token itself is discarded (the decode samples its own).
+    """
+    prefill = dict(body)
+    for key in ("stream_options", "min_tokens", "stop", "stop_token_ids"):
+        prefill.pop(key, None)
+    prefill["stream"] = False
+    prefill["max_tokens"] = 1
+    if "max_completion_tokens" in prefill:
+        prefill["max_completion_tokens"] = 1
+    prefill["ignore_eos"] = True
+    prefill["kv_transfer_params"] = PrefillKvTransferParams(
+        do_remote_decode=True, do_remote_prefill=False, transfer_id=transfer_id
+    )
+    return prefill
+
+
+def decode_body(body: Mapping[str, Any], engine: PrefillEngine, transfer_id: str) -> dict[str, Any]:
+    """The decode leg: the client's request as sent, told where to pull its KV from."""
+    decode = dict(body)
+    decode["kv_transfer_params"] = DecodeKvTransferParams(
+        do_remote_decode=False,
+        do_remote_prefill=True,
+        remote_bootstrap_addr=engine.bootstrap_addr,
+        remote_engine_id=engine.engine_id,
+        transfer_id=transfer_id,
+    )
+    return decode
+
+
+def alone_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A request for a decode alone (fans_out): the client's, with no KV to pull."""
+    alone = dict(body)
+    alone.pop("kv_transfer_params", None)
+    return alone
+
+
+# vLLM splits a request with these fields into several that all carry its kv_transfer_params,
+# each computing the prompt on the prefill and pulling it on the decode under the one
+# transfer_id. Mooncake hands a transfer to one puller: the others wait out vLLM's KV timeout
+# (seen on vLLM 0.32 through PD: 3 of 23 requests with n > 1 hung until it, most on prompts
+# the decode had cached before), or load another prompt's KV (a batch of prompts came back
+# with wrong text, with no error). Beam search sends requests of its own, which never pull the
+# KV at all. Such requests go to a decode alone, which computes the prompt itself.
+SAMPLE_COUNTS: Final = ("n", "best_of")
+
+
+def fans_out(path: str, body: Mapping[str, Any]) -> str | None:
+    """Why vLLM would split this request (the field that says so), or None if it would not.
+    Values are read as vLLM's validation reads them: "3" and 3.0 are 3."""
+    for name in SAMPLE_COUNTS:
+        if lax_int(body.get(name)) > 1:
+            return name
+    if lax_bool(body.get("use_beam_search")):
+        return "use_beam_search"
+    if not path.endswith("/chat/completions") and is_prompt_batch(body.get("prompt")):
+        return "prompt"
+    return None
+
+
+def lax_int(value: object) -> int:
+    """An integer as pydantic reads one in its lax mode; 0 for anything else."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) else 0
+
+
+def lax_bool(value: object) -> bool:
+    """True as pydantic reads it in its lax mode."""
+    if isinstance(value, str):
+        return value.strip().lower() in {"1", "true", "t", "yes", "y", "on"}
+    return isinstance(value, int | float) and value == 1  # True among them
+
+
+def is_prompt_batch(prompt: object) -> bool:
+    """More than one prompt: a list of texts or of token lists (a list of ints is one)."""
+    return (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(one, str | list) for one in prompt)
+    )
+
+
+# The fields either leg sets or drops (prefill_body, decode_body, alone_body). The rest of the
+# client's body is the same on both legs, and is encoded once for both (SharedBody).
+LEG_FIELDS: Final = (
+    *("stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens"),
+    *("stop", "stop_token_ids", "ignore_eos", "kv_transfer_params"),
+)
+
+# A leg's body as it goes on the wire, in pieces written one after the other.
+LegPayload = tuple[bytes | memoryview, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBody:
+    """What every leg of a request sends of the client's body: its fields but LEG_FIELDS,
+    encoded once. A large prompt is then held once for both legs (and every retry) instead of
+    once per leg, and encoded once."""
+
+    json: bytes  # a JSON object, b"{...}"
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> SharedBody:
+        return cls(
+            encode_json({key: value for key, value in body.items() if key not in LEG_FIELDS})
         )
 
-
-def record_token_times(metrics: Metrics, stats: RequestStats) -> None:
-    """The latency a client felt: its first token, the KV wait before it, the gaps after."""
-    assert stats.first_token is not None
-    metrics.of(metrics.first_token, stats.route).observe(stats.first_token - stats.started)
-    if stats.token_gaps is not None:
-        metrics.token_gaps(stats.route, stats.token_gaps)
-        if stats.prefill_answered is not None:
-            wait = max(0.0, stats.first_token - stats.prefill_answered)
-            metrics.of(metrics.kv_wait, stats.route).observe(wait)
-
-
-class Tracing:
-    """The proxy's own spans (--otlp-traces-endpoint, the [tracing] extra): one per request,
-    a child per leg whose context the leg's traceparent carries, so vLLM's spans hang under
-    the proxy's. OpenTelemetry's SDK batches and exports them from a thread of its own."""
-
-    def __init__(self, endpoint: str) -> None:
-        from opentelemetry import trace
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        self.provider = TracerProvider(resource=Resource.create({"service.name": ID}))
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-        self.tracer = self.provider.get_tracer(ID, str(VERSION))
-        self.propagator = TraceContextTextMapPropagator()
-        self.trace = trace
-
-    def request_span(self, client_headers: Mapping[str, str], route: str) -> Any:
-        """Under the client's trace context if it sent a valid one, else a new trace."""
-        parent = self.propagator.extract(client_headers)
-        span = self.tracer.start_span(
-            f"POST {route}", context=parent, kind=self.trace.SpanKind.SERVER
-        )
-        span.set_attribute("http.route", route)
-        return span
-
-    def leg(self, parent: Any, name: str, headers: dict[str, str]) -> tuple[Any, dict[str, str]]:
-        """A leg's span and its headers, whose traceparent names that span."""
-        context = self.trace.set_span_in_context(parent)
-        span = self.tracer.start_span(name, context=context, kind=self.trace.SpanKind.CLIENT)
-        headers = {**headers}
-        self.propagator.inject(headers, context=self.trace.set_span_in_context(span))
-        return span, headers
+    def with_fields(self, leg: Mapping[str, Any]) -> LegPayload:
+        """``leg`` (a body the rewriting functions made from the client's) on the wire: the
+        shared encoding, then the leg's own fields. The same object vLLM would have received
+        in one piece, its keys in another order."""
+        own = {key: leg[key] for key in LEG_FIELDS if key in leg}
+        if not own:
+            return (self.json,)
+        tail = encode_json(own)
+        if self.json == b"{}":
+            return (tail,)
+        return memoryview(self.json)[:-1], b"," + tail[1:]
 
 
-def trace_id_of_span(span: Any) -> str:
-    return f"{span.get_span_context().trace_id:032x}"
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not valid JSON")
 
 
-def span_error(message: str) -> Any:
-    from opentelemetry.trace import Status, StatusCode
+def parse_request_json(raw: bytes | bytearray) -> dict[str, Any]:
+    """The client's body as a JSON object, or a 400 saying what is wrong with it.
 
-    return Status(StatusCode.ERROR, message)
+    A bytearray is consumed: it is emptied once decoded, so that a large body is never held as
+    bytes, text and objects at once (json.loads of bytes would keep all three).
+    """
+    if not raw or raw.isspace():
+        raise ProxyError(400, "request body is empty: expected a JSON object")
+    try:
+        # What json.loads does with bytes, done here so the bytes can go before parsing.
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    except UnicodeDecodeError as error:
+        raise ProxyError(400, f"request body is not valid JSON: {error}") from None
+    if isinstance(raw, bytearray):
+        raw.clear()
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ProxyError(400, "request body is nested too deeply") from None
+    except ValueError as error:  # JSONDecodeError, invalid UTF-8, oversized integers
+        raise ProxyError(400, f"request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, f"request body must be a JSON object, not {type(body).__name__}")
+    return body
 
 
-async def tracing_ctx(app: web.Application) -> AsyncIterator[None]:
-    """With --otlp-traces-endpoint: the exporter for the app's lifetime; at exit, what it
-    still holds is sent (the SDK gives that up after its own timeout)."""
-    state = app[STATE_KEY]
-    endpoint = state.config.otlp_traces_endpoint
-    if endpoint is not None:
+def encode_json(body: Mapping[str, Any]) -> bytes:
+    if FAST_DUMPS is not None:
+        # orjson refuses what the stdlib parser may have produced (lone surrogates, integers
+        # past 64 bits, nesting past 254): those rare bodies take the slow path below.
+        with contextlib.suppress(TypeError):
+            encoded = FAST_DUMPS(body)
+            # orjson's result keeps its 4 KiB starting buffer; an exact copy of a small body
+            # frees it: 8 KiB less per open stream, for a copy of a few hundred bytes.
+            return bytes(memoryview(encoded)) if len(encoded) < 4096 else encoded
+    try:
+        return json.dumps(body, separators=(",", ":")).encode()
+    except RecursionError:
+        raise ProxyError(400, "request body is nested too deeply") from None
+
+
+def upstream_headers(
+    client_headers: Mapping[str, str], request_id: str, config: ProxyConfig
+) -> dict[str, str]:
+    """Headers for both legs: the client's end-to-end headers plus the proxy's own.
+
+    The client's Authorization is forwarded only while the proxy checks no key of its own:
+    a key meant for the proxy is not vLLM's to see.
+    """
+    listed = {name.strip().lower() for name in client_headers.get(hdrs.CONNECTION, "").split(",")}
+    headers = {
+        name: value
+        for name, value in client_headers.items()
+        if name.lower() not in NOT_FORWARDED_HEADERS and name.lower() not in listed
+    }
+    headers[hdrs.CONTENT_TYPE] = "application/json"
+    if hdrs.USER_AGENT not in client_headers:
+        headers[hdrs.USER_AGENT] = USER_AGENT
+    headers[REQUEST_ID_HEADER] = request_id
+    if authorization := upstream_authorization(client_headers, config):
+        headers[hdrs.AUTHORIZATION] = authorization
+    headers.update(trace_headers(client_headers))
+    return headers
+
+
+def trace_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
+    """W3C trace context for both legs: the client's, if it is valid; else a new trace, so
+    that the prefill's and the decode's spans (vLLM's --otlp-traces-endpoint) share one trace
+    id all the same. Sampled: vLLM records what its parent asks to be recorded."""
+    given = client_headers.get("traceparent", "").strip()
+    if (match := TRACEPARENT_PATTERN.fullmatch(given)) is not None:
+        version, trace_id, span_id, _ = match.groups()[:4]
+        fields_fit = version != "00" or match[5] is None  # version 00 has four, no more
+        if version != "ff" and fields_fit and trace_id != "0" * 32 and span_id != "0" * 16:
+            headers = {"traceparent": given}
+            if state := client_headers.get("tracestate"):
+                headers["tracestate"] = state
+            return headers
+    trace_id, span_id = random.getrandbits(128) or 1, random.getrandbits(64) or 1
+    return {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}
+
+
+def trace_id_of(headers: Mapping[str, str]) -> str:
+    return headers["traceparent"][3:35]
+
+
+def upstream_authorization(client_headers: Mapping[str, str], config: ProxyConfig) -> str | None:
+    if config.upstream_api_key:
+        return f"Bearer {config.upstream_api_key}"
+    if config.api_key:
+        return None
+    return client_headers.get(hdrs.AUTHORIZATION)
+
+
+class UpstreamSlots:
+    """The --max-connections cap: upstream connections in use, handed out first come first served.
+
+    The proxy counts them itself instead of capping aiohttp's pool, so that a request waits for
+    a slot before its legs start (a bounded wait with an error of its own) and a health check,
+    which has a pool of its own, never waits behind client traffic and never mistakes the
+    proxy's own limit for an upstream that is down. A PD request takes both its slots at once:
+    decodes holding slots while waiting for prefills that cannot get one would deadlock.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # 0: no cap, and no bookkeeping either
+        self.in_use = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    async def acquire(self, count: int, within: float) -> None:
+        """Take ``count`` slots; raises TimeoutError if they did not come free ``within`` s."""
+        if not self.limit:
+            return
+        if not self._waiters and self.in_use + count <= self.limit:
+            self.in_use += count
+            return
+        granted = asyncio.get_running_loop().create_future()
+        waiter = (count, granted)
+        self._waiters.append(waiter)
         try:
-            state.tracing = Tracing(endpoint)
-        except ImportError as missing:
-            log.warning(
-                "--otlp-traces-endpoint needs pip install 'mooncake-proxy[tracing]' (%s): "
-                "no spans are exported; the legs still carry the trace context", missing,
-            )  # fmt: skip
-    yield
-    if state.tracing is not None:
-        await asyncio.to_thread(state.tracing.provider.shutdown)
+            async with asyncio.timeout(within):
+                await granted
+        except BaseException:
+            if granted.done() and not granted.cancelled():
+                self.release(count)  # granted just as the wait ended: give it back
+            else:
+                with contextlib.suppress(ValueError):  # _grant may have dropped it already
+                    self._waiters.remove(waiter)
+                self._grant()  # a smaller request behind this one may fit now
+            raise
+
+    def release(self, count: int) -> None:
+        if self.limit:
+            self.in_use -= count
+            self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self.in_use + self._waiters[0][0] <= self.limit:
+            count, granted = self._waiters.popleft()
+            if not granted.done():  # done: its request gave up (cancelled) while queued
+                self.in_use += count
+                granted.set_result(None)
 
 
-# --- backends and selection
+class Admission:
+    """--max-in-flight: PD requests past it wait for one to finish, the lowest priority value
+    first (vLLM's own order under --scheduling-policy priority), then first come first served;
+    a bounded queue and a bounded wait, each answered 429 with Retry-After when exceeded, so a
+    saturated cluster pushes back at the door instead of growing vLLM's queues."""
 
+    RETRY_AFTER: ClassVar[int] = 1  # seconds: come back soon, the queue moves
+
+    def __init__(self, limit: int, max_queue: int, timeout: float) -> None:
+        self.limit, self.max_queue, self.timeout = limit, max_queue, timeout
+        self.running = 0
+        self.queued = 0  # waiting now (the heap may still hold some that gave up)
+        self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrival = itertools.count()
+
+    async def enter(self, priority: int) -> float:
+        """Wait for a turn; the seconds waited. Raises ProxyError(429) when none comes."""
+        if not self.limit or (self.running < self.limit and not self.queued):
+            self.running += 1
+            return 0.0
+        if self.queued >= self.max_queue:
+            raise self.refused(f"{self.queued} requests already wait (--max-queue)", "queue_full")
+        turn = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (priority, next(self._arrival), turn))
+        self.queued += 1
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout):
+                await turn
+        except BaseException as error:
+            if turn.done() and not turn.cancelled():
+                self.leave()  # handed a turn just as the wait ended: pass it on
+            else:
+                turn.cancel()  # left in the heap, skipped when its turn comes
+                self.queued -= 1
+            if isinstance(error, TimeoutError):
+                waited = f"waited {self.timeout:g} s for one of --max-in-flight {self.limit}"
+                raise self.refused(waited, "queue_timeout") from None
+            raise
+        return time.monotonic() - started
+
+    def configure(self, limit: int, max_queue: int, timeout: float) -> None:
+        """New limits from a reload; a raised (or lifted) limit lets waiting requests in."""
+        self.limit, self.max_queue, self.timeout = limit, max_queue, timeout
+        while self.queued and (not limit or self.running < limit):
+            self.running += 1
+            self.leave()
+
+    def leave(self) -> None:
+        """A request ended: its turn goes to the first waiting one, if any (none while a
+        reload lowered the limit below what runs)."""
+        while self._heap and (not self.limit or self.running <= self.limit):
+            _, _, turn = heapq.heappop(self._heap)
+            if not turn.done():
+                self.queued -= 1
+                turn.set_result(None)  # it runs in this one's place
+                return
+        self.running -= 1
+
+    def refused(self, why: str, reason: str) -> ProxyError:
+        message = f"the proxy is at capacity: {why}; try again shortly"
+        return ProxyError(429, message, reason=reason, retry_after=self.RETRY_AFTER)
+
+
+def request_priority(request: web.Request, body: Mapping[str, Any]) -> int:
+    """vLLM's request priority (lower runs first): the body's, else X-Vllm-Priority, else 0.
+    Both go to the legs unchanged; here it only orders the proxy's own queue."""
+    given = body.get("priority", request.headers.get(PRIORITY_HEADER))
+    try:
+        return int(given) if given is not None and not isinstance(given, bool) else 0
+    except (TypeError, ValueError):
+        return 0  # vLLM answers the bad value itself; the queue only needs an order
+
+
+def pool_exhausted(config: ProxyConfig, legs: str) -> ProxyError:
+    return ProxyError(
+        503,
+        f"all {config.max_connections} upstream connections allowed by --max-connections are "
+        f"in use; none came free within {config.pool_timeout:g} s (--pool-timeout) for {legs}",
+        reason="pool_timeout",
+        retry_after=1,
+    )
+
+
+# ================================================================================================
+# 7. The legs and client connections
+# Holds the HTTP client each leg rides (HttpLeg, UpstreamPool) and the server side of the client's
+# connection (ClientConnection: parser limits, slow clients, lingering close). Uses: 1-3.
+# ================================================================================================
+
+
+class LegFailed(Exception):
+    """A leg's HTTP exchange failed on the wire: not an error status, no answer at all.
+
+    ``unreachable``: not one byte of an answer came (refused, reset, closed before answering),
+    so the request may be tried elsewhere and the upstream is likely down; ``timed_out``: the
+    connection could not be opened within --connect-timeout.
+    """
+
+    def __init__(self, message: str, *, unreachable: bool = False, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable, self.timed_out = unreachable, timed_out
+
+
+# Below this a copy costs less than a second write (and a second syscall); above it the body
+# goes out as it is, not joined to the head (a 100 MiB prompt would be copied once more).
+LEG_BODY_COPY_LIMIT: Final = 64 * 1024
+
+
+class HttpLeg(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection to an upstream, carrying one leg at a time.
+
+    Below aiohttp's client on purpose (issue 15: two fifths less CPU per relayed token, with
+    the rest of its steps half as much per request): httptools
+    (llhttp, as uvicorn uses it) parses the answer in the read callback itself, and the body
+    pieces of one read go to ``sink`` together, right there, with no task woken for them.
+    Until a sink is set they are kept. The task that sent the request waits in ``wait`` for
+    what it needs (the head, a piece, the end, a pause); a failure on the wire raises there.
+    """
+
+    __slots__ = (
+        "answered",
+        "chunked",
+        "complete",
+        "content_length",
+        "content_type",
+        "error",
+        "head_in",
+        "idle",
+        "idle_since",
+        "informational",
+        "kept",
+        "out_of_step",
+        "parser",
+        "paused",
+        "reason",
+        "reusable",
+        "sink",
+        "status",
+        "transport",
+        "waiter",
+    )
+
+    def __init__(self, idle: dict[HttpLeg, None]) -> None:
+        self.idle = idle  # its upstream's idle connections, which it leaves when it closes
+        self.idle_since = 0.0
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future[None] | None = None
+        self.sink: Callable[[list[bytes]], None] | None = None
+        self.kept: list[bytes] = []
+        self.status, self.reason = 0, b""
+        self.content_type: bytes | None = None
+        self.content_length: int | None = None
+        self.chunked = self.informational = self.answered = False
+        self.head_in = self.reusable = self.paused = self.out_of_step = False
+        self.complete = True  # no answer outstanding (send starts one)
+        self.error: LegFailed | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def send(self, head: bytes, body: LegPayload, size: int) -> None:
+        """Write a request whose body is ``size`` bytes in pieces; the answer to the last one
+        was read whole (or there was none)."""
+        assert self.transport is not None and self.sink is None
+        self.kept, self.status, self.answered = [], 0, False
+        self.head_in = self.complete = self.reusable = False
+        if size < LEG_BODY_COPY_LIMIT:
+            self.transport.write(b"".join((head, *body)))
+        else:
+            self.transport.write(head)
+            for piece in body:
+                self.transport.write(piece)
+
+    async def wait(self, ready: Callable[[], bool]) -> None:
+        """Until ``ready()``; raises LegFailed if the exchange fails first."""
+        while not ready():
+            if self.error is not None:
+                raise self.error
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    def has_head(self) -> bool:
+        return self.head_in
+
+    def has_piece(self) -> bool:
+        return bool(self.kept) or self.complete
+
+    def is_complete(self) -> bool:
+        return self.complete
+
+    def body(self) -> bytes:
+        """The pieces kept so far, as one (the whole body, once complete without a sink)."""
+        body = self.kept[0] if len(self.kept) == 1 else b"".join(self.kept)
+        self.kept = []
+        return body
+
+    def pause(self) -> None:
+        """Stop reading the answer (the client is slower than the upstream) and wake the
+        waiting task, which resumes it once the client caught up."""
+        if self.transport is not None and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+            self.wake()
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.transport is not None:
+                self.transport.resume_reading()
+
+    def close(self) -> None:
+        """Drop the connection: an upstream that sees it close aborts the request (vLLM does)."""
+        if self.transport is not None:
+            self.transport.close()
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def fail(self, message: str) -> None:
+        self.close()
+        if self.error is None and not self.complete:
+            self.error = LegFailed(message, unreachable=not self.answered)
+            self.wake()
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.answered = True
+            self.fail("answered with a protocol switch it was not asked for")
+        except httptools.HttpParserCallbackError:
+            if not self.out_of_step:
+                raise  # a bug of the proxy's, in a callback: not the upstream's fault
+        except httptools.HttpParserError as error:
+            self.answered = True
+            self.fail(f"sent a malformed answer ({error})")
+        if self.kept and self.sink is not None:
+            self.sink(self.kept)  # every piece this read brought, in one write to the client
+            self.kept.clear()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.idle.pop(self, None)
+        if self.complete or self.error is not None:
+            return
+        if self.head_in and exc is None and self.content_length is None and not self.chunked:
+            # An answer without a length ends with its connection (allowed, if rare).
+            self.complete = True
+        else:
+            when = "while answering" if self.answered else "before answering"
+            why = f" ({failure_detail(exc)})" if exc is not None else ""
+            self.error = LegFailed(
+                f"closed the connection {when}{why}", unreachable=not self.answered
+            )
+        self.wake()
+
+    # httptools' callbacks, as it parses
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # an answer nobody asked for: the connection is out of step
+            self.out_of_step, self.reusable = True, False
+            self.close()
+            raise ConnectionError("an answer nobody asked for")  # stops the parser here
+        self.answered = True
+        self.reason, self.content_type, self.content_length, self.chunked = b"", None, None, False
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason  # in pieces, if it came split across reads
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-type":
+            self.content_type = value
+        elif name == b"content-length":
+            self.content_length = int(value)  # llhttp let through only digits
+        elif name == b"transfer-encoding":
+            self.chunked = True
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:
+            self.informational = True  # 100 Continue, 103 Early Hints: the answer follows
+            return
+        self.status, self.head_in = status, True
+        self.wake()
+
+    def on_body(self, piece: bytes) -> None:
+        self.kept.append(piece)
+        if self.sink is None:
+            self.wake()
+
+    def on_message_complete(self) -> None:
+        if self.informational:
+            self.informational = False
+            return
+        # Asked here: once the parser has moved on it reads as a message without a length.
+        self.reusable = self.parser.should_keep_alive()
+        self.complete = True
+        self.wake()
+
+
+HEADS_KEPT: Final = 4096  # UpstreamPool's request lines: a few routes per instance
+
+
+class UpstreamPool:
+    """The legs' keep-alive connections, by upstream.
+
+    The newest idle connection is reused first (the likeliest still open, and the others age
+    out); none is kept idle past --keepalive-timeout, below vLLM's own idle limit, so the pool
+    does not reuse one vLLM is closing. A leg whose answer was not read whole is closed, not
+    kept: vLLM aborts a request whose connection closes.
+    """
+
+    def __init__(self, connect_timeout: float, keepalive_timeout: float) -> None:
+        self.connect_timeout, self.keepalive_timeout = connect_timeout, keepalive_timeout
+        self._idle: dict[str, dict[HttpLeg, None]] = {}  # by host:port, oldest first
+        self._heads: dict[tuple[bytes, URL], bytes] = {}
+        self._sweep: asyncio.TimerHandle | None = None
+        self._tls: ssl.SSLContext | None = None
+
+    async def send(self, method: bytes, url: URL, headers: bytes, body: LegPayload = ()) -> HttpLeg:
+        """A request on its way on a kept connection or a new one; LegFailed if none opens.
+        ``headers``: header_lines' of the request's own headers."""
+        size = sum(map(len, body))
+        head = self._head(method, url) + headers + b"Content-Length: %d\r\n\r\n" % size
+        leg = self._reuse(url.raw_authority) or await self._connect(url)
+        leg.send(head, body, size)
+        return leg
+
+    def finish(self, leg: HttpLeg) -> None:
+        """The leg is over: kept for the next if its answer was read whole and may be kept,
+        else closed (mid-answer, that aborts the request upstream)."""
+        leg.sink = None
+        if not (leg.complete and leg.reusable and leg.open and not leg.kept):
+            leg.close()
+            return
+        leg.resume()
+        leg.idle_since = asyncio.get_running_loop().time()
+        leg.idle[leg] = None
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(
+                self.keepalive_timeout, self._close_expired
+            )
+
+    def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        for idle in self._idle.values():
+            for leg in list(idle):
+                leg.close()
+            idle.clear()
+
+    def _reuse(self, upstream: str) -> HttpLeg | None:
+        idle = self._idle.get(upstream)
+        now = asyncio.get_running_loop().time()
+        while idle:
+            leg, _ = idle.popitem()  # the newest: if it aged out, so did the rest
+            if leg.open and now - leg.idle_since < self.keepalive_timeout:
+                return leg
+            leg.close()
+        return None
+
+    async def _connect(self, url: URL) -> HttpLeg:
+        loop = asyncio.get_running_loop()
+        idle = self._idle.setdefault(url.raw_authority, {})
+        host, port = url.host or "", url.port or 0  # parse_backend_url made it explicit
+        tls = self.tls() if url.scheme == "https" else None
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, leg = await loop.create_connection(lambda: HttpLeg(idle), host, port, ssl=tls)
+        except TimeoutError:
+            message = f"cannot connect to {host}:{port} within {self.connect_timeout:g} s"
+            raise LegFailed(message, unreachable=True, timed_out=True) from None
+        except OSError as error:
+            message = f"cannot connect to {host}:{port}: {os_error_reason(error)}"
+            raise LegFailed(message, unreachable=True) from None
+        return leg
+
+    def _head(self, method: bytes, url: URL) -> bytes:
+        """The request line and Host, made once per upstream route."""
+        head = self._heads.get((method, url))
+        if head is None:
+            if len(self._heads) >= HEADS_KEPT:  # instances come and go (DNS): start again
+                self._heads.clear()
+            line = f"{method.decode()} {url.raw_path_qs} HTTP/1.1\r\nHost: {url.raw_authority}\r\n"
+            head = self._heads[method, url] = line.encode()
+        return head
+
+    def _close_expired(self) -> None:
+        """Close the connections idle for --keepalive-timeout; again later while any is idle."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        oldest_kept = loop.time() - self.keepalive_timeout
+        for idle in self._idle.values():
+            for leg in list(idle):
+                if leg.idle_since > oldest_kept:
+                    break  # the rest came back later still
+                del idle[leg]
+                leg.close()
+        if any(self._idle.values()):
+            self._sweep = loop.call_later(self.keepalive_timeout, self._close_expired)
+
+    def tls(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+
+def header_lines(headers: Mapping[str, str]) -> bytes:
+    """Headers as they go on the wire (UpstreamPool.send adds Content-Length and the end)."""
+    block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    if block.count("\n") != len(headers) or block.count("\r") != len(headers):
+        # aiohttp's parser lets no line break into a client's header, nor the configuration
+        # into the upstream key (header_value): one here is the proxy's bug. Refuse rather
+        # than send a header nobody wrote.
+        raise ProxyError(500, "a header for the upstream contains a line break")
+    return block.encode("utf-8", "surrogateescape")
+
+
+# aiohttp's parser limits (its defaults), named in the errors that enforce them.
+MAX_LINE_BYTES: Final = 8190
+
+MAX_HEADERS: Final = 128
+
+# After answering a connection that is to close (an unread body, a slow head, over the cap),
+# how long its further bytes are read and dropped, so that closing does not reset the
+# connection before the client read the answer; aiohttp's own 10 s would let a trickling
+# client keep its connection that much longer.
+CLOSE_LINGER: Final = 2.0
+
+# The route label of requests whose head never parsed (malformed, or too slow to arrive).
+UNPARSED: Final = "unparsed"
+
+
+def malformed_request_error(error: HttpProcessingError) -> ProxyError:
+    """The client's answer to a request aiohttp's parser refused. Its messages quote the
+    client's bytes; these never do, so that no client can write into the log."""
+    if isinstance(error, LineTooLong):
+        message = f"a request line or header field is longer than {MAX_LINE_BYTES} bytes"
+        return ProxyError(431, message, reason="header_too_long")
+    if "Too many headers" in error.message:
+        return ProxyError(431, f"more than {MAX_HEADERS} header fields", reason="too_many_headers")
+    if isinstance(error, BadHttpMethod):
+        return ProxyError(
+            400, "malformed request method (TLS on a plain HTTP port?)", reason="bad_method"
+        )
+    if isinstance(error, BadStatusLine):
+        message = "malformed request line (HTTP/1.1 lines end in CRLF)"
+        return ProxyError(400, message, reason="bad_request_line")
+    return ProxyError(400, "malformed header field", reason="bad_header")
+
+
+def raw_error_response(error: ProxyError) -> bytes:
+    """A whole HTTP/1.1 error answer, for a connection that has no request to answer through."""
+    body = json.dumps(error.payload()).encode()
+    head = [
+        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+    ]
+    if error.retry_after is not None:
+        head.append(f"Retry-After: {error.retry_after}")
+    return "\r\n".join(head).encode() + b"\r\n\r\n" + body
+
+
+class ClientConnections:
+    """Open client connections against --max-client-connections (the daemon's listener)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self.rejected = 0
+        self._full = False
+
+    def admit(self) -> bool:
+        if self.open >= self.limit:
+            self.rejected += 1
+            if not self._full:
+                self._full = True
+                log.warning(
+                    "%d client connections open (--max-client-connections): new ones are "
+                    "answered 503 until some close",
+                    self.limit,
+                )
+            return False
+        self.open += 1
+        return True
+
+    def release(self) -> None:
+        self.open -= 1
+        if self._full and self.open < self.limit:
+            self._full = False
+            log.info("client connections below --max-client-connections again")
+
+
+class ClientConnection(web.RequestHandler):
+    """One client connection: aiohttp's HTTP/1.1 protocol, plus what a server facing a network
+    needs and aiohttp leaves out: a deadline for each request head (--header-timeout), a cap on
+    open connections, and malformed requests answered in the proxy's words (an OpenAI-style
+    error, counted, one access line, no traceback).
+
+    The access middleware tells it when a request's head is in and when the request is done.
+    """
+
+    __slots__ = ("_admitted", "_busy", "_closing", "_head_deadline", "app")
+
+    def __init__(self, manager: web.Server, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.app = app
+        self._head_deadline: asyncio.TimerHandle | None = None
+        self._busy = False  # a request is being handled
+        self._admitted = False  # counted against --max-client-connections
+        self._closing = False  # answered for the last time: further bytes are dropped
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        connections = self.app[STATE_KEY].connections
+        if not connections.admit():
+            message = (
+                f"too many open client connections (--max-client-connections {connections.limit})"
+            )
+            self._answer_and_close(ProxyError(503, message, retry_after=1))
+            return
+        self._admitted = True
+        self._start_head_deadline()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._admitted:
+            self._admitted = False
+            self.app[STATE_KEY].connections.release()
+        self._stop_head_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        if not self._busy and self._head_deadline is None:
+            self._start_head_deadline()  # the first bytes of the next request on this connection
+        super().data_received(data)
+
+    def head_received(self) -> None:
+        self._busy = True
+        self._stop_head_deadline()
+
+    def _stop_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def request_done(self) -> None:
+        self._busy = False
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)  # a bug: keep the trace
+        self.head_received()
+        error = malformed_request_error(exc)
+        self._record(error)
+        response = error.response()
+        response.force_close()
+        return response
+
+    def _start_head_deadline(self) -> None:
+        timeout = self.app[STATE_KEY].config.header_timeout
+        self._head_deadline = asyncio.get_running_loop().call_later(timeout, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        timeout = self.app[STATE_KEY].config.header_timeout
+        message = f"request head not received within {timeout:g} s (--header-timeout)"
+        error = ProxyError(408, message, reason="header_timeout")
+        self._record(error)
+        self._answer_and_close(error)
+
+    def _record(self, error: ProxyError) -> None:
+        stats = RequestStats("-", UNPARSED, outcome=f"error:{error.reason}")
+        record_request(self.app, stats, error.status)
+
+    def _answer_and_close(self, error: ProxyError) -> None:
+        """Answer, end our side, read and drop what still comes for a moment, then close."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._closing = True
+        # aiohttp types it asyncio.Transport; uvloop's (the default loop) are no subclass of
+        # asyncio's, so it is used as one, never checked (an isinstance here failed on uvloop).
+        transport.write(raw_error_response(error))
+        transport.write_eof()
+        asyncio.get_running_loop().call_later(CLOSE_LINGER, self.force_close)
+
+
+async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
+    """Serve a set-up runner's app on a bound socket, each connection a ClientConnection."""
+    app, server = runner.app, runner.server
+    assert server is not None, "the runner is set up first"
+    config = app[STATE_KEY].config
+    loop = asyncio.get_running_loop()
+
+    def connection() -> ClientConnection:
+        return ClientConnection(
+            server,
+            app,
+            loop=loop,
+            keepalive_timeout=config.client_keepalive_timeout,
+            lingering_time=CLOSE_LINGER,
+            access_log=None,  # the proxy writes its own access line, with PD fields
+        )
+
+    return await loop.create_server(connection, sock=sock, backlog=LISTEN_BACKLOG)
+
+
+# ================================================================================================
+# 8. Routing
+# Holds where a request goes: the prompt read as routing needs it (RouteKey, block chains), the
+# prefix index, each target's load, and the Router that weighs them. Its tuned numbers sit
+# at the chapter's top. Uses: 1-3, 9 (the tokenizer and KV events).
+# ================================================================================================
 
 SESSION_HEADER: Final = "X-Session-ID"
+
 MASK64: Final = (1 << 64) - 1
+
 # A target whose KV cache is this full is passed over while another is not: vLLM would
 # preempt (recompute) running requests to make room.
 KV_FULL: Final = 0.98
+
 # Each target's share of recent requests (every sender's where the engines' counters say,
 # else this process's: recent_requests; decayed over RECENT_SECONDS) is bounded: no engine
 # takes more than RECENT_BALANCE (or --balance-factor, if higher) times the mean, or the
@@ -1754,14 +3241,18 @@ KV_FULL: Final = 0.98
 # 1.5 against 1.25: 0.03-0.08 more of the oracle's hit rate on shared prefixes, the same or
 # up to 0.06 more on multi-turn; at 2, conversations piled up again.
 RECENT_SECONDS: Final = 10.0
+
 RECENT_SLACK: Final = 4.0
+
 RECENT_BALANCE: Final = 1.5
+
 # A target's queue is bounded too, for a prompt it holds: its requests in flight (this
 # process's, and other senders' from the scrape) within --balance-factor times the mean, or
 # the mean plus this many while that is more. With the prefill's load weight under 1, a new
 # hot prefix's next requests would otherwise queue behind its first, cold, prefill: in the
 # routing benchmark, TTFT p90 20 ms against 6.
 QUEUE_SLACK: Final = 2.0
+
 # A new prefix goes to whichever of the first this many engines of its hash order was written
 # least lately; where other senders are seen, only if clearly less than the first (under this
 # share of the first's writes). The routing benchmark's Mooncake trace, its placement
@@ -1771,16 +3262,21 @@ QUEUE_SLACK: Final = 2.0
 # counting its own writes at once and the other's only as events tell, picked apart: 0.52-0.68
 # of the oracle where the first alone gave 0.73.
 PLACE_CHOICES: Final = 3
+
 PLACE_MARGIN: Final = 0.9
+
 # Other senders (replicas, workers) are seen where the engines' counts of recent requests are
 # this much above this process's own.
 OTHERS_SEND: Final = 1.3
+
 # How long this process's own sends count for a target whose KV events it hears: about the
 # longest a prefill queues and runs before the engine publishes its blocks.
 PENDING_SECONDS: Final = 2.0
+
 # Chat turns remembered per target: the next turn of each of that many conversations finds
 # its own there (Target.conversation_share).
 TURNS_KEPT: Final = 4096
+
 # A chat's turns before the latest that a request names (RouteKey.earlier_turns): the last
 # one this process sent is among them with up to this many replicas or workers in turn.
 EARLIER_TURNS: Final = 8
@@ -1875,83 +3371,11 @@ def prompt_token_ids(path: str, body: Mapping[str, Any]) -> list[int] | None:
     return None
 
 
-# Prompts up to this many bytes are tokenized on the event loop: a thread's round trip costs
-# more than tokenizing them.
-INLINE_TOKENS: Final = 16384
-
-
-class PromptTokenizer:
-    """The token ids vLLM computes for a request's prompt: the model's own tokenizer and chat
-    template, through transformers as vLLM itself uses them (the [precise] extra)."""
-
-    def __init__(self, tokenizer: Any, path: str = "") -> None:
-        self.tokenizer = tokenizer
-        self.path = path
-        self.encoder = tokenizer.backend_tokenizer  # the Rust one: it releases the GIL
-        self.pieces = PromptPieces(self.encoder)
-
-    @classmethod
-    def load(cls, path: str) -> PromptTokenizer:
-        if not os.path.isdir(path):
-            raise ValueError("not a local directory")
-        # Its import would say on stderr that PyTorch is missing: only tokenizers are used.
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        transformers = importlib.import_module("transformers")
-        return cls(transformers.AutoTokenizer.from_pretrained(path, local_files_only=True), path)
-
-    def tokens(self, path: str, body: Mapping[str, Any]) -> list[int] | None:
-        """All of a prompt's ids; None where the request is not one this can tokenize as
-        vLLM would."""
-        if (prompt := self.text(path, body)) is None:
-            return None
-        try:
-            return [token for ids, _ in self.steps(*prompt) for token in ids]
-        except Exception:  # text the tokenizer refuses (a lone surrogate): vLLM answers it
-            return None
-
-    def text(self, path: str, body: Mapping[str, Any]) -> tuple[str, bool] | None:
-        """The text vLLM tokenizes for this request, and whether with special tokens."""
-        try:
-            if path.endswith("/chat/completions"):
-                text = self.chat_text(body)
-                special = body.get("add_special_tokens", False)  # vLLM's defaults, per API
-            else:
-                text, special = body.get("prompt"), body.get("add_special_tokens", True)
-                if isinstance(text, list) and text and isinstance(text[0], str):
-                    text = text[0]
-        except Exception:  # a template that refuses these messages: vLLM answers it, not us
-            return None
-        if not isinstance(text, str) or not isinstance(special, bool):
-            return None
-        return text, special
-
-    def steps(self, text: str, special: bool) -> Iterator[tuple[list[int], int]]:
-        """The text's ids in order, a step at a time, each with the characters read so far:
-        piece by piece where that encodes as the whole does, else whole in one step."""
-        if (steps := self.pieces.steps(text, special)) is not None:
-            return steps
-        whole = self.encoder.encode_batch([text], add_special_tokens=special)[0]
-        return iter([(list(whole.ids), len(text))])
-
-    def chat_text(self, body: Mapping[str, Any]) -> Any:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            return None
-        kwargs = body.get("chat_template_kwargs")
-        return self.tokenizer.apply_chat_template(
-            [chat_message(m) for m in messages],
-            tools=body.get("tools"),
-            add_generation_prompt=body.get("add_generation_prompt", True),
-            continue_final_message=body.get("continue_final_message", False),
-            tokenize=False,
-            **(kwargs if isinstance(kwargs, dict) else {}),
-        )
-
-
 # Within a text, a piece is cut after this many characters, before the next space between two
 # words: tokenizers split words at spaces (GPT-2's pre-tokenizer, SentencePiece's "▁"), so both
 # sides encode as they would together, and prompts that share a prefix share its first pieces.
 PIECE_CHARS: Final = 1024
+
 WORD_GAP: Final = re.compile(r"(?<=\S) (?=\S)")
 
 
@@ -2145,70 +3569,6 @@ def extend_chain(chain: list[int], tokens: Sequence[int], size: int) -> None:
     chain += itertools.islice(hashes, 1, None)
 
 
-class TokenReading:
-    """A text prompt's token ids, read only as far as routing needs them: up to the first
-    block that no engine's KV events say it holds, at every block size the engines use. A
-    prompt never seen costs a step (FIRST_STEP), not the whole of it. The rest is read after
-    the decision (rest), off the request's path: a chat's next turn then finds this one's
-    pieces encoded."""
-
-    def __init__(
-        self,
-        tokenizer: PromptTokenizer,
-        path: str,
-        body: Mapping[str, Any],
-        views: list[HeldBlocks],
-    ) -> None:
-        self.tokenizer, self.path, self.body = tokenizer, path, body
-        self.views = views
-        self.tokens: list[int] | None = None  # None: not a prompt this can tokenize
-        self.chains: dict[int, list[int]] = {view.block_size: [] for view in views}
-        self.share = 0.0
-        self.steps: Iterator[tuple[list[int], int]] = iter(())
-
-    def read(self) -> None:
-        """Runs in a thread for long prompts: the views are only looked up, never iterated."""
-        if (prompt := self.tokenizer.text(self.path, self.body)) is None:
-            return
-        text, special = prompt
-        try:
-            self.tokens, self.steps = [], self.tokenizer.steps(text, special)
-            for ids, read in self.steps:
-                self.tokens += ids
-                self.share = read / max(len(text), 1)
-                for size, chain in self.chains.items():
-                    extend_chain(chain, self.tokens, size)
-                if self.past_held():
-                    return
-        except Exception:  # text the tokenizer refuses (a lone surrogate): vLLM answers it
-            self.tokens, self.steps = None, iter(())
-            return
-        self.share = 1.0
-
-    def past_held(self) -> bool:
-        for view in self.views:
-            chain = self.chains[view.block_size]
-            if not chain or chain[-1] in view.chains:
-                return False
-        return True
-
-    def key(self, route: RouteKey) -> RouteKey:
-        if self.tokens is None:
-            return route
-        # The reading is done with its chains (rest() only encodes pieces): the key takes
-        # them as they are. A share of 0 (an empty prompt: its special tokens only) would
-        # divide by zero in token_blocks.
-        share = max(self.share, 1e-3)
-        return dataclasses.replace(
-            route, tokens=self.tokens, token_chains=self.chains, token_share=share
-        )
-
-    def rest(self) -> None:
-        with contextlib.suppress(Exception):  # what read() could encode, this can
-            for _ in self.steps:  # each encoded piece is remembered
-                pass
-
-
 def leading(chain: Sequence[int], held: Container[int]) -> int:
     """How many of the chain's leading blocks are held, found by binary search: engines evict
     a chain's tail before its head, so what they hold of a chain is a prefix of it."""
@@ -2288,159 +3648,6 @@ class SentAfter:
 
     def __contains__(self, block: object) -> bool:
         return isinstance(block, int) and self.blocks.get(block, -1) > self.clock
-
-
-# vLLM's KV event fields by position, for publishers that send events as arrays (older vLLM;
-# since the events carry lora_name and extra_keys they are maps with a "type").
-STORED_FIELDS: Final = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
-EVENT_FIELDS: Final = {
-    "BlockStored": (*STORED_FIELDS, "lora_id", "medium"),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-}
-
-
-class HeldBlocks:
-    """The blocks an engine's KV events say it holds, keyed by a chain hash of their token ids
-    (token_chain), not by vLLM's own block hash: that one depends on the engine's
-    PYTHONHASHSEED and hash algorithm, and a request's tokens must be hashed to match."""
-
-    def __init__(self) -> None:
-        self.chains: dict[int, int] = {}  # chain hash -> how many of vLLM's blocks have it
-        self.known: dict[object, tuple[int, int]] = {}  # vLLM's hash -> (chain hash, position)
-        self.block_size = 0
-        self.unplaced = 0  # blocks whose parent this process never heard of
-        self.stored_total = 0  # blocks it ever newly held: what turned its cache over
-
-    def __len__(self) -> int:
-        return len(self.known)
-
-    def match(self, chain: Sequence[int]) -> int:
-        return leading(chain, self.chains)
-
-    def apply(self, event: object) -> None:
-        """One event of a batch; ValueError for one that is not what vLLM sends."""
-        if isinstance(event, list) and event and event[0] in EVENT_FIELDS:
-            kind, event = event[0], dict(zip(EVENT_FIELDS[event[0]], event[1:], strict=False))
-        elif isinstance(event, dict) and event.get("type") in EVENT_FIELDS:
-            kind = event["type"]
-        else:
-            raise ValueError(f"not a KV cache event: {str(event)[:80]}")
-        if event.get("medium") not in (None, "GPU") or event.get("group_idx") not in (None, 0):
-            return  # an offloaded copy, or another KV cache group: not what a request reuses
-        try:
-            if kind == "AllBlocksCleared":
-                self.clear()
-            elif kind == "BlockRemoved":
-                self.removed(event["block_hashes"])
-            elif not (event.get("lora_id") or event.get("lora_name")):
-                # A LoRA's blocks serve only requests that name it.
-                self.stored(
-                    event["parent_block_hash"], event["block_hashes"], event["token_ids"],
-                    event["block_size"], event.get("extra_keys") or (),
-                )  # fmt: skip
-        except (KeyError, TypeError) as missing:
-            raise ValueError(f"{kind} without a usable {missing}") from None
-
-    def stored(
-        self,
-        parent: object,
-        hashes: Sequence[object],
-        tokens: Sequence[int],
-        size: int,
-        extra_keys: Sequence[object] = (),
-    ) -> None:
-        if not isinstance(size, int) or size <= 0 or not isinstance(tokens, list):
-            raise ValueError(f"BlockStored with block_size {size!r}")
-        if size < self.block_size:
-            # A partial entry: where the engine hashes finer than it caches (vLLM's
-            # hash_block_size, hybrid models), a prompt's tail block is also published at
-            # the finer grain. Requests match whole cache blocks only.
-            return
-        if size > self.block_size > 0:
-            self.clear()  # all it said before was such partial entries
-            self.block_size = size
-        if parent is None:
-            chain, position = 0, 0
-        elif (where := self.known.get(parent)) is not None:
-            chain, position = where[0], where[1] + 1
-        else:
-            self.unplaced += len(hashes)
-            return
-        self.block_size = size
-        for i, block_hash in enumerate(hashes):
-            block = tuple(tokens[i * size : (i + 1) * size])
-            if len(block) < size:
-                break  # a partial block: requests match whole blocks only
-            if i < len(extra_keys) and extra_keys[i] is not None:
-                break  # images or a cache salt in it: only requests with the same match it
-            chain ^= hash((position, block))
-            if block_hash not in self.known:
-                self.known[block_hash] = (chain, position)
-                self.stored_total += 1
-                self.chains[chain] = self.chains.get(chain, 0) + 1
-            position += 1
-
-    def removed(self, hashes: Sequence[object]) -> None:
-        for block_hash in hashes:
-            if (where := self.known.pop(block_hash, None)) is None:
-                continue
-            if (count := self.chains[where[0]] - 1) > 0:
-                self.chains[where[0]] = count
-            else:
-                del self.chains[where[0]]
-
-    def clear(self) -> None:
-        self.chains.clear()
-        self.known.clear()
-
-
-class KvFeed:
-    """One engine's KV event stream (vLLM's ZMQ publisher) and what it says the engine holds.
-
-    Until the engine has published something, its blocks are unknown and routing estimates
-    them (PrefixIndex): an idle engine and a wrong port look alike from here.
-    """
-
-    def __init__(self, endpoint: str, replay: str | None) -> None:
-        self.endpoint = endpoint
-        self.replay = replay
-        self.held = HeldBlocks()
-        self.next_seq: int | None = None
-        self.heard_at = -math.inf  # monotonic
-        self.engine_id: str | None = None  # a prefill engine's: a new one means a restart
-        self.batches = 0
-        self.gaps = 0  # sequence numbers never received, not even by replay
-        self.problem: str | None = None  # the last malformed message or failed replay
-        self.logged: set[str] = set()  # kinds of problem logged: each once
-        self.joining = False  # replaying what the engine said before this process listened
-        self.replayed = range(0)  # what that replay applied: the live stream repeats some of it
-        self.replay_paused_until = -math.inf  # monotonic; see REPLAY_PAUSE
-        # The tokens it stored lately, every sender's: how fast its cache turns over.
-        self.written = Decayed()
-
-    def may_replay(self) -> bool:
-        return time.monotonic() >= self.replay_paused_until
-
-    @property
-    def live(self) -> bool:
-        return self.batches > 0 and not self.joining
-
-    def restarted(self, why: str) -> None:
-        if self.held:
-            log.info("KV events %s: %s, its blocks are forgotten", self.endpoint, why)
-        self.held.clear()
-        self.held.block_size = 0  # it may have come back with another
-
-    def status(self, now: float) -> dict[str, Any]:
-        if self.joining:
-            source = f"estimate (catching up on the replay of {self.replay})"
-        elif not self.live:
-            source = f"estimate (no KV events yet from {self.endpoint})"
-        else:
-            source = f"kv events ({self.endpoint}, last {now - self.heard_at:.1f} s ago)"
-        status = {"kv_source": source, "kv_blocks": len(self.held), "kv_event_gaps": self.gaps}
-        return status | {"kv_event_problem": self.problem}
 
 
 @dataclass(slots=True)
@@ -2794,6 +4001,534 @@ class Router:
         rank = {i: place for place, i in enumerate(order)}
         pick = min(order, key=lambda i: (work[i] + lacking[i], rank[i]))
         return Choice(pick, "affinity" if matches[pick] == best else "spill", matches[pick])
+
+
+# ================================================================================================
+# 9. KV events and the tokenizer
+# Holds vLLM's KV cache events followed over ZMQ (HeldBlocks, KvFeed, replay) and the model's
+# tokenizer, which precise routing reads prompts with. Uses: 1-3.
+# ================================================================================================
+
+# Prompts up to this many bytes are tokenized on the event loop: a thread's round trip costs
+# more than tokenizing them.
+INLINE_TOKENS: Final = 16384
+
+
+class PromptTokenizer:
+    """The token ids vLLM computes for a request's prompt: the model's own tokenizer and chat
+    template, through transformers as vLLM itself uses them (the [precise] extra)."""
+
+    def __init__(self, tokenizer: Any, path: str = "") -> None:
+        self.tokenizer = tokenizer
+        self.path = path
+        self.encoder = tokenizer.backend_tokenizer  # the Rust one: it releases the GIL
+        self.pieces = PromptPieces(self.encoder)
+
+    @classmethod
+    def load(cls, path: str) -> PromptTokenizer:
+        if not os.path.isdir(path):
+            raise ValueError("not a local directory")
+        # Its import would say on stderr that PyTorch is missing: only tokenizers are used.
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        transformers = importlib.import_module("transformers")
+        return cls(transformers.AutoTokenizer.from_pretrained(path, local_files_only=True), path)
+
+    def tokens(self, path: str, body: Mapping[str, Any]) -> list[int] | None:
+        """All of a prompt's ids; None where the request is not one this can tokenize as
+        vLLM would."""
+        if (prompt := self.text(path, body)) is None:
+            return None
+        try:
+            return [token for ids, _ in self.steps(*prompt) for token in ids]
+        except Exception:  # text the tokenizer refuses (a lone surrogate): vLLM answers it
+            return None
+
+    def text(self, path: str, body: Mapping[str, Any]) -> tuple[str, bool] | None:
+        """The text vLLM tokenizes for this request, and whether with special tokens."""
+        try:
+            if path.endswith("/chat/completions"):
+                text = self.chat_text(body)
+                special = body.get("add_special_tokens", False)  # vLLM's defaults, per API
+            else:
+                text, special = body.get("prompt"), body.get("add_special_tokens", True)
+                if isinstance(text, list) and text and isinstance(text[0], str):
+                    text = text[0]
+        except Exception:  # a template that refuses these messages: vLLM answers it, not us
+            return None
+        if not isinstance(text, str) or not isinstance(special, bool):
+            return None
+        return text, special
+
+    def steps(self, text: str, special: bool) -> Iterator[tuple[list[int], int]]:
+        """The text's ids in order, a step at a time, each with the characters read so far:
+        piece by piece where that encodes as the whole does, else whole in one step."""
+        if (steps := self.pieces.steps(text, special)) is not None:
+            return steps
+        whole = self.encoder.encode_batch([text], add_special_tokens=special)[0]
+        return iter([(list(whole.ids), len(text))])
+
+    def chat_text(self, body: Mapping[str, Any]) -> Any:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        kwargs = body.get("chat_template_kwargs")
+        return self.tokenizer.apply_chat_template(
+            [chat_message(m) for m in messages],
+            tools=body.get("tools"),
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+            tokenize=False,
+            **(kwargs if isinstance(kwargs, dict) else {}),
+        )
+
+
+class TokenReading:
+    """A text prompt's token ids, read only as far as routing needs them: up to the first
+    block that no engine's KV events say it holds, at every block size the engines use. A
+    prompt never seen costs a step (FIRST_STEP), not the whole of it. The rest is read after
+    the decision (rest), off the request's path: a chat's next turn then finds this one's
+    pieces encoded."""
+
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        path: str,
+        body: Mapping[str, Any],
+        views: list[HeldBlocks],
+    ) -> None:
+        self.tokenizer, self.path, self.body = tokenizer, path, body
+        self.views = views
+        self.tokens: list[int] | None = None  # None: not a prompt this can tokenize
+        self.chains: dict[int, list[int]] = {view.block_size: [] for view in views}
+        self.share = 0.0
+        self.steps: Iterator[tuple[list[int], int]] = iter(())
+
+    def read(self) -> None:
+        """Runs in a thread for long prompts: the views are only looked up, never iterated."""
+        if (prompt := self.tokenizer.text(self.path, self.body)) is None:
+            return
+        text, special = prompt
+        try:
+            self.tokens, self.steps = [], self.tokenizer.steps(text, special)
+            for ids, read in self.steps:
+                self.tokens += ids
+                self.share = read / max(len(text), 1)
+                for size, chain in self.chains.items():
+                    extend_chain(chain, self.tokens, size)
+                if self.past_held():
+                    return
+        except Exception:  # text the tokenizer refuses (a lone surrogate): vLLM answers it
+            self.tokens, self.steps = None, iter(())
+            return
+        self.share = 1.0
+
+    def past_held(self) -> bool:
+        for view in self.views:
+            chain = self.chains[view.block_size]
+            if not chain or chain[-1] in view.chains:
+                return False
+        return True
+
+    def key(self, route: RouteKey) -> RouteKey:
+        if self.tokens is None:
+            return route
+        # The reading is done with its chains (rest() only encodes pieces): the key takes
+        # them as they are. A share of 0 (an empty prompt: its special tokens only) would
+        # divide by zero in token_blocks.
+        share = max(self.share, 1e-3)
+        return dataclasses.replace(
+            route, tokens=self.tokens, token_chains=self.chains, token_share=share
+        )
+
+    def rest(self) -> None:
+        with contextlib.suppress(Exception):  # what read() could encode, this can
+            for _ in self.steps:  # each encoded piece is remembered
+                pass
+
+
+# vLLM's KV event fields by position, for publishers that send events as arrays (older vLLM;
+# since the events carry lora_name and extra_keys they are maps with a "type").
+STORED_FIELDS: Final = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+
+EVENT_FIELDS: Final = {
+    "BlockStored": (*STORED_FIELDS, "lora_id", "medium"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+class HeldBlocks:
+    """The blocks an engine's KV events say it holds, keyed by a chain hash of their token ids
+    (token_chain), not by vLLM's own block hash: that one depends on the engine's
+    PYTHONHASHSEED and hash algorithm, and a request's tokens must be hashed to match."""
+
+    def __init__(self) -> None:
+        self.chains: dict[int, int] = {}  # chain hash -> how many of vLLM's blocks have it
+        self.known: dict[object, tuple[int, int]] = {}  # vLLM's hash -> (chain hash, position)
+        self.block_size = 0
+        self.unplaced = 0  # blocks whose parent this process never heard of
+        self.stored_total = 0  # blocks it ever newly held: what turned its cache over
+
+    def __len__(self) -> int:
+        return len(self.known)
+
+    def match(self, chain: Sequence[int]) -> int:
+        return leading(chain, self.chains)
+
+    def apply(self, event: object) -> None:
+        """One event of a batch; ValueError for one that is not what vLLM sends."""
+        if isinstance(event, list) and event and event[0] in EVENT_FIELDS:
+            kind, event = event[0], dict(zip(EVENT_FIELDS[event[0]], event[1:], strict=False))
+        elif isinstance(event, dict) and event.get("type") in EVENT_FIELDS:
+            kind = event["type"]
+        else:
+            raise ValueError(f"not a KV cache event: {str(event)[:80]}")
+        if event.get("medium") not in (None, "GPU") or event.get("group_idx") not in (None, 0):
+            return  # an offloaded copy, or another KV cache group: not what a request reuses
+        try:
+            if kind == "AllBlocksCleared":
+                self.clear()
+            elif kind == "BlockRemoved":
+                self.removed(event["block_hashes"])
+            elif not (event.get("lora_id") or event.get("lora_name")):
+                # A LoRA's blocks serve only requests that name it.
+                self.stored(
+                    event["parent_block_hash"], event["block_hashes"], event["token_ids"],
+                    event["block_size"], event.get("extra_keys") or (),
+                )  # fmt: skip
+        except (KeyError, TypeError) as missing:
+            raise ValueError(f"{kind} without a usable {missing}") from None
+
+    def stored(
+        self,
+        parent: object,
+        hashes: Sequence[object],
+        tokens: Sequence[int],
+        size: int,
+        extra_keys: Sequence[object] = (),
+    ) -> None:
+        if not isinstance(size, int) or size <= 0 or not isinstance(tokens, list):
+            raise ValueError(f"BlockStored with block_size {size!r}")
+        if size < self.block_size:
+            # A partial entry: where the engine hashes finer than it caches (vLLM's
+            # hash_block_size, hybrid models), a prompt's tail block is also published at
+            # the finer grain. Requests match whole cache blocks only.
+            return
+        if size > self.block_size > 0:
+            self.clear()  # all it said before was such partial entries
+            self.block_size = size
+        if parent is None:
+            chain, position = 0, 0
+        elif (where := self.known.get(parent)) is not None:
+            chain, position = where[0], where[1] + 1
+        else:
+            self.unplaced += len(hashes)
+            return
+        self.block_size = size
+        for i, block_hash in enumerate(hashes):
+            block = tuple(tokens[i * size : (i + 1) * size])
+            if len(block) < size:
+                break  # a partial block: requests match whole blocks only
+            if i < len(extra_keys) and extra_keys[i] is not None:
+                break  # images or a cache salt in it: only requests with the same match it
+            chain ^= hash((position, block))
+            if block_hash not in self.known:
+                self.known[block_hash] = (chain, position)
+                self.stored_total += 1
+                self.chains[chain] = self.chains.get(chain, 0) + 1
+            position += 1
+
+    def removed(self, hashes: Sequence[object]) -> None:
+        for block_hash in hashes:
+            if (where := self.known.pop(block_hash, None)) is None:
+                continue
+            if (count := self.chains[where[0]] - 1) > 0:
+                self.chains[where[0]] = count
+            else:
+                del self.chains[where[0]]
+
+    def clear(self) -> None:
+        self.chains.clear()
+        self.known.clear()
+
+
+class KvFeed:
+    """One engine's KV event stream (vLLM's ZMQ publisher) and what it says the engine holds.
+
+    Until the engine has published something, its blocks are unknown and routing estimates
+    them (PrefixIndex): an idle engine and a wrong port look alike from here.
+    """
+
+    def __init__(self, endpoint: str, replay: str | None) -> None:
+        self.endpoint = endpoint
+        self.replay = replay
+        self.held = HeldBlocks()
+        self.next_seq: int | None = None
+        self.heard_at = -math.inf  # monotonic
+        self.engine_id: str | None = None  # a prefill engine's: a new one means a restart
+        self.batches = 0
+        self.gaps = 0  # sequence numbers never received, not even by replay
+        self.problem: str | None = None  # the last malformed message or failed replay
+        self.logged: set[str] = set()  # kinds of problem logged: each once
+        self.joining = False  # replaying what the engine said before this process listened
+        self.replayed = range(0)  # what that replay applied: the live stream repeats some of it
+        self.replay_paused_until = -math.inf  # monotonic; see REPLAY_PAUSE
+        # The tokens it stored lately, every sender's: how fast its cache turns over.
+        self.written = Decayed()
+
+    def may_replay(self) -> bool:
+        return time.monotonic() >= self.replay_paused_until
+
+    @property
+    def live(self) -> bool:
+        return self.batches > 0 and not self.joining
+
+    def restarted(self, why: str) -> None:
+        if self.held:
+            log.info("KV events %s: %s, its blocks are forgotten", self.endpoint, why)
+        self.held.clear()
+        self.held.block_size = 0  # it may have come back with another
+
+    def status(self, now: float) -> dict[str, Any]:
+        if self.joining:
+            source = f"estimate (catching up on the replay of {self.replay})"
+        elif not self.live:
+            source = f"estimate (no KV events yet from {self.endpoint})"
+        else:
+            source = f"kv events ({self.endpoint}, last {now - self.heard_at:.1f} s ago)"
+        status = {"kv_source": source, "kv_blocks": len(self.held), "kv_event_gaps": self.gaps}
+        return status | {"kv_event_problem": self.problem}
+
+
+# Batches a subscriber keeps while it falls behind; beyond them ZMQ drops, and the gap in the
+# sequence numbers is asked for again (replay) or counted.
+KV_EVENTS_HWM: Final = 100_000
+
+# Seconds for a replay socket to answer each batch: a busy engine's publisher thread answers
+# between its work (real vLLM on 2 loaded cores took over a second). Only this engine's events
+# wait meanwhile, never a request.
+REPLAY_TIMEOUT: Final = 10.0
+
+REPLAY_SLICE: Final = 32  # replayed batches applied between two turns of the event loop
+
+# After a replay that did not answer, gaps are counted as missed for this long instead of
+# asked for again: each ask would hold this engine's live events back for REPLAY_TIMEOUT.
+REPLAY_PAUSE: Final = 30.0
+
+
+async def watch_kv_events(app: web.Application) -> None:
+    """With --kv-events-port, follow every engine's KV event stream, each in a task of its
+    own, as discovery adds them. Nothing here is on a request's path: a slow or dead
+    publisher only leaves its engine's view as it was (and estimated until it speaks)."""
+    state = app[STATE_KEY]
+    fleet = state.fleet
+    try:
+        import msgspec
+        import zmq.asyncio
+    except ImportError as missing:
+        log.warning(
+            "routing on KV events needs pip install 'mooncake-proxy[precise]' (%s); "
+            "what each engine holds is estimated instead", missing,
+        )  # fmt: skip
+        return
+    context = zmq.asyncio.Context()
+    decode = msgspec.msgpack.Decoder().decode
+    followed: dict[KvFeed, asyncio.Task[None]] = {}
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            while True:
+                fleet.feeds_changed.clear()
+                feeds = set(fleet.feeds.values())
+                for feed in feeds - followed.keys():
+                    followed[feed] = tasks.create_task(follow_kv_feed(state, feed, context, decode))
+                for feed in followed.keys() - feeds:  # its instance left the fleet
+                    followed.pop(feed).cancel()
+                await fleet.feeds_changed.wait()
+    finally:
+        context.destroy(linger=0)
+
+
+async def follow_kv_feed(
+    state: ProxyState, feed: KvFeed, context: Any, decode: Callable[[bytes], Any]
+) -> None:
+    """Subscribe to one engine's events (ZMQ PUB: topic, 8-byte sequence number, msgpack
+    batch) and apply them in order; ZMQ reconnects by itself when the engine comes back."""
+    import zmq
+
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.LINGER, 0)
+    subscriber.setsockopt(zmq.RCVHWM, KV_EVENTS_HWM)
+    subscriber.setsockopt(zmq.IPV6, 1)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(feed.endpoint)
+    try:
+        if feed.replay:
+            # Catch up on what the engine said before this process listened now, not when it
+            # next speaks: that is when traffic comes, and a full buffer takes a while.
+            await replay_kv_events(state, feed, context, decode, None)
+        while True:
+            frames = await subscriber.recv_multipart()
+            try:
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    raise ValueError(f"{len(frames)} frames, not topic, sequence and batch")
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq in feed.replayed:
+                    continue  # published while we caught up, and the replay had it too
+                feed.replayed = range(0)
+                if feed.next_seq is not None and seq < feed.next_seq:
+                    feed.restarted("its sequence numbers started again")
+                    feed.next_seq = None
+                # A gap, or joining an engine that was already publishing (this proxy, or
+                # the engine, started again): what it said before is in its replay buffer.
+                if feed.replay and seq > (feed.next_seq or 0) and feed.may_replay():
+                    await replay_kv_events(state, feed, context, decode, seq)
+                take_kv_batch(state, feed, seq, decode(frames[2]))
+            except Exception as error:  # msgspec's DecodeError is a ValueError
+                kv_feed_problem(state, feed, "batch", f"malformed batch ignored: {error}")
+    except Exception as error:  # a bug must not stop the other feeds
+        log.error("KV events %s: following stopped: %r", feed.endpoint, error)
+    finally:
+        subscriber.close(linger=0)
+
+
+def take_kv_batch(state: ProxyState, feed: KvFeed, seq: int, batch: object) -> None:
+    """Apply one batch ([ts, events, dp_rank]); what was skipped before it counts as missed."""
+    if isinstance(batch, dict):  # a map, where vLLM's EventBatch is no longer array-like
+        batch = [batch.get("ts"), batch.get("events")]
+    if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
+        raise ValueError("a batch is [timestamp, events, ...]")
+    if feed.next_seq is not None and seq > feed.next_seq:
+        missed = seq - feed.next_seq
+        feed.gaps += missed
+        state.metrics.kv_event_batches.labels("missed").inc(missed)
+        kv_feed_problem(state, feed, "missed", f"{missed} batch(es) missed", count=False)
+    feed.next_seq = seq + 1
+    stored_before = feed.held.stored_total
+    for event in batch[1]:
+        try:
+            feed.held.apply(event)
+        except (ValueError, KeyError, TypeError, IndexError) as error:
+            kv_feed_problem(state, feed, "event", f"malformed event ignored: {error}")
+    feed.batches += 1
+    feed.heard_at = time.monotonic()
+    if not feed.joining:  # a join's replay tells what was written before, not lately
+        stored = feed.held.stored_total - stored_before
+        feed.written.add(feed.heard_at, stored * feed.held.block_size)
+    state.metrics.kv_event_batches.labels("applied").inc()
+
+
+def kv_feed_problem(
+    state: ProxyState, feed: KvFeed, kind: str, problem: str, count: bool = True
+) -> None:
+    """Logged once while it repeats: a publisher that sends garbage must not flood the log."""
+    if count:
+        state.metrics.kv_event_batches.labels("malformed").inc()
+    if kind not in feed.logged:
+        feed.logged.add(kind)
+        log.warning(
+            "KV events %s: %s (logged once; /healthcheck shows the last)", feed.endpoint, problem
+        )
+    feed.problem = problem
+
+
+async def replay_kv_events(
+    state: ProxyState,
+    feed: KvFeed,
+    context: Any,
+    decode: Callable[[bytes], Any],
+    upto: int | None,
+) -> None:
+    """Ask the engine's replay socket (a ROUTER) for the batches from feed.next_seq (before
+    ``upto``, a live batch's seq; None when joining as this process subscribes); it answers
+    each as (topic, seq, batch), then a sequence number of -1. Joining, an engine that is not
+    up yet is no problem: its first batch will bring us here."""
+    import zmq
+
+    joining = upto is None
+    start = feed.next_seq or 0  # None: from the oldest batch it kept
+    # Joining, the engine may replay thousands of batches: until they are applied its view is
+    # not used, and other work gets the loop between every few of them.
+    feed.joining = feed.next_seq is None
+    applied = 0
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.IPV6, 1)
+    # vLLM sends the whole buffer at once (10,000 batches by default), and its ROUTER drops
+    # what exceeds its queue (1,000) while we read slower than it sends; ZMQ's I/O thread
+    # takes them all in here, our reading pace aside. Dropped, the batches were missed
+    # again, and the end marker with them: the join waited REPLAY_TIMEOUT.
+    dealer.setsockopt(zmq.RCVHWM, KV_EVENTS_HWM)
+    dealer.connect(feed.replay)
+    try:
+        await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        while True:
+            # Not asyncio.wait_for: on 3.11 it swallows a cancel that comes as the answer does.
+            async with asyncio.timeout(REPLAY_TIMEOUT):
+                frames = await dealer.recv_multipart()
+            seq = int.from_bytes(frames[2], "big", signed=True) if len(frames) == 4 else -1
+            if seq < 0:
+                return
+            if (upto is not None and seq >= upto) or (
+                feed.next_seq is not None and seq < feed.next_seq
+            ):
+                continue
+            if feed.next_seq is None:
+                feed.next_seq = start = seq  # joining: from the oldest batch kept, none missed
+            take_kv_batch(state, feed, seq, decode(frames[3]))
+            if (applied := applied + 1) % REPLAY_SLICE == 0:
+                await asyncio.sleep(0)
+    except TimeoutError:
+        feed.replay_paused_until = time.monotonic() + REPLAY_PAUSE
+        if not joining:
+            problem = f"replay {feed.replay} did not answer"
+            kv_feed_problem(state, feed, "replay", problem, count=False)
+    finally:
+        feed.joining = False
+        if joining and feed.next_seq is not None:  # the live stream repeats some of these
+            feed.replayed = range(start, feed.next_seq)
+        dealer.close(linger=0)
+
+
+async def watch_tokenizer(app: web.Application) -> None:
+    """Load the model's tokenizer for routing text prompts on KV events: --tokenizer, or the
+    root a prefill's /v1/models names, once one answers, if that is a local directory."""
+    state = app[STATE_KEY]
+    path = state.config.tokenizer
+    while path is None:
+        if (path := await model_root(state)) is None:
+            await asyncio.sleep(state.config.discovery_interval)
+    try:
+        state.tokenizer = await asyncio.to_thread(PromptTokenizer.load, path)
+    except Exception as error:
+        log.warning(
+            "no tokenizer in %r (%s): text prompts are routed on estimates (--tokenizer names "
+            "the model's tokenizer directory)", path, error,
+        )  # fmt: skip
+        return
+    log.info("text prompts are tokenized with %s for routing on KV events", path)
+
+
+async def model_root(state: ProxyState) -> str | None:
+    """The ``root`` of the first model a usable prefill's /v1/models lists."""
+    limits = state.config.upstream_timeout(state.config.health_timeout)
+    for instance in state.fleet.prefills:
+        if not instance.usable:
+            continue
+        with contextlib.suppress(CheckFailed, ValueError, LookupError, TypeError):
+            page = await get_checked(
+                state.health_session, "models", instance.routes["/v1/models"], limits
+            )
+            root = json.loads(page)["data"][0].get("root")
+            return root if isinstance(root, str) else None
+    return None
+
+
+# ================================================================================================
+# 10. The fleet: instances, discovery, health and load
+# Holds each prefill instance and its engines, each decode, the Fleet that holds them, and the
+# background coroutines that keep it true: health, bootstrap /query, vLLM's load, DNS.
+# Uses: 1-3, 7, 8 (each instance is a routing Target), 9.
+# ================================================================================================
 
 
 def _in_flight(target: Target) -> int:
@@ -3243,1481 +4978,6 @@ def parse_engine_ids(payload: object) -> tuple[str, ...]:
     return tuple(ranks[rank] for rank in range(len(ranks)))
 
 
-# --- request rewriting
-
-
-class PrefillKvTransferParams(TypedDict):
-    do_remote_decode: bool
-    do_remote_prefill: bool
-    transfer_id: str
-
-
-class DecodeKvTransferParams(TypedDict):
-    do_remote_decode: bool
-    do_remote_prefill: bool
-    remote_bootstrap_addr: str
-    remote_engine_id: str
-    transfer_id: str
-
-
-def mint_request_id(client_request_id: str | None) -> str:
-    """A request id unique across restarts and replicas: random, never a counter.
-
-    A client's own id is kept as a prefix so it shows in vLLM's logs and response ids, but the
-    random part keeps two requests with the same client id from sharing a ``transfer_id``.
-    """
-    suffix = os.urandom(16).hex()  # a random UUID's 32 hex digits, without making one
-    if client_request_id and CLIENT_REQUEST_ID_PATTERN.fullmatch(client_request_id):
-        return f"{client_request_id}-{suffix}"
-    return suffix
-
-
-def transfer_id_for(request_id: str) -> str:
-    return f"xfer-{request_id}"
-
-
-def prefill_body(body: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
-    """The prefill leg: one length-capped token whose only purpose is the KV cache.
-
-    The prefill pushes KV only if its single token ends the request by length. EOS, a stop
-    string or a stop token would end it "stopped" and free the KV unsent, so everything that
-    can stop it early is removed; the token itself is discarded (the decode samples its own).
-    """
-    prefill = dict(body)
-    for key in ("stream_options", "min_tokens", "stop", "stop_token_ids"):
-        prefill.pop(key, None)
-    prefill["stream"] = False
-    prefill["max_tokens"] = 1
-    if "max_completion_tokens" in prefill:
-        prefill["max_completion_tokens"] = 1
-    prefill["ignore_eos"] = True
-    prefill["kv_transfer_params"] = PrefillKvTransferParams(
-        do_remote_decode=True, do_remote_prefill=False, transfer_id=transfer_id
-    )
-    return prefill
-
-
-def decode_body(body: Mapping[str, Any], engine: PrefillEngine, transfer_id: str) -> dict[str, Any]:
-    """The decode leg: the client's request as sent, told where to pull its KV from."""
-    decode = dict(body)
-    decode["kv_transfer_params"] = DecodeKvTransferParams(
-        do_remote_decode=False,
-        do_remote_prefill=True,
-        remote_bootstrap_addr=engine.bootstrap_addr,
-        remote_engine_id=engine.engine_id,
-        transfer_id=transfer_id,
-    )
-    return decode
-
-
-def alone_body(body: Mapping[str, Any]) -> dict[str, Any]:
-    """A request for a decode alone (fans_out): the client's, with no KV to pull."""
-    alone = dict(body)
-    alone.pop("kv_transfer_params", None)
-    return alone
-
-
-# vLLM splits a request with these fields into several that all carry its kv_transfer_params,
-# each computing the prompt on the prefill and pulling it on the decode under the one
-# transfer_id. Mooncake hands a transfer to one puller: the others wait out vLLM's KV timeout
-# (seen on vLLM 0.32 through PD: 3 of 23 requests with n > 1 hung until it, most on prompts
-# the decode had cached before), or load another prompt's KV (a batch of prompts came back
-# with wrong text, with no error). Beam search sends requests of its own, which never pull the
-# KV at all. Such requests go to a decode alone, which computes the prompt itself.
-SAMPLE_COUNTS: Final = ("n", "best_of")
-
-
-def fans_out(path: str, body: Mapping[str, Any]) -> str | None:
-    """Why vLLM would split this request (the field that says so), or None if it would not.
-    Values are read as vLLM's validation reads them: "3" and 3.0 are 3."""
-    for name in SAMPLE_COUNTS:
-        if lax_int(body.get(name)) > 1:
-            return name
-    if lax_bool(body.get("use_beam_search")):
-        return "use_beam_search"
-    if not path.endswith("/chat/completions") and is_prompt_batch(body.get("prompt")):
-        return "prompt"
-    return None
-
-
-def lax_int(value: object) -> int:
-    """An integer as pydantic reads one in its lax mode; 0 for anything else."""
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            value = float(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value if isinstance(value, int) else 0
-
-
-def lax_bool(value: object) -> bool:
-    """True as pydantic reads it in its lax mode."""
-    if isinstance(value, str):
-        return value.strip().lower() in {"1", "true", "t", "yes", "y", "on"}
-    return isinstance(value, int | float) and value == 1  # True among them
-
-
-def is_prompt_batch(prompt: object) -> bool:
-    """More than one prompt: a list of texts or of token lists (a list of ints is one)."""
-    return (
-        isinstance(prompt, list)
-        and len(prompt) > 1
-        and all(isinstance(one, str | list) for one in prompt)
-    )
-
-
-# The fields either leg sets or drops (prefill_body, decode_body, alone_body). The rest of the
-# client's body is the same on both legs, and is encoded once for both (SharedBody).
-LEG_FIELDS: Final = (
-    *("stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens"),
-    *("stop", "stop_token_ids", "ignore_eos", "kv_transfer_params"),
-)
-# A leg's body as it goes on the wire, in pieces written one after the other.
-LegPayload = tuple[bytes | memoryview, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SharedBody:
-    """What every leg of a request sends of the client's body: its fields but LEG_FIELDS,
-    encoded once. A large prompt is then held once for both legs (and every retry) instead of
-    once per leg, and encoded once."""
-
-    json: bytes  # a JSON object, b"{...}"
-
-    @classmethod
-    def of(cls, body: Mapping[str, Any]) -> SharedBody:
-        return cls(
-            encode_json({key: value for key, value in body.items() if key not in LEG_FIELDS})
-        )
-
-    def with_fields(self, leg: Mapping[str, Any]) -> LegPayload:
-        """``leg`` (a body the rewriting functions made from the client's) on the wire: the
-        shared encoding, then the leg's own fields. The same object vLLM would have received
-        in one piece, its keys in another order."""
-        own = {key: leg[key] for key in LEG_FIELDS if key in leg}
-        if not own:
-            return (self.json,)
-        tail = encode_json(own)
-        if self.json == b"{}":
-            return (tail,)
-        return memoryview(self.json)[:-1], b"," + tail[1:]
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_request_json(raw: bytes | bytearray) -> dict[str, Any]:
-    """The client's body as a JSON object, or a 400 saying what is wrong with it.
-
-    A bytearray is consumed: it is emptied once decoded, so that a large body is never held as
-    bytes, text and objects at once (json.loads of bytes would keep all three).
-    """
-    if not raw or raw.isspace():
-        raise ProxyError(400, "request body is empty: expected a JSON object")
-    try:
-        # What json.loads does with bytes, done here so the bytes can go before parsing.
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
-    except UnicodeDecodeError as error:
-        raise ProxyError(400, f"request body is not valid JSON: {error}") from None
-    if isinstance(raw, bytearray):
-        raw.clear()
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise ProxyError(400, "request body is nested too deeply") from None
-    except ValueError as error:  # JSONDecodeError, invalid UTF-8, oversized integers
-        raise ProxyError(400, f"request body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise ProxyError(400, f"request body must be a JSON object, not {type(body).__name__}")
-    return body
-
-
-def encode_json(body: Mapping[str, Any]) -> bytes:
-    if FAST_DUMPS is not None:
-        # orjson refuses what the stdlib parser may have produced (lone surrogates, integers
-        # past 64 bits, nesting past 254): those rare bodies take the slow path below.
-        with contextlib.suppress(TypeError):
-            encoded = FAST_DUMPS(body)
-            # orjson's result keeps its 4 KiB starting buffer; an exact copy of a small body
-            # frees it: 8 KiB less per open stream, for a copy of a few hundred bytes.
-            return bytes(memoryview(encoded)) if len(encoded) < 4096 else encoded
-    try:
-        return json.dumps(body, separators=(",", ":")).encode()
-    except RecursionError:
-        raise ProxyError(400, "request body is nested too deeply") from None
-
-
-def upstream_headers(
-    client_headers: Mapping[str, str], request_id: str, config: ProxyConfig
-) -> dict[str, str]:
-    """Headers for both legs: the client's end-to-end headers plus the proxy's own.
-
-    The client's Authorization is forwarded only while the proxy checks no key of its own:
-    a key meant for the proxy is not vLLM's to see.
-    """
-    listed = {name.strip().lower() for name in client_headers.get(hdrs.CONNECTION, "").split(",")}
-    headers = {
-        name: value
-        for name, value in client_headers.items()
-        if name.lower() not in NOT_FORWARDED_HEADERS and name.lower() not in listed
-    }
-    headers[hdrs.CONTENT_TYPE] = "application/json"
-    if hdrs.USER_AGENT not in client_headers:
-        headers[hdrs.USER_AGENT] = USER_AGENT
-    headers[REQUEST_ID_HEADER] = request_id
-    if authorization := upstream_authorization(client_headers, config):
-        headers[hdrs.AUTHORIZATION] = authorization
-    headers.update(trace_headers(client_headers))
-    return headers
-
-
-def trace_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
-    """W3C trace context for both legs: the client's, if it is valid; else a new trace, so
-    that the prefill's and the decode's spans (vLLM's --otlp-traces-endpoint) share one trace
-    id all the same. Sampled: vLLM records what its parent asks to be recorded."""
-    given = client_headers.get("traceparent", "").strip()
-    if (match := TRACEPARENT_PATTERN.fullmatch(given)) is not None:
-        version, trace_id, span_id, _ = match.groups()[:4]
-        fields_fit = version != "00" or match[5] is None  # version 00 has four, no more
-        if version != "ff" and fields_fit and trace_id != "0" * 32 and span_id != "0" * 16:
-            headers = {"traceparent": given}
-            if state := client_headers.get("tracestate"):
-                headers["tracestate"] = state
-            return headers
-    trace_id, span_id = random.getrandbits(128) or 1, random.getrandbits(64) or 1
-    return {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}
-
-
-def trace_id_of(headers: Mapping[str, str]) -> str:
-    return headers["traceparent"][3:35]
-
-
-def upstream_authorization(client_headers: Mapping[str, str], config: ProxyConfig) -> str | None:
-    if config.upstream_api_key:
-        return f"Bearer {config.upstream_api_key}"
-    if config.api_key:
-        return None
-    return client_headers.get(hdrs.AUTHORIZATION)
-
-
-# --- upstream legs
-
-
-class UpstreamSlots:
-    """The --max-connections cap: upstream connections in use, handed out first come first served.
-
-    The proxy counts them itself instead of capping aiohttp's pool, so that a request waits for
-    a slot before its legs start (a bounded wait with an error of its own) and a health check,
-    which has a pool of its own, never waits behind client traffic and never mistakes the
-    proxy's own limit for an upstream that is down. A PD request takes both its slots at once:
-    decodes holding slots while waiting for prefills that cannot get one would deadlock.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit  # 0: no cap, and no bookkeeping either
-        self.in_use = 0
-        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
-
-    async def acquire(self, count: int, within: float) -> None:
-        """Take ``count`` slots; raises TimeoutError if they did not come free ``within`` s."""
-        if not self.limit:
-            return
-        if not self._waiters and self.in_use + count <= self.limit:
-            self.in_use += count
-            return
-        granted = asyncio.get_running_loop().create_future()
-        waiter = (count, granted)
-        self._waiters.append(waiter)
-        try:
-            async with asyncio.timeout(within):
-                await granted
-        except BaseException:
-            if granted.done() and not granted.cancelled():
-                self.release(count)  # granted just as the wait ended: give it back
-            else:
-                with contextlib.suppress(ValueError):  # _grant may have dropped it already
-                    self._waiters.remove(waiter)
-                self._grant()  # a smaller request behind this one may fit now
-            raise
-
-    def release(self, count: int) -> None:
-        if self.limit:
-            self.in_use -= count
-            self._grant()
-
-    def _grant(self) -> None:
-        while self._waiters and self.in_use + self._waiters[0][0] <= self.limit:
-            count, granted = self._waiters.popleft()
-            if not granted.done():  # done: its request gave up (cancelled) while queued
-                self.in_use += count
-                granted.set_result(None)
-
-
-class Admission:
-    """--max-in-flight: PD requests past it wait for one to finish, the lowest priority value
-    first (vLLM's own order under --scheduling-policy priority), then first come first served;
-    a bounded queue and a bounded wait, each answered 429 with Retry-After when exceeded, so a
-    saturated cluster pushes back at the door instead of growing vLLM's queues."""
-
-    RETRY_AFTER: ClassVar[int] = 1  # seconds: come back soon, the queue moves
-
-    def __init__(self, limit: int, max_queue: int, timeout: float) -> None:
-        self.limit, self.max_queue, self.timeout = limit, max_queue, timeout
-        self.running = 0
-        self.queued = 0  # waiting now (the heap may still hold some that gave up)
-        self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._arrival = itertools.count()
-
-    async def enter(self, priority: int) -> float:
-        """Wait for a turn; the seconds waited. Raises ProxyError(429) when none comes."""
-        if not self.limit or (self.running < self.limit and not self.queued):
-            self.running += 1
-            return 0.0
-        if self.queued >= self.max_queue:
-            raise self.refused(f"{self.queued} requests already wait (--max-queue)", "queue_full")
-        turn = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, (priority, next(self._arrival), turn))
-        self.queued += 1
-        started = time.monotonic()
-        try:
-            async with asyncio.timeout(self.timeout):
-                await turn
-        except BaseException as error:
-            if turn.done() and not turn.cancelled():
-                self.leave()  # handed a turn just as the wait ended: pass it on
-            else:
-                turn.cancel()  # left in the heap, skipped when its turn comes
-                self.queued -= 1
-            if isinstance(error, TimeoutError):
-                waited = f"waited {self.timeout:g} s for one of --max-in-flight {self.limit}"
-                raise self.refused(waited, "queue_timeout") from None
-            raise
-        return time.monotonic() - started
-
-    def configure(self, limit: int, max_queue: int, timeout: float) -> None:
-        """New limits from a reload; a raised (or lifted) limit lets waiting requests in."""
-        self.limit, self.max_queue, self.timeout = limit, max_queue, timeout
-        while self.queued and (not limit or self.running < limit):
-            self.running += 1
-            self.leave()
-
-    def leave(self) -> None:
-        """A request ended: its turn goes to the first waiting one, if any (none while a
-        reload lowered the limit below what runs)."""
-        while self._heap and (not self.limit or self.running <= self.limit):
-            _, _, turn = heapq.heappop(self._heap)
-            if not turn.done():
-                self.queued -= 1
-                turn.set_result(None)  # it runs in this one's place
-                return
-        self.running -= 1
-
-    def refused(self, why: str, reason: str) -> ProxyError:
-        message = f"the proxy is at capacity: {why}; try again shortly"
-        return ProxyError(429, message, reason=reason, retry_after=self.RETRY_AFTER)
-
-
-def request_priority(request: web.Request, body: Mapping[str, Any]) -> int:
-    """vLLM's request priority (lower runs first): the body's, else X-Vllm-Priority, else 0.
-    Both go to the legs unchanged; here it only orders the proxy's own queue."""
-    given = body.get("priority", request.headers.get(PRIORITY_HEADER))
-    try:
-        return int(given) if given is not None and not isinstance(given, bool) else 0
-    except (TypeError, ValueError):
-        return 0  # vLLM answers the bad value itself; the queue only needs an order
-
-
-def pool_exhausted(config: ProxyConfig, legs: str) -> ProxyError:
-    return ProxyError(
-        503,
-        f"all {config.max_connections} upstream connections allowed by --max-connections are "
-        f"in use; none came free within {config.pool_timeout:g} s (--pool-timeout) for {legs}",
-        reason="pool_timeout",
-        retry_after=1,
-    )
-
-
-class LegFailed(Exception):
-    """A leg's HTTP exchange failed on the wire: not an error status, no answer at all.
-
-    ``unreachable``: not one byte of an answer came (refused, reset, closed before answering),
-    so the request may be tried elsewhere and the upstream is likely down; ``timed_out``: the
-    connection could not be opened within --connect-timeout.
-    """
-
-    def __init__(self, message: str, *, unreachable: bool = False, timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.unreachable, self.timed_out = unreachable, timed_out
-
-
-# Below this a copy costs less than a second write (and a second syscall); above it the body
-# goes out as it is, not joined to the head (a 100 MiB prompt would be copied once more).
-LEG_BODY_COPY_LIMIT: Final = 64 * 1024
-
-
-class HttpLeg(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection to an upstream, carrying one leg at a time.
-
-    Below aiohttp's client on purpose (issue 15: two fifths less CPU per relayed token, with
-    the rest of its steps half as much per request): httptools
-    (llhttp, as uvicorn uses it) parses the answer in the read callback itself, and the body
-    pieces of one read go to ``sink`` together, right there, with no task woken for them.
-    Until a sink is set they are kept. The task that sent the request waits in ``wait`` for
-    what it needs (the head, a piece, the end, a pause); a failure on the wire raises there.
-    """
-
-    __slots__ = (
-        "answered",
-        "chunked",
-        "complete",
-        "content_length",
-        "content_type",
-        "error",
-        "head_in",
-        "idle",
-        "idle_since",
-        "informational",
-        "kept",
-        "out_of_step",
-        "parser",
-        "paused",
-        "reason",
-        "reusable",
-        "sink",
-        "status",
-        "transport",
-        "waiter",
-    )
-
-    def __init__(self, idle: dict[HttpLeg, None]) -> None:
-        self.idle = idle  # its upstream's idle connections, which it leaves when it closes
-        self.idle_since = 0.0
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.waiter: asyncio.Future[None] | None = None
-        self.sink: Callable[[list[bytes]], None] | None = None
-        self.kept: list[bytes] = []
-        self.status, self.reason = 0, b""
-        self.content_type: bytes | None = None
-        self.content_length: int | None = None
-        self.chunked = self.informational = self.answered = False
-        self.head_in = self.reusable = self.paused = self.out_of_step = False
-        self.complete = True  # no answer outstanding (send starts one)
-        self.error: LegFailed | None = None
-
-    @property
-    def open(self) -> bool:
-        return self.transport is not None and not self.transport.is_closing()
-
-    def send(self, head: bytes, body: LegPayload, size: int) -> None:
-        """Write a request whose body is ``size`` bytes in pieces; the answer to the last one
-        was read whole (or there was none)."""
-        assert self.transport is not None and self.sink is None
-        self.kept, self.status, self.answered = [], 0, False
-        self.head_in = self.complete = self.reusable = False
-        if size < LEG_BODY_COPY_LIMIT:
-            self.transport.write(b"".join((head, *body)))
-        else:
-            self.transport.write(head)
-            for piece in body:
-                self.transport.write(piece)
-
-    async def wait(self, ready: Callable[[], bool]) -> None:
-        """Until ``ready()``; raises LegFailed if the exchange fails first."""
-        while not ready():
-            if self.error is not None:
-                raise self.error
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-
-    def has_head(self) -> bool:
-        return self.head_in
-
-    def has_piece(self) -> bool:
-        return bool(self.kept) or self.complete
-
-    def is_complete(self) -> bool:
-        return self.complete
-
-    def body(self) -> bytes:
-        """The pieces kept so far, as one (the whole body, once complete without a sink)."""
-        body = self.kept[0] if len(self.kept) == 1 else b"".join(self.kept)
-        self.kept = []
-        return body
-
-    def pause(self) -> None:
-        """Stop reading the answer (the client is slower than the upstream) and wake the
-        waiting task, which resumes it once the client caught up."""
-        if self.transport is not None and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
-            self.wake()
-
-    def resume(self) -> None:
-        if self.paused:
-            self.paused = False
-            if self.transport is not None:
-                self.transport.resume_reading()
-
-    def close(self) -> None:
-        """Drop the connection: an upstream that sees it close aborts the request (vLLM does)."""
-        if self.transport is not None:
-            self.transport.close()
-
-    def wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    def fail(self, message: str) -> None:
-        self.close()
-        if self.error is None and not self.complete:
-            self.error = LegFailed(message, unreachable=not self.answered)
-            self.wake()
-
-    # asyncio.Protocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass of it
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self.answered = True
-            self.fail("answered with a protocol switch it was not asked for")
-        except httptools.HttpParserCallbackError:
-            if not self.out_of_step:
-                raise  # a bug of the proxy's, in a callback: not the upstream's fault
-        except httptools.HttpParserError as error:
-            self.answered = True
-            self.fail(f"sent a malformed answer ({error})")
-        if self.kept and self.sink is not None:
-            self.sink(self.kept)  # every piece this read brought, in one write to the client
-            self.kept.clear()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        self.idle.pop(self, None)
-        if self.complete or self.error is not None:
-            return
-        if self.head_in and exc is None and self.content_length is None and not self.chunked:
-            # An answer without a length ends with its connection (allowed, if rare).
-            self.complete = True
-        else:
-            when = "while answering" if self.answered else "before answering"
-            why = f" ({failure_detail(exc)})" if exc is not None else ""
-            self.error = LegFailed(
-                f"closed the connection {when}{why}", unreachable=not self.answered
-            )
-        self.wake()
-
-    # httptools' callbacks, as it parses
-
-    def on_message_begin(self) -> None:
-        if self.complete:  # an answer nobody asked for: the connection is out of step
-            self.out_of_step, self.reusable = True, False
-            self.close()
-            raise ConnectionError("an answer nobody asked for")  # stops the parser here
-        self.answered = True
-        self.reason, self.content_type, self.content_length, self.chunked = b"", None, None, False
-
-    def on_status(self, reason: bytes) -> None:
-        self.reason += reason  # in pieces, if it came split across reads
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        name = name.lower()
-        if name == b"content-type":
-            self.content_type = value
-        elif name == b"content-length":
-            self.content_length = int(value)  # llhttp let through only digits
-        elif name == b"transfer-encoding":
-            self.chunked = True
-
-    def on_headers_complete(self) -> None:
-        status = self.parser.get_status_code()
-        if status < 200:
-            self.informational = True  # 100 Continue, 103 Early Hints: the answer follows
-            return
-        self.status, self.head_in = status, True
-        self.wake()
-
-    def on_body(self, piece: bytes) -> None:
-        self.kept.append(piece)
-        if self.sink is None:
-            self.wake()
-
-    def on_message_complete(self) -> None:
-        if self.informational:
-            self.informational = False
-            return
-        # Asked here: once the parser has moved on it reads as a message without a length.
-        self.reusable = self.parser.should_keep_alive()
-        self.complete = True
-        self.wake()
-
-
-HEADS_KEPT: Final = 4096  # UpstreamPool's request lines: a few routes per instance
-
-
-class UpstreamPool:
-    """The legs' keep-alive connections, by upstream.
-
-    The newest idle connection is reused first (the likeliest still open, and the others age
-    out); none is kept idle past --keepalive-timeout, below vLLM's own idle limit, so the pool
-    does not reuse one vLLM is closing. A leg whose answer was not read whole is closed, not
-    kept: vLLM aborts a request whose connection closes.
-    """
-
-    def __init__(self, connect_timeout: float, keepalive_timeout: float) -> None:
-        self.connect_timeout, self.keepalive_timeout = connect_timeout, keepalive_timeout
-        self._idle: dict[str, dict[HttpLeg, None]] = {}  # by host:port, oldest first
-        self._heads: dict[tuple[bytes, URL], bytes] = {}
-        self._sweep: asyncio.TimerHandle | None = None
-        self._tls: ssl.SSLContext | None = None
-
-    async def send(self, method: bytes, url: URL, headers: bytes, body: LegPayload = ()) -> HttpLeg:
-        """A request on its way on a kept connection or a new one; LegFailed if none opens.
-        ``headers``: header_lines' of the request's own headers."""
-        size = sum(map(len, body))
-        head = self._head(method, url) + headers + b"Content-Length: %d\r\n\r\n" % size
-        leg = self._reuse(url.raw_authority) or await self._connect(url)
-        leg.send(head, body, size)
-        return leg
-
-    def finish(self, leg: HttpLeg) -> None:
-        """The leg is over: kept for the next if its answer was read whole and may be kept,
-        else closed (mid-answer, that aborts the request upstream)."""
-        leg.sink = None
-        if not (leg.complete and leg.reusable and leg.open and not leg.kept):
-            leg.close()
-            return
-        leg.resume()
-        leg.idle_since = asyncio.get_running_loop().time()
-        leg.idle[leg] = None
-        if self._sweep is None:
-            self._sweep = asyncio.get_running_loop().call_later(
-                self.keepalive_timeout, self._close_expired
-            )
-
-    def close(self) -> None:
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = None
-        for idle in self._idle.values():
-            for leg in list(idle):
-                leg.close()
-            idle.clear()
-
-    def _reuse(self, upstream: str) -> HttpLeg | None:
-        idle = self._idle.get(upstream)
-        now = asyncio.get_running_loop().time()
-        while idle:
-            leg, _ = idle.popitem()  # the newest: if it aged out, so did the rest
-            if leg.open and now - leg.idle_since < self.keepalive_timeout:
-                return leg
-            leg.close()
-        return None
-
-    async def _connect(self, url: URL) -> HttpLeg:
-        loop = asyncio.get_running_loop()
-        idle = self._idle.setdefault(url.raw_authority, {})
-        host, port = url.host or "", url.port or 0  # parse_backend_url made it explicit
-        tls = self.tls() if url.scheme == "https" else None
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                _, leg = await loop.create_connection(lambda: HttpLeg(idle), host, port, ssl=tls)
-        except TimeoutError:
-            message = f"cannot connect to {host}:{port} within {self.connect_timeout:g} s"
-            raise LegFailed(message, unreachable=True, timed_out=True) from None
-        except OSError as error:
-            message = f"cannot connect to {host}:{port}: {os_error_reason(error)}"
-            raise LegFailed(message, unreachable=True) from None
-        return leg
-
-    def _head(self, method: bytes, url: URL) -> bytes:
-        """The request line and Host, made once per upstream route."""
-        head = self._heads.get((method, url))
-        if head is None:
-            if len(self._heads) >= HEADS_KEPT:  # instances come and go (DNS): start again
-                self._heads.clear()
-            line = f"{method.decode()} {url.raw_path_qs} HTTP/1.1\r\nHost: {url.raw_authority}\r\n"
-            head = self._heads[method, url] = line.encode()
-        return head
-
-    def _close_expired(self) -> None:
-        """Close the connections idle for --keepalive-timeout; again later while any is idle."""
-        self._sweep = None
-        loop = asyncio.get_running_loop()
-        oldest_kept = loop.time() - self.keepalive_timeout
-        for idle in self._idle.values():
-            for leg in list(idle):
-                if leg.idle_since > oldest_kept:
-                    break  # the rest came back later still
-                del idle[leg]
-                leg.close()
-        if any(self._idle.values()):
-            self._sweep = loop.call_later(self.keepalive_timeout, self._close_expired)
-
-    def tls(self) -> ssl.SSLContext:
-        if self._tls is None:
-            self._tls = ssl.create_default_context()
-        return self._tls
-
-
-def header_lines(headers: Mapping[str, str]) -> bytes:
-    """Headers as they go on the wire (UpstreamPool.send adds Content-Length and the end)."""
-    block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
-    if block.count("\n") != len(headers) or block.count("\r") != len(headers):
-        # aiohttp's parser lets no line break into a client's header, nor the configuration
-        # into the upstream key (header_value): one here is the proxy's bug. Refuse rather
-        # than send a header nobody wrote.
-        raise ProxyError(500, "a header for the upstream contains a line break")
-    return block.encode("utf-8", "surrogateescape")
-
-
-class Unreachable(ProxyError):
-    """A leg never reached its upstream: safe to try elsewhere, and a sign the host is down.
-
-    ``backend`` is the instance that could not be reached; None once no try is left.
-    """
-
-    def __init__(self, *args: Any, backend: Backend | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.backend = backend
-
-
-# Seconds a decode's 5xx waits for its prefill leg to fail too (a refused or reset connection
-# shows within a round trip); a prefill still computing is not waited for longer than this.
-PREFILL_FAILURE_GRACE: Final = 0.25
-# Refused or reset connections and connect timeouts; not a slow answer, not an HTTP status.
-UNREACHABLE_ERRORS: Final = (
-    aiohttp.ClientConnectorError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ConnectionTimeoutError,
-)
-
-
-def was_reset(error: BaseException) -> bool:
-    """A connection reset before the answer came: a restarting server closing its idle
-    keep-alive connections as the request was written on one (uvicorn does on SIGTERM)."""
-    if isinstance(error, aiohttp.ClientConnectionResetError):
-        return True
-    if not isinstance(error, aiohttp.ClientOSError):
-        return False
-    # A connection found closing as the body is written comes as "Can not write request
-    # body", a ClientOSError without an errno, the reset its cause (aiohttp 3.14).
-    return error.errno in RESET_ERRNOS or isinstance(error.__cause__, ConnectionResetError)
-
-
-RESET_ERRNOS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
-
-
-def failure_detail(error: BaseException) -> str:
-    """What went wrong, in words: aiohttp's connect errors mention ssl even for plain http."""
-    if isinstance(error, aiohttp.ClientConnectorError) and not isinstance(
-        error, aiohttp.ClientSSLError
-    ):
-        return f"cannot connect to {error.host}:{error.port}: {os_error_reason(error.os_error)}"
-    return str(error) or type(error).__name__
-
-
-def os_error_reason(error: OSError) -> str:
-    # An SSLError's errno is OpenSSL's (1 for a certificate refused), not the system's.
-    if isinstance(error, ssl.SSLError):
-        return str(error)
-    if isinstance(error, socket.gaierror) or not error.errno:
-        return error.strerror or str(error) or type(error).__name__
-    return os.strerror(error.errno)
-
-
-def transport_error(
-    stage: str, url: URL, error: BaseException, backend: Backend | None = None
-) -> ProxyError:
-    """The one place that turns a failure to reach an upstream into the client's error: a
-    leg's (LegFailed, or its deadline) or a health check's (aiohttp's client)."""
-    if isinstance(error, LegFailed):
-        unreachable, timed_out = error.unreachable, error.timed_out
-    else:
-        unreachable = isinstance(error, UNREACHABLE_ERRORS) or was_reset(error)
-        timed_out = isinstance(error, TimeoutError)
-    status = 504 if timed_out else 502
-    if unreachable:
-        reason = "timeout" if timed_out else "refused"
-        message = f"{stage} {url} unreachable: {failure_detail(error)}"
-        return Unreachable(status, message, reason=reason, backend=backend)
-    if timed_out:
-        return ProxyError(status, f"{stage} {url} timed out", reason="timeout")
-    return ProxyError(status, f"{stage} {url} failed: {failure_detail(error)}", reason="broken")
-
-
-def upstream_failure(
-    stage: str, url: URL, leg: HttpLeg, body: bytes, suspect: Backend
-) -> ProxyError:
-    """An upstream's own error answer, passed on as it came. A 5xx has ``suspect`` checked at
-    once: vLLM answers a decode that names a stale engine id with an immediate 500."""
-    if leg.status >= 500:
-        suspect.recheck.set()
-    ctype = (leg.content_type or b"").decode("latin-1")
-    return ProxyError.from_upstream(stage, url, leg.status, body, ctype)
-
-
-def prefill_outcome(body: bytes) -> tuple[str | None, int]:
-    """Why a 2xx prefill answer means its KV will never reach the decode (None if it will),
-    and the prompt's length in tokens that it reports (0 if it does not)."""
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        return "answered 2xx with a body that is not JSON", 0
-    choices = payload.get("choices") if isinstance(payload, dict) else None
-    if not isinstance(choices, list) or not choices:
-        return "answered 2xx without choices", 0
-    for choice in choices:
-        reason = choice.get("finish_reason") if isinstance(choice, dict) else None
-        if reason != "length":
-            return (
-                f"ended with finish_reason {reason!r} instead of 'length', "
-                "so vLLM frees its KV cache instead of sending it"
-            ), 0
-    usage = payload.get("usage")
-    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return None, tokens if isinstance(tokens, int) else 0
-
-
-class RelayResponse(web.StreamResponse):
-    """The client's response: its headers leave together with the first body bytes.
-
-    The relay prepares it only when those bytes are in hand, so buffering the headers saves
-    a write (a syscall and a TCP segment) per request and delays nothing.
-    """
-
-    _send_headers_immediately = False
-
-
-class ClientGone(Exception):
-    """Writing to the client failed: it closed its connection before its answer was whole."""
-
-
-def leg_error(task: asyncio.Task[None]) -> BaseException | None:
-    """How a leg run as a task failed; None while it runs, or if it succeeded or was cancelled."""
-    if not task.done() or task.cancelled():
-        return None
-    return task.exception()
-
-
-@contextlib.asynccontextmanager
-async def stopped_if_prefill_fails(
-    attempt: Attempt, instance: PrefillInstance, prefill: asyncio.Task[None]
-) -> AsyncIterator[None]:
-    """Runs the decode leg (the block) while ``prefill`` runs beside it on ``instance``.
-
-    A prefill that fails while the block runs means its KV will never come: the block is
-    cancelled at once rather than after vLLM's KV timeout, and the prefill's error leaves it in
-    place of whatever the decode did, as the root cause. So does a prefill instance that goes
-    down (its checks fail, its port refuses) or restarts before a streamed decode's first
-    bytes, even after the prefill answered: the KV it held went with it, and the decode would
-    wait out Mooncake's timeouts; no byte has reached the client, so the pair is tried again
-    elsewhere. Not a non-streamed one: it sends nothing before its whole answer, so a decode
-    still waiting for the KV cannot be told from one generating. The block runs in the
-    handler's own task (one task less per request); a client gone at the same time still wins.
-    """
-    handler = asyncio.current_task()
-    assert handler is not None
-    exchange = attempt.exchange
-    running, stopped = True, False
-    lost: Unreachable | None = None  # the KV, with the prefill instance that held it
-
-    def stop() -> None:
-        # Once: a second cancel would outlive the uncancel() below and read as the client's.
-        nonlocal stopped
-        if running and not stopped:
-            stopped = True
-            handler.cancel()
-
-    def stop_the_decode(done: asyncio.Task[None]) -> None:
-        if leg_error(done) is not None:
-            stop()
-
-    def instance_down(why: str) -> None:
-        nonlocal lost
-        if running and not stopped and not exchange.response.prepared:
-            message = f"prefill {instance.url} {why} before its KV was pulled"
-            lost = Unreachable(502, message, reason="kv_lost", backend=instance)
-            stop()
-
-    prefill.add_done_callback(stop_the_decode)
-    if exchange.body.get("stream") is True:
-        instance.down_watchers.add(instance_down)
-    try:
-        yield
-    except (asyncio.CancelledError, ProxyError) as error:
-        cause = leg_error(prefill) or lost
-        if cause is None:
-            raise
-        if isinstance(error, asyncio.CancelledError) and handler.uncancel() > 0:
-            raise  # the client went away as well
-        raise cause from None
-    finally:
-        running = False
-        instance.down_watchers.discard(instance_down)
-
-
-# --- the PD flow
-
-
-async def run_pd_request(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-    """One PD request, as the README's "How a request flows" numbers its steps (1 is the
-    handler's: the body is parsed, the proxy is ready)."""
-    exchange = Exchange.of(request, body)
-    await exchange.learn_tokens()
-    while True:
-        try:
-            async with (
-                exchange.attempt() as attempt,  # 2, 3: a prefill engine, a decode, the ids
-                attempt.beside_prefill(),  # 4; 6, 7 if it fails (none for a decode alone)
-            ):
-                await attempt.relay_decode()  # 4, 5; and 7 while a decode is refused
-            return exchange.response
-        except ProxyError as failure:
-            if exchange.try_again(failure):  # 7: a new pair, a new transfer_id
-                continue
-            return await exchange.fail(failure)  # 6: its own answer, or in band once streaming
-        except ClientGone:
-            return exchange.client_gone()
-
-
-@dataclass(eq=False)
-class Exchange:
-    """One client request on its way through the PD flow: what its attempts share."""
-
-    request: web.Request
-    state: ProxyState
-    body: dict[str, Any]
-    stats: RequestStats
-    headers: dict[str, str]  # for both legs; each attempt sets its own X-Request-Id
-    lines: bytes  # the headers as written (header_lines), for the attempt they name
-    shared: SharedBody | None  # what both legs of every attempt send of a large body
-    retries_left: int
-    route: RouteKey | None = None  # for prefix_aware routing
-    alone: str | None = None  # why it goes to a decode alone (fans_out), if it does
-    response: RelayResponse = field(default_factory=RelayResponse)
-    attempts: int = 0
-    failures: list[Unreachable] = field(default_factory=list)
-    tried: set[Backend] = field(default_factory=set)  # instances found unreachable
-
-    @classmethod
-    def of(cls, request: web.Request, body: dict[str, Any]) -> Exchange:
-        state, stats = request.app[STATE_KEY], request[STATS_KEY]
-        headers = upstream_headers(request.headers, stats.request_id, state.config)
-        stats.trace_id = trace_id_of(headers)
-        if state.tracing is not None:
-            stats.span = state.tracing.request_span(request.headers, stats.route)
-            stats.span.set_attribute("mooncake.request_id", stats.request_id)
-            stats.trace_id = trace_id_of_span(stats.span)
-        route = None
-        if state.fleet.routes_by_prefix:
-            user = body.get("user")
-            session = request.headers.get(SESSION_HEADER) or (
-                user if isinstance(user, str) else None
-            )
-            route = route_key(request.path, body, session, state.config.prefix_block_bytes)
-        lines = header_lines(headers)  # the first attempt's, rendered before any claim
-        if (alone := fans_out(request.path, body)) is not None:
-            state.metrics.of(state.metrics.prefill_skipped, alone).inc()
-        # A large body's fields that both legs send are encoded once, for both; a small one's
-        # legs are each encoded whole, which costs less than the pieces (3 us a request).
-        size = request.content_length  # None: chunked
-        shared = None if size is not None and size < LEG_BODY_COPY_LIMIT else SharedBody.of(body)
-        retries = state.config.max_retries
-        return cls(request, state, body, stats, headers, lines, shared, retries, route, alone)
-
-    def payload(self, leg: Mapping[str, Any]) -> LegPayload:
-        """``leg`` (a body the rewriting functions made of the client's) as it is sent."""
-        return (encode_json(leg),) if self.shared is None else self.shared.with_fields(leg)
-
-    async def learn_tokens(self) -> None:
-        """With KV events heard, the prompt's token ids as vLLM computes them, as far as they
-        match blocks the engines hold (a long prompt is tokenized in a thread, off the loop)."""
-        state = self.state
-        if self.route is None or not state.fleet.hears_kv_events:
-            return
-        if (tokens := prompt_token_ids(self.request.path, self.body)) is not None:
-            self.route = dataclasses.replace(self.route, tokens=tokens)
-        elif (tokenizer := state.tokenizer) is not None:
-            views = state.fleet.kv_views()
-            reading = TokenReading(tokenizer, self.request.path, self.body, views)
-            if self.route.length > INLINE_TOKENS:
-                await asyncio.to_thread(reading.read)
-            else:
-                reading.read()
-            self.route = reading.key(self.route)
-            if reading.share < 1.0:
-                state.read_rest(reading)
-
-    @contextlib.asynccontextmanager
-    async def attempt(self) -> AsyncIterator[Attempt]:
-        """One try: its claims and slots are released however it ends, and a prefill still
-        running is kept if the decode finished, else cancelled (vLLM then aborts it)."""
-        attempt = await self.begin_attempt()
-        try:
-            yield attempt
-        except BaseException:
-            await attempt.abandon_prefill()
-            raise
-        else:
-            attempt.hand_over_prefill()
-        finally:
-            self.state.fleet.release_decode(attempt.decode)
-            self.state.slots.release(1)
-
-    async def begin_attempt(self) -> Attempt:
-        """Claim a prefill engine (none for a decode alone), a decode and the legs' upstream
-        connections; the first attempt goes by the request's id, a retry by a new one (so a
-        new ``transfer_id``)."""
-        engine, decode = self.claim_pair()
-        try:
-            await self.state.slots.acquire(
-                1 if engine is None else 2, self.state.config.pool_timeout
-            )
-        except BaseException as error:
-            self.state.fleet.release_decode(decode)
-            legs = f"decode {decode.url}"
-            if engine is not None:
-                self.state.fleet.release_prefill(engine)
-                legs = f"prefill {engine.url} rank {engine.dp_rank} and {legs}"
-            if isinstance(error, TimeoutError):
-                raise pool_exhausted(self.state.config, legs) from None
-            raise
-        self.attempts += 1
-        request_id = self.stats.request_id
-        if self.attempts > 1:
-            request_id = mint_request_id(self.request.headers.get(REQUEST_ID_HEADER))
-            self.stats.request_id = self.headers[REQUEST_ID_HEADER] = request_id
-            self.lines = header_lines(self.headers)  # passed once already: cannot fail now
-        self.response.headers[REQUEST_ID_HEADER] = request_id
-        if engine is not None:
-            self.stats.prefill = f"{engine.url}#{engine.dp_rank}"
-        self.stats.decode = str(decode.url)
-        if self.failures:
-            failure, where = self.failures[-1].message, (engine or decode).url
-            log.info("%s; retrying on %s as request %s", failure, where, request_id)
-        return Attempt(self, request_id, engine, decode)
-
-    def claim_pair(self) -> tuple[PrefillEngine | None, DecodeInstance]:
-        """A prefill engine (None for a decode alone) and a decode, among those not tried."""
-        fleet = self.state.fleet
-        try:
-            engine = None if self.alone else fleet.claim_prefill(self.tried, self.route)
-            try:
-                return engine, fleet.claim_decode(self.tried, self.route)
-            except ProxyError:
-                if engine is not None:
-                    fleet.release_prefill(engine)
-                raise
-        except ProxyError as nothing_left:
-            raise self.exhausted() if self.failures else nothing_left from None
-
-    def fail_over(self, stage: str, backend: Backend, failure: Unreachable) -> None:
-        """Step 7, for either leg: take the instance that could not be reached out of the
-        rotation and allow another try elsewhere; raises naming every try when none is left."""
-        self.failures.append(failure)
-        self.tried.add(backend)
-        self.state.fleet.take_out(backend, failure.message)
-        self.state.metrics.errors.labels(stage, failure.reason).inc()
-        if self.retries_left <= 0:
-            raise self.exhausted()
-        self.retries_left -= 1
-        self.state.metrics.retries.labels(stage).inc()
-
-    def try_again(self, failure: ProxyError) -> bool:
-        """True to start the pair again elsewhere: nothing reached the client, and an instance
-        was unreachable or lost the request before answering (a decode that took it may have
-        pulled the KV, which the prefill gives out once, so the pair starts again whole)."""
-        if self.response.prepared or not isinstance(failure, Unreachable):
-            return False
-        if failure.backend is None:
-            return False
-        self.fail_over(failure.backend.role, failure.backend, failure)
-        return True
-
-    def exhausted(self) -> Unreachable:
-        """The error of a request that ran out of tries: it names each, and is not retried."""
-        last = self.failures[-1]
-        message = last.message
-        if len(self.failures) > 1:
-            tried = "; ".join(failure.message for failure in self.failures)
-            message = f"{len(self.failures)} attempts failed: {tried}"
-        return Unreachable(last.status, message, reason=last.reason)
-
-    def count_failure(self, stage: str, failure: ProxyError) -> None:
-        if not isinstance(failure, Unreachable):  # fail_over counts those
-            self.state.metrics.errors.labels(stage, failure.reason).inc()
-
-    async def fail(self, error: ProxyError) -> web.StreamResponse:
-        """Answer with the error, or in band once the stream has started (step 6)."""
-        response = self.response
-        if not response.prepared:
-            raise error  # the error middleware answers with it
-        self.stats.outcome = f"stream_error:{error.reason}"
-        log.warning("stream already started, ending it with an error: %s", error.message)
-        if response.headers.get(hdrs.CONTENT_TYPE, "").startswith(SSE_CONTENT_TYPE):
-            frame = error.sse_frame()
-            self.stats.bytes_out += len(frame)
-            with contextlib.suppress(ConnectionError):
-                await response.write(frame)
-                await response.write_eof()
-        elif self.request.transport is not None:
-            # A plain body cut short must not look complete: drop the connection instead.
-            self.request.transport.close()
-        return response
-
-    def client_gone(self) -> web.StreamResponse:
-        # Found on a write before aiohttp cancelled the handler: the same as being cancelled.
-        self.stats.outcome = "client_gone"
-        self.state.metrics.errors.labels("client", "client_gone").inc()
-        return self.response
-
-
-@dataclass(eq=False)
-class Attempt:
-    """One try of the pair of legs: the ids it goes by, the prefill engine (None for a decode
-    alone) and the decode it holds claims on (the decode changes while one refuses), and its
-    prefill leg."""
-
-    exchange: Exchange
-    request_id: str
-    engine: PrefillEngine | None
-    decode: DecodeInstance
-    prefill: asyncio.Task[None] | None = None
-    decode_leg: HttpLeg | None = None
-    prefill_span: Any = None  # with --otlp-traces-endpoint
-    decode_span: Any = None
-
-    @property
-    def transfer_id(self) -> str:
-        return transfer_id_for(self.request_id)
-
-    def beside_prefill(self) -> contextlib.AbstractAsyncContextManager[None]:
-        """The decode leg's context: the prefill leg sent beside it, which stops it if the
-        prefill fails; nothing for a decode alone."""
-        if self.engine is None:
-            return contextlib.nullcontext()
-        engine = self.engine
-        return stopped_if_prefill_fails(self, engine.instance, self.send_prefill(engine))
-
-    def send_prefill(self, engine: PrefillEngine) -> asyncio.Task[None]:
-        """Step 4's prefill leg, as a task beside the decode; its claims go when it ends."""
-        exchange = self.exchange
-        payload = exchange.payload(prefill_body(exchange.body, self.transfer_id))
-        rank = b"%s: %d\r\n" % (DP_RANK_HEADER.encode(), engine.dp_rank)
-        self.prefill_span, headers = self.leg_span("prefill", engine.instance)
-        headers += rank
-        self.prefill = asyncio.create_task(send_prefill(exchange, engine, payload, headers))
-        # A done callback runs even for a task cancelled before it started: claims never leak.
-        self.prefill.add_done_callback(self.prefill_ended)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "request %s: prefill %s rank %d, decode %s",
-                *(self.request_id, engine.url, engine.dp_rank, self.decode.url),
-            )
-        return self.prefill
-
-    def prefill_ended(self, _: object = None) -> None:
-        assert self.engine is not None  # a prefill leg ran on it
-        self.exchange.state.fleet.release_prefill(self.engine)
-        self.exchange.state.slots.release(1)
-        if self.prefill_span is not None:
-            if self.prefill is not None and (error := leg_error(self.prefill)) is not None:
-                self.prefill_span.set_status(span_error(str(error)))
-            self.prefill_span.end()
-
-    def leg_span(self, stage: str, backend: Backend) -> tuple[Any, bytes]:
-        """The leg's headers; with tracing, its own span too, which they name as their parent."""
-        exchange = self.exchange
-        if exchange.stats.span is None or exchange.state.tracing is None:
-            return None, exchange.lines
-        span, headers = exchange.state.tracing.leg(exchange.stats.span, stage, exchange.headers)
-        span.set_attribute("server.address", str(backend.url))
-        if self.engine is not None:
-            span.set_attribute("mooncake.transfer_id", self.transfer_id)
-        return span, header_lines(headers)
-
-    async def abandon_prefill(self) -> None:
-        """The client went away or the decode failed: closing the prefill's connection makes
-        vLLM abort the request and free its slot."""
-        if self.prefill is None:
-            if self.engine is not None:
-                self.prefill_ended()  # never sent: its claims go all the same
-        elif not self.prefill.done():
-            self.prefill.cancel()
-            await asyncio.gather(self.prefill, return_exceptions=True)
-
-    def hand_over_prefill(self) -> None:
-        """The decode finished: a prefill still running is kept until it answers."""
-        prefill = self.prefill
-        if prefill is None:
-            return
-        lingering = self.exchange.state.lingering
-        if prefill.done():
-            self.prefill_outlived(prefill)
-            return
-        lingering.add(prefill)
-        prefill.add_done_callback(lingering.discard)
-        prefill.add_done_callback(self.prefill_outlived)
-
-    def prefill_outlived(self, prefill: asyncio.Task[None]) -> None:
-        if (error := leg_error(prefill)) is not None:
-            log.warning(
-                "request %s: prefill failed after decode finished: %s", self.request_id, error
-            )
-
-    async def open_decode(self) -> HttpLeg:
-        """Send the decode leg and wait for its head, moving to another decode while they
-        refuse the connection: one that never had the request never pulled the KV, which
-        waits for whoever pulls its ``transfer_id``. A decode that took the request and then
-        failed before answering may have pulled it (a non-streamed one answers only once it
-        generated all): the prefill gives a transfer out once, so the failure goes up, and
-        the pair starts again whole (Exchange.try_again)."""
-        exchange = self.exchange
-        fleet, upstreams = exchange.state.fleet, exchange.state.upstreams
-        if self.engine is None:
-            payload = exchange.payload(alone_body(exchange.body))
-        else:
-            payload = exchange.payload(decode_body(exchange.body, self.engine, self.transfer_id))
-        while True:
-            url = self.decode.routes[exchange.request.path]
-            self.decode_span, headers = self.leg_span("decode", self.decode)
-            try:
-                self.decode_leg = leg = await upstreams.send(b"POST", url, headers, payload)
-            except LegFailed as error:
-                failure = self.decode_failed(url, error)  # refused: never sent
-            else:
-                try:
-                    await leg.wait(leg.has_head)
-                    return leg
-                except LegFailed as error:
-                    raise self.decode_failed(url, error) from None
-            if not isinstance(failure, Unreachable):
-                raise failure
-            exchange.fail_over("decode", self.decode, failure)
-            try:
-                decode = fleet.claim_decode(exchange.tried, exchange.route)
-            except ProxyError:
-                raise exchange.exhausted() from None
-            fleet.release_decode(self.decode)
-            log.info("decode %s unreachable, trying %s", url, decode.url)
-            self.decode, exchange.stats.decode = decode, str(decode.url)
-
-    def decode_failed(self, url: URL, error: LegFailed) -> ProxyError:
-        failure = transport_error("decode", url, error, self.decode)
-        self.end_decode_span(failure.message)
-        self.finish_decode_leg()
-        return failure
-
-    async def relay_decode(self) -> None:
-        """Step 5: the decode's status, content type and bytes reach the client as they come.
-
-        The client's headers are held until the decode's first body bytes: a streaming decode
-        sends 200 before its KV arrives, and until real bytes flow a prefill failure can still
-        be answered with the prefill's own status.
-        """
-        exchange = self.exchange
-        try:
-            if (limit := exchange.state.config.request_timeout) is None:
-                await self.decode_leg_through()  # the default: a stream may last for hours
-            else:
-                async with asyncio.timeout(limit):
-                    await self.decode_leg_through()
-        except (LegFailed, TimeoutError) as error:
-            url = self.decode.routes[exchange.request.path]
-            failure = transport_error("decode", url, error)
-            exchange.count_failure("decode", failure)
-            raise ProxyError(failure.status, failure.message, reason="broken") from None
-        except ProxyError as failure:
-            exchange.count_failure("decode", failure)
-            self.end_decode_span(failure.message)
-            raise
-        finally:
-            self.finish_decode_leg()
-            self.end_decode_span()
-
-    async def decode_leg_through(self) -> None:
-        leg = await self.open_decode()
-        if leg.status >= 400:
-            await leg.wait(leg.is_complete)
-            if leg.status >= 500:
-                await self.let_prefill_speak()
-            url = self.decode.routes[self.exchange.request.path]
-            suspect = self.decode if self.engine is None else self.engine.instance
-            raise upstream_failure("decode", url, leg, leg.body(), suspect)
-        self.decode.last_success = time.monotonic()
-        await relay_body(self.exchange, leg)
-
-    def finish_decode_leg(self) -> None:
-        if self.decode_leg is not None:
-            self.exchange.state.upstreams.finish(self.decode_leg)
-            self.decode_leg = None
-
-    async def let_prefill_speak(self) -> None:
-        """A decode's 5xx is often the echo of a prefill that is gone (its bootstrap refused,
-        its engine id unknown): a moment for the prefill leg to fail first, so that its error
-        wins and the pair is tried elsewhere (stopped_if_prefill_fails) instead of failing."""
-        if self.prefill is not None and not self.prefill.done():
-            await asyncio.wait({self.prefill}, timeout=PREFILL_FAILURE_GRACE)
-
-    def end_decode_span(self, error: str | None = None) -> None:
-        if (span := self.decode_span) is None:
-            return
-        if error is not None:
-            span.set_status(span_error(error))
-        span.end()
-        self.decode_span = None
-
-
-async def relay_body(exchange: Exchange, leg: HttpLeg) -> None:
-    """Pass an answer on byte for byte: no re-chunking, what each read brought at once.
-
-    The first bytes leave with the client's headers through aiohttp's response; the rest is
-    written by the leg's read callback (DecodeRelay), and this task only wakes when the answer
-    is over, the client is gone, or the client fell behind and reading must wait for it.
-    """
-    response, stats = exchange.response, exchange.stats
-    response.set_status(leg.status, leg.reason.decode("latin-1"))
-    content_type = "application/octet-stream"
-    if leg.content_type is not None:
-        content_type = leg.content_type.decode("latin-1")
-    response.headers[hdrs.CONTENT_TYPE] = content_type
-    if leg.content_length is not None and not leg.chunked:
-        # A whole answer of known size (not a stream): headers, body and end in one write
-        # instead of a chunked body and its terminator.
-        response.content_length = leg.content_length
-    gaps = None
-    if leg.status == 200 and content_type.startswith(SSE_CONTENT_TYPE):
-        gaps = stats.token_gaps = TokenGaps()
-    await leg.wait(leg.has_piece)
-    writer = await response.prepare(exchange.request)
-    assert writer is not None  # None only for a response already ended
-    stats.first_byte = time.monotonic()
-    stats.status_sent = response.status
-    relay = DecodeRelay(exchange, leg, gaps)
-    try:
-        if first := leg.body():
-            relay.account(first)
-            await response.write(first)
-        relay.start()
-        while not leg.complete:
-            await leg.wait(relay.must_act)
-            if relay.gone:
-                raise ClientGone
-            if leg.paused:
-                await writer.drain()
-                leg.resume()
-    except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
-        raise ClientGone from None
-    if gaps is None and leg.status == 200:
-        stats.first_token = time.monotonic()  # a whole answer: its first token came with it
-    # A client that closed as soon as it read the last bytes had its whole answer.
-    with contextlib.suppress(ConnectionError):
-        await response.write_eof()
-
-
-class DecodeRelay:
-    """The decode's body after its first bytes, written to the client's connection from the
-    leg's read callback: one write per read, framed as the client's response is (chunked, or
-    as it is), and no task woken for it. When the client's connection holds more than it can
-    send (aiohttp's protocol says its writing is paused) the leg stops reading, and the
-    request's task waits for the client before it reads on: a slow client slows its decode
-    instead of filling the proxy's memory.
-    """
-
-    __slots__ = ("chunked", "client", "gaps", "gone", "leg", "protocol", "stats")
-
-    def __init__(self, exchange: Exchange, leg: HttpLeg, gaps: TokenGaps | None) -> None:
-        request = exchange.request
-        self.client = request.transport
-        self.protocol = request.protocol
-        self.leg, self.stats, self.gaps = leg, exchange.stats, gaps
-        self.chunked = exchange.response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked"
-        self.gone = self.client is None
-
-    def start(self) -> None:
-        """From now on the leg's pieces come here, those that came meanwhile first."""
-        self.leg.sink = self
-        if self.leg.kept:
-            self([self.leg.body()])
-
-    def must_act(self) -> bool:
-        return self.leg.complete or self.leg.paused or self.gone
-
-    def __call__(self, pieces: list[bytes]) -> None:
-        """The pieces one read of the decode brought (a list the leg reuses: not kept)."""
-        client = self.client
-        if client is None or client.is_closing():
-            self.gone = True
-            self.leg.close()  # vLLM aborts the request
-            self.leg.wake()
-            return
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        client.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
-        self.account(data)
-        if self.protocol.writing_paused:
-            self.leg.pause()
-
-    def account(self, data: bytes) -> None:
-        """Bytes out, and token timing for a stream: an SSE event ends with a blank line and
-        a JSON payload has no raw newline, so counting b"\n\n" finds the events unparsed."""
-        stats = self.stats
-        stats.bytes_out += len(data)
-        if self.gaps is not None and (events := data.count(b"\n\n")):
-            now = time.monotonic()
-            self.gaps.events(events, now)
-            if stats.first_token is None:
-                stats.first_token = now
-
-
-async def send_prefill(
-    exchange: Exchange, engine: PrefillEngine, payload: LegPayload, headers: bytes
-) -> None:
-    """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
-    state = exchange.state
-    url = engine.instance.routes[exchange.request.path]
-    where = f"prefill rank {engine.dp_rank}"
-    started = time.monotonic()
-    leg = None
-    try:
-        async with asyncio.timeout(state.config.prefill_timeout):
-            leg = await state.upstreams.send(b"POST", url, headers, payload)
-            await leg.wait(leg.is_complete)  # to the end, so the connection goes back to the pool
-        body = leg.body()
-        if not 200 <= leg.status < 300:
-            raise upstream_failure(where, url, leg, body, suspect=engine.instance)
-        problem, prompt_tokens = prefill_outcome(body)
-        if problem:
-            raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
-        exchange.stats.prefill_answered = time.monotonic()
-        if exchange.route is not None:
-            state.fleet.learn_bytes_per_token(exchange.route.length, prompt_tokens)
-    except (LegFailed, TimeoutError) as error:
-        failure = transport_error(where, url, error, engine.instance)
-        exchange.count_failure("prefill", failure)
-        raise failure from None
-    except ProxyError as failure:
-        exchange.count_failure("prefill", failure)
-        raise
-    finally:
-        if leg is not None:
-            state.upstreams.finish(leg)
-        finished = time.monotonic()
-        state.metrics.prefill_duration.observe(finished - started)
-    engine.instance.last_success = finished
-
-
-# --- discovery and health
-
-
 class CheckFailed(ValueError):
     """A health check or discovery failed; the message says why."""
 
@@ -4868,7 +5128,9 @@ LOAD_SERIES: Final = {
     "vllm:prefix_cache_queries_total": "prefix_queries",
     "vllm:request_success_total": "finished",
 }
+
 ENGINE_LABEL: Final = re.compile(r'[{,]engine="(\d+)"')
+
 # One engine's KV cache in tokens: with DP, num_gpu_blocks counts every rank's blocks.
 KV_TOKENS_LABEL: Final = re.compile(r'kv_cache_size_tokens="(\d+)"')
 
@@ -4958,226 +5220,6 @@ async def watch_load(app: web.Application) -> None:
             if isinstance(outcome, Exception):  # a bug must not end the scrapes
                 log.error("scraping load failed: %r", outcome)
         await asyncio.sleep(max(0.0, state.config.load_interval - (time.monotonic() - started)))
-
-
-# Batches a subscriber keeps while it falls behind; beyond them ZMQ drops, and the gap in the
-# sequence numbers is asked for again (replay) or counted.
-KV_EVENTS_HWM: Final = 100_000
-# Seconds for a replay socket to answer each batch: a busy engine's publisher thread answers
-# between its work (real vLLM on 2 loaded cores took over a second). Only this engine's events
-# wait meanwhile, never a request.
-REPLAY_TIMEOUT: Final = 10.0
-REPLAY_SLICE: Final = 32  # replayed batches applied between two turns of the event loop
-# After a replay that did not answer, gaps are counted as missed for this long instead of
-# asked for again: each ask would hold this engine's live events back for REPLAY_TIMEOUT.
-REPLAY_PAUSE: Final = 30.0
-
-
-async def watch_kv_events(app: web.Application) -> None:
-    """With --kv-events-port, follow every engine's KV event stream, each in a task of its
-    own, as discovery adds them. Nothing here is on a request's path: a slow or dead
-    publisher only leaves its engine's view as it was (and estimated until it speaks)."""
-    state = app[STATE_KEY]
-    fleet = state.fleet
-    try:
-        import msgspec
-        import zmq.asyncio
-    except ImportError as missing:
-        log.warning(
-            "routing on KV events needs pip install 'mooncake-proxy[precise]' (%s); "
-            "what each engine holds is estimated instead", missing,
-        )  # fmt: skip
-        return
-    context = zmq.asyncio.Context()
-    decode = msgspec.msgpack.Decoder().decode
-    followed: dict[KvFeed, asyncio.Task[None]] = {}
-    try:
-        async with asyncio.TaskGroup() as tasks:
-            while True:
-                fleet.feeds_changed.clear()
-                feeds = set(fleet.feeds.values())
-                for feed in feeds - followed.keys():
-                    followed[feed] = tasks.create_task(follow_kv_feed(state, feed, context, decode))
-                for feed in followed.keys() - feeds:  # its instance left the fleet
-                    followed.pop(feed).cancel()
-                await fleet.feeds_changed.wait()
-    finally:
-        context.destroy(linger=0)
-
-
-async def follow_kv_feed(
-    state: ProxyState, feed: KvFeed, context: Any, decode: Callable[[bytes], Any]
-) -> None:
-    """Subscribe to one engine's events (ZMQ PUB: topic, 8-byte sequence number, msgpack
-    batch) and apply them in order; ZMQ reconnects by itself when the engine comes back."""
-    import zmq
-
-    subscriber = context.socket(zmq.SUB)
-    subscriber.setsockopt(zmq.LINGER, 0)
-    subscriber.setsockopt(zmq.RCVHWM, KV_EVENTS_HWM)
-    subscriber.setsockopt(zmq.IPV6, 1)
-    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
-    subscriber.connect(feed.endpoint)
-    try:
-        if feed.replay:
-            # Catch up on what the engine said before this process listened now, not when it
-            # next speaks: that is when traffic comes, and a full buffer takes a while.
-            await replay_kv_events(state, feed, context, decode, None)
-        while True:
-            frames = await subscriber.recv_multipart()
-            try:
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    raise ValueError(f"{len(frames)} frames, not topic, sequence and batch")
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                if seq in feed.replayed:
-                    continue  # published while we caught up, and the replay had it too
-                feed.replayed = range(0)
-                if feed.next_seq is not None and seq < feed.next_seq:
-                    feed.restarted("its sequence numbers started again")
-                    feed.next_seq = None
-                # A gap, or joining an engine that was already publishing (this proxy, or
-                # the engine, started again): what it said before is in its replay buffer.
-                if feed.replay and seq > (feed.next_seq or 0) and feed.may_replay():
-                    await replay_kv_events(state, feed, context, decode, seq)
-                take_kv_batch(state, feed, seq, decode(frames[2]))
-            except Exception as error:  # msgspec's DecodeError is a ValueError
-                kv_feed_problem(state, feed, "batch", f"malformed batch ignored: {error}")
-    except Exception as error:  # a bug must not stop the other feeds
-        log.error("KV events %s: following stopped: %r", feed.endpoint, error)
-    finally:
-        subscriber.close(linger=0)
-
-
-def take_kv_batch(state: ProxyState, feed: KvFeed, seq: int, batch: object) -> None:
-    """Apply one batch ([ts, events, dp_rank]); what was skipped before it counts as missed."""
-    if isinstance(batch, dict):  # a map, where vLLM's EventBatch is no longer array-like
-        batch = [batch.get("ts"), batch.get("events")]
-    if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
-        raise ValueError("a batch is [timestamp, events, ...]")
-    if feed.next_seq is not None and seq > feed.next_seq:
-        missed = seq - feed.next_seq
-        feed.gaps += missed
-        state.metrics.kv_event_batches.labels("missed").inc(missed)
-        kv_feed_problem(state, feed, "missed", f"{missed} batch(es) missed", count=False)
-    feed.next_seq = seq + 1
-    stored_before = feed.held.stored_total
-    for event in batch[1]:
-        try:
-            feed.held.apply(event)
-        except (ValueError, KeyError, TypeError, IndexError) as error:
-            kv_feed_problem(state, feed, "event", f"malformed event ignored: {error}")
-    feed.batches += 1
-    feed.heard_at = time.monotonic()
-    if not feed.joining:  # a join's replay tells what was written before, not lately
-        stored = feed.held.stored_total - stored_before
-        feed.written.add(feed.heard_at, stored * feed.held.block_size)
-    state.metrics.kv_event_batches.labels("applied").inc()
-
-
-def kv_feed_problem(
-    state: ProxyState, feed: KvFeed, kind: str, problem: str, count: bool = True
-) -> None:
-    """Logged once while it repeats: a publisher that sends garbage must not flood the log."""
-    if count:
-        state.metrics.kv_event_batches.labels("malformed").inc()
-    if kind not in feed.logged:
-        feed.logged.add(kind)
-        log.warning(
-            "KV events %s: %s (logged once; /healthcheck shows the last)", feed.endpoint, problem
-        )
-    feed.problem = problem
-
-
-async def replay_kv_events(
-    state: ProxyState,
-    feed: KvFeed,
-    context: Any,
-    decode: Callable[[bytes], Any],
-    upto: int | None,
-) -> None:
-    """Ask the engine's replay socket (a ROUTER) for the batches from feed.next_seq (before
-    ``upto``, a live batch's seq; None when joining as this process subscribes); it answers
-    each as (topic, seq, batch), then a sequence number of -1. Joining, an engine that is not
-    up yet is no problem: its first batch will bring us here."""
-    import zmq
-
-    joining = upto is None
-    start = feed.next_seq or 0  # None: from the oldest batch it kept
-    # Joining, the engine may replay thousands of batches: until they are applied its view is
-    # not used, and other work gets the loop between every few of them.
-    feed.joining = feed.next_seq is None
-    applied = 0
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.IPV6, 1)
-    # vLLM sends the whole buffer at once (10,000 batches by default), and its ROUTER drops
-    # what exceeds its queue (1,000) while we read slower than it sends; ZMQ's I/O thread
-    # takes them all in here, our reading pace aside. Dropped, the batches were missed
-    # again, and the end marker with them: the join waited REPLAY_TIMEOUT.
-    dealer.setsockopt(zmq.RCVHWM, KV_EVENTS_HWM)
-    dealer.connect(feed.replay)
-    try:
-        await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        while True:
-            # Not asyncio.wait_for: on 3.11 it swallows a cancel that comes as the answer does.
-            async with asyncio.timeout(REPLAY_TIMEOUT):
-                frames = await dealer.recv_multipart()
-            seq = int.from_bytes(frames[2], "big", signed=True) if len(frames) == 4 else -1
-            if seq < 0:
-                return
-            if (upto is not None and seq >= upto) or (
-                feed.next_seq is not None and seq < feed.next_seq
-            ):
-                continue
-            if feed.next_seq is None:
-                feed.next_seq = start = seq  # joining: from the oldest batch kept, none missed
-            take_kv_batch(state, feed, seq, decode(frames[3]))
-            if (applied := applied + 1) % REPLAY_SLICE == 0:
-                await asyncio.sleep(0)
-    except TimeoutError:
-        feed.replay_paused_until = time.monotonic() + REPLAY_PAUSE
-        if not joining:
-            problem = f"replay {feed.replay} did not answer"
-            kv_feed_problem(state, feed, "replay", problem, count=False)
-    finally:
-        feed.joining = False
-        if joining and feed.next_seq is not None:  # the live stream repeats some of these
-            feed.replayed = range(start, feed.next_seq)
-        dealer.close(linger=0)
-
-
-async def watch_tokenizer(app: web.Application) -> None:
-    """Load the model's tokenizer for routing text prompts on KV events: --tokenizer, or the
-    root a prefill's /v1/models names, once one answers, if that is a local directory."""
-    state = app[STATE_KEY]
-    path = state.config.tokenizer
-    while path is None:
-        if (path := await model_root(state)) is None:
-            await asyncio.sleep(state.config.discovery_interval)
-    try:
-        state.tokenizer = await asyncio.to_thread(PromptTokenizer.load, path)
-    except Exception as error:
-        log.warning(
-            "no tokenizer in %r (%s): text prompts are routed on estimates (--tokenizer names "
-            "the model's tokenizer directory)", path, error,
-        )  # fmt: skip
-        return
-    log.info("text prompts are tokenized with %s for routing on KV events", path)
-
-
-async def model_root(state: ProxyState) -> str | None:
-    """The ``root`` of the first model a usable prefill's /v1/models lists."""
-    limits = state.config.upstream_timeout(state.config.health_timeout)
-    for instance in state.fleet.prefills:
-        if not instance.usable:
-            continue
-        with contextlib.suppress(CheckFailed, ValueError, LookupError, TypeError):
-            page = await get_checked(
-                state.health_session, "models", instance.routes["/v1/models"], limits
-            )
-            root = json.loads(page)["data"][0].get("root")
-            return root if isinstance(root, str) else None
-    return None
 
 
 async def watch_dns(app: web.Application) -> None:
@@ -5295,447 +5337,502 @@ async def watch_fleet(app: web.Application) -> None:
         await asyncio.gather(*checks.values(), return_exceptions=True)
 
 
-# --- HTTP handlers
+# ================================================================================================
+# 11. Metrics, access log and tracing
+# Holds the Prometheus metrics, the per-request record behind them and the access line, and
+# OpenTelemetry tracing (optional). Uses: 1-3.
+# ================================================================================================
+
+LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+# Probed every few seconds by load balancers: counted, but their access lines are DEBUG.
+PROBE_ROUTES: Final = frozenset({"/health", "/healthcheck", "/metrics"})
+
+access_log = logging.getLogger("mooncake_proxy.access")
 
 
-def require_ready(request: web.Request) -> Fleet:
-    state = request.app[STATE_KEY]
-    fleet = state.fleet
-    if state.draining:
-        raise ProxyError(503, "proxy is draining: it is shutting down")
-    if not fleet.ready:
-        missing = "prefill engine" if not fleet.engine_count else "decode instance"
-        raise ProxyError(503, f"proxy is not ready: no usable {missing}")
-    return fleet
+@dataclass(eq=False)
+class RequestStats:
+    """What the access line and the metrics say about one client request."""
+
+    method: str
+    route: str
+    path: str = "-"
+    started: float = field(default_factory=time.monotonic)
+    request_id: str = "-"
+    model: str = "-"
+    prefill: str = "-"
+    decode: str = "-"
+    first_byte: float | None = None
+    first_token: float | None = None  # a stream's first SSE event relayed, or a whole answer
+    prefill_answered: float | None = None
+    token_gaps: TokenGaps | None = None  # a stream's, as relayed
+    trace_id: str = "-"
+    span: Any = None  # the proxy's own, with --otlp-traces-endpoint
+    # The status whose headers already went out, for a client that leaves after them.
+    status_sent: int | None = None
+    bytes_out: int = 0
+    outcome: str = "ok"
+
+    def access_fields(self, status: int, now: float) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "method": self.method,
+            "route": self.route,
+            "path": self.path,
+            "model": self.model,
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "status": status,
+            "ttfb_s": round((self.first_byte or now) - self.started, 6),
+            "total_s": round(now - self.started, 6),
+            "bytes_out": self.bytes_out,
+            "outcome": self.outcome,
+            "trace_id": self.trace_id,
+        }
 
 
-async def read_body(request: web.Request) -> bytearray:
-    """The body, within --max-request-bytes (else 413) and its deadline (else 408).
-
-    The deadline is --body-timeout plus a second per --body-min-rate bytes received, so a big
-    upload at a sane rate gets the time it needs while a trickle is cut off. Read here and not
-    with request.read(), which would keep a second copy for the whole request.
-    """
-    config = request.app[STATE_KEY].config
-    limit = config.max_request_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise ProxyError(413, f"request body of {request.content_length} bytes exceeds {limit}")
-    content = request.content
-    body = bytearray(content.read_nowait())  # what came with the head: most often all of it
-    if content.at_eof():
-        if len(body) > limit:
-            raise ProxyError(413, f"request body exceeds {limit} bytes")
-        return body
-    started = asyncio.get_running_loop().time()
-    try:
-        async with asyncio.timeout_at(started + config.body_timeout) as deadline:
-            while chunk := await request.content.readany():
-                body += chunk
-                if len(body) > limit:
-                    raise ProxyError(413, f"request body exceeds {limit} bytes")
-                allowed = config.body_timeout + len(body) / config.body_min_rate
-                deadline.reschedule(started + allowed)
-    except TimeoutError:
-        raise ProxyError(
-            408,
-            f"request body not received in time: {len(body)} bytes in "
-            f"{config.body_timeout + len(body) / config.body_min_rate:.1f} s "
-            f"(--body-timeout {config.body_timeout:g} s plus 1 s per --body-min-rate "
-            f"{config.body_min_rate} bytes)",
-            reason="body_timeout",
-        ) from None
-    return body
+# Per request: what its access line and metrics will say.
+STATS_KEY: Final = web.RequestKey("stats", RequestStats)
 
 
-async def handle_completion(request: web.Request) -> web.StreamResponse:
-    require_ready(request)
-    require_json(request)
-    body = parse_request_json(await read_body(request))
-    if isinstance(model := body.get("model"), str):
-        request[STATS_KEY].model = model[:100]
-    state = request.app[STATE_KEY]
-    admission = state.admission
-    try:
-        waited = await admission.enter(request_priority(request, body))
-    except ProxyError as refused:
-        state.metrics.errors.labels("admission", refused.reason).inc()
-        raise
-    try:
-        if admission.limit:
-            state.metrics.admission_wait.observe(waited)
-            require_ready(request)  # the fleet may have changed while it waited
-        return await run_pd_request(request, body)
-    finally:
-        admission.leave()
+class Metrics:
+    """Prometheus metrics. Labels are routes, statuses, stages and instances from the
+    configuration, never request data. The fleet's gauges are set from its state when
+    scraped, so the request path pays only for a few counter and histogram updates.
 
-
-def require_json(request: web.Request) -> None:
-    """A body declared JSON, as vLLM requires before it reads one (its answer, and status, to
-    anything else; a form or text/plain re-sent as JSON would only meet that answer later)."""
-    if request.content_type.lower() != "application/json":  # parameters (charset) aside
-        message = "Unsupported Media Type: Only 'application/json' is allowed"
-        raise ProxyError(400, message, reason="content_type")
-
-
-async def handle_models(request: web.Request) -> web.Response:
-    fleet = require_ready(request)
-    state = request.app[STATE_KEY]
-    config = state.config
-    decode = fleet.claim_decode()
-    fleet.release_decode(decode)  # a quick read: not worth counting as load
-    url = decode.routes["/v1/models"]
-    headers: dict[str, str] = {hdrs.USER_AGENT: USER_AGENT}
-    if authorization := upstream_authorization(request.headers, config):
-        headers[hdrs.AUTHORIZATION] = authorization
-    slots = state.slots
-    try:
-        await slots.acquire(1, config.pool_timeout)
-    except TimeoutError:
-        raise pool_exhausted(config, f"decode {decode.url}") from None
-    leg = None
-    try:
-        async with asyncio.timeout(config.request_timeout):
-            leg = await state.upstreams.send(b"GET", url, header_lines(headers))
-            await leg.wait(leg.is_complete)
-        response = web.Response(status=leg.status, body=leg.body())
-        content_type = (leg.content_type or b"application/json").decode("latin-1")
-        response.headers[hdrs.CONTENT_TYPE] = content_type
-        return response
-    except (LegFailed, TimeoutError) as error:
-        raise transport_error("decode", url, error) from None
-    finally:
-        if leg is not None:
-            state.upstreams.finish(leg)
-        slots.release(1)
-
-
-def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
-    fleet = state.fleet
-    return {
-        "id": ID,
-        "version": VERSION,
-        "ready": state.serving,
-        "draining": state.draining,
-        "pid": os.getpid(),  # which --workers process answered
-        # Under --workers this page is one worker's view (each checks the fleet itself, and
-        # in-flight counts are its own); /metrics adds up the whole daemon.
-        "scope": "daemon" if state.config.workers == 1 else f"worker of {state.config.workers}",
-        "prefill_instances": len(fleet.prefills),
-        "decode_instances": len(fleet.decodes),
-        "tokenizer": state.tokenizer.path if state.tokenizer else None,  # with KV events
-        "dns": [
-            {
-                "name": str(name),
-                "role": name.role,
-                "addresses": list(state.dns_answers.get(name, ())),
-                "error": state.dns_errors.get(name),
-            }
-            for name in state.config.dns_names
-        ],
-        "prefill": [instance.status() for instance in fleet.prefills],
-        "decode": [instance.status() for instance in fleet.decodes],
-    }
-
-
-async def handle_healthcheck(request: web.Request) -> web.Response:
-    payload = healthcheck_payload(request.app[STATE_KEY])
-    return web.json_response(payload, status=200 if payload["ready"] else 503)
-
-
-async def handle_livez(request: web.Request) -> web.Response:
-    """Liveness: 200 while the process serves, draining included (unlike /health, which says
-    whether to send it requests); what a Kubernetes livenessProbe asks."""
-    return web.json_response({"alive": True, "draining": request.app[STATE_KEY].draining})
-
-
-async def handle_health(request: web.Request) -> web.Response:
-    ready = request.app[STATE_KEY].serving
-    return web.Response(status=200 if ready else 503)
-
-
-async def handle_metrics(request: web.Request) -> web.Response:
-    response = web.Response(body=request.app[STATE_KEY].metrics.exposition())
-    response.headers[hdrs.CONTENT_TYPE] = "text/plain; version=0.0.4; charset=utf-8"
-    return response
-
-
-@web.middleware
-async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Outermost: one access line and the request metrics per request, however it ended."""
-    stats = request[STATS_KEY] = RequestStats(
-        request.method, route_label(request), loggable_path(request)
-    )
-    # Every request gets an id, for the access line and the client's X-Request-Id.
-    stats.request_id = mint_request_id(request.headers.get(REQUEST_ID_HEADER))
-    connection = request.protocol
-    if isinstance(connection, ClientConnection):
-        connection.head_received()
-    status = 499  # nginx's "client closed request", for a client that left before the answer
-    try:
-        response: web.StreamResponse = await handler(request)
-        status = response.status
-        if not response.prepared and isinstance(response, web.Response):
-            stats.bytes_out = response.content_length or 0
-        if request.app[STATE_KEY].draining:
-            response.force_close()  # the client's next request goes to a proxy that stays
-        return response
-    except asyncio.CancelledError:
-        # 499 (nginx's "client closed request") only if the client left before the answer began.
-        status = stats.status_sent or status
-        stats.outcome = "client_gone"
-        request.app[STATE_KEY].metrics.errors.labels("client", "client_gone").inc()
-        raise
-    finally:
-        record_request(request.app, stats, status)
-        if isinstance(connection, ClientConnection):
-            connection.request_done()
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With --api-key, /v1/* (and /metrics with --protect-metrics) need the bearer key."""
-    config = request.app[STATE_KEY].config
-    if config.api_key and (
-        request.path.startswith("/v1/") or (config.protect_metrics and request.path == "/metrics")
-    ):
-        supplied = request.headers.get(hdrs.AUTHORIZATION, "").encode()
-        # Constant time: how much of a guess matched must not show in the answer's timing.
-        if not hmac.compare_digest(supplied, f"Bearer {config.api_key}".encode()):
-            raise ProxyError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-    response: web.StreamResponse = await handler(request)
-    return response
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure leaves as an OpenAI-style error body, never as a traceback."""
-    stats = request[STATS_KEY]
-    allow = None
-    try:
-        response: web.StreamResponse = await handler(request)
-        return response
-    except ProxyError as error:
-        log.info("%s %s -> %d: %s", request.method, stats.path, error.status, error.message)
-        failure = error
-    except web.HTTPException as http_error:  # aiohttp's own 404 and 405
-        if http_error.status < 400:
-            raise
-        message = f"{request.method} {stats.path}: {http_error.reason}"
-        failure = ProxyError(http_error.status, message, reason="http")
-        allow = http_error.headers.get(hdrs.ALLOW)
-    except Exception:
-        log.exception("unexpected error while handling %s %s", request.method, stats.path)
-        failure = ProxyError(
-            500, "internal error in mooncake-proxy; see its log", reason="internal"
-        )
-    stats.outcome = f"error:{failure.reason}"
-    response = failure.response({REQUEST_ID_HEADER: stats.request_id})
-    if allow:
-        response.headers[hdrs.ALLOW] = allow
-    if not request.content.is_eof():
-        response.force_close()  # a body left unread (413, 408): the connection ends here
-    return response
-
-
-# --- client connections
-
-# aiohttp's parser limits (its defaults), named in the errors that enforce them.
-MAX_LINE_BYTES: Final = 8190
-MAX_HEADERS: Final = 128
-# After answering a connection that is to close (an unread body, a slow head, over the cap),
-# how long its further bytes are read and dropped, so that closing does not reset the
-# connection before the client read the answer; aiohttp's own 10 s would let a trickling
-# client keep its connection that much longer.
-CLOSE_LINGER: Final = 2.0
-# The route label of requests whose head never parsed (malformed, or too slow to arrive).
-UNPARSED: Final = "unparsed"
-
-
-def malformed_request_error(error: HttpProcessingError) -> ProxyError:
-    """The client's answer to a request aiohttp's parser refused. Its messages quote the
-    client's bytes; these never do, so that no client can write into the log."""
-    if isinstance(error, LineTooLong):
-        message = f"a request line or header field is longer than {MAX_LINE_BYTES} bytes"
-        return ProxyError(431, message, reason="header_too_long")
-    if "Too many headers" in error.message:
-        return ProxyError(431, f"more than {MAX_HEADERS} header fields", reason="too_many_headers")
-    if isinstance(error, BadHttpMethod):
-        return ProxyError(
-            400, "malformed request method (TLS on a plain HTTP port?)", reason="bad_method"
-        )
-    if isinstance(error, BadStatusLine):
-        message = "malformed request line (HTTP/1.1 lines end in CRLF)"
-        return ProxyError(400, message, reason="bad_request_line")
-    return ProxyError(400, "malformed header field", reason="bad_header")
-
-
-def raw_error_response(error: ProxyError) -> bytes:
-    """A whole HTTP/1.1 error answer, for a connection that has no request to answer through."""
-    body = json.dumps(error.payload()).encode()
-    head = [
-        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        "Connection: close",
-    ]
-    if error.retry_after is not None:
-        head.append(f"Retry-After: {error.retry_after}")
-    return "\r\n".join(head).encode() + b"\r\n\r\n" + body
-
-
-class ClientConnections:
-    """Open client connections against --max-client-connections (the daemon's listener)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.open = 0
-        self.rejected = 0
-        self._full = False
-
-    def admit(self) -> bool:
-        if self.open >= self.limit:
-            self.rejected += 1
-            if not self._full:
-                self._full = True
-                log.warning(
-                    "%d client connections open (--max-client-connections): new ones are "
-                    "answered 503 until some close",
-                    self.limit,
-                )
-            return False
-        self.open += 1
-        return True
-
-    def release(self) -> None:
-        self.open -= 1
-        if self._full and self.open < self.limit:
-            self._full = False
-            log.info("client connections below --max-client-connections again")
-
-
-class ClientConnection(web.RequestHandler):
-    """One client connection: aiohttp's HTTP/1.1 protocol, plus what a server facing a network
-    needs and aiohttp leaves out: a deadline for each request head (--header-timeout), a cap on
-    open connections, and malformed requests answered in the proxy's words (an OpenAI-style
-    error, counted, one access line, no traceback).
-
-    The access middleware tells it when a request's head is in and when the request is done.
+    Under --workers every worker writes its metrics to files in one directory
+    (prometheus_client's multiprocess mode, metrics_across_workers) and any worker's scrape
+    reads them all: counters and histograms add up, in-flight gauges too, and ``ready`` and
+    ``instance_usable`` are the least of the live workers' (one worker that cannot serve shows).
     """
 
-    __slots__ = ("_admitted", "_busy", "_closing", "_head_deadline", "app")
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+        self._children: dict[tuple[Any, ...], Any] = {}  # of()
+        self.across_workers = state.config.workers > 1
+        own = CollectorRegistry()  # where this process's metrics live
 
-    def __init__(self, manager: web.Server, app: web.Application, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
-        self.app = app
-        self._head_deadline: asyncio.TimerHandle | None = None
-        self._busy = False  # a request is being handled
-        self._admitted = False  # counted against --max-client-connections
-        self._closing = False  # answered for the last time: further bytes are dropped
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"mooncake_proxy_{name}", doc, labels, registry=own)
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        connections = self.app[STATE_KEY].connections
-        if not connections.admit():
-            message = (
-                f"too many open client connections (--max-client-connections {connections.limit})"
-            )
-            self._answer_and_close(ProxyError(503, message, retry_after=1))
-            return
-        self._admitted = True
-        self._start_head_deadline()
+        def histogram(name: str, doc: str, *labels: str) -> Histogram:
+            name = f"mooncake_proxy_{name}"
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=own)
 
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if self._admitted:
-            self._admitted = False
-            self.app[STATE_KEY].connections.release()
-        self._stop_head_deadline()
-        super().connection_lost(exc)
+        def gauge(name: str, doc: str, *labels: str, mode: GaugeMode) -> Gauge:
+            name = f"mooncake_proxy_{name}"
+            return Gauge(name, doc, labels, registry=own, multiprocess_mode=mode)
 
-    def data_received(self, data: bytes) -> None:
-        if self._closing:
-            return
-        if not self._busy and self._head_deadline is None:
-            self._start_head_deadline()  # the first bytes of the next request on this connection
-        super().data_received(data)
+        self.requests = counter(
+            "requests", "Client requests by route and final HTTP status.", "route", "status"
+        )
+        self.errors = counter(
+            "errors",
+            "Failed legs (stage prefill/decode) and clients gone (stage client), by reason.",
+            *("stage", "reason"),
+        )
+        self.duration = histogram(
+            "request_duration_seconds", "End-to-end time of a client request.", "route"
+        )
+        self.first_byte = histogram(
+            "time_to_first_byte_seconds",
+            "Time until the first response body byte reached the client.",
+            "route",
+        )
+        self.first_token = histogram(
+            "time_to_first_token_seconds",
+            "Arrival to the first token frame relayed to the client (a streamed answer's "
+            "first SSE event); for an answer not streamed, to the whole answer.",
+            "route",
+        )
+        self.inter_token = Histogram(
+            "mooncake_proxy_inter_token_latency_seconds",
+            "Gaps between the SSE events of a streamed answer as they were relayed (events "
+            "that arrived together count a gap of 0).",
+            ["route"],
+            buckets=TOKEN_GAP_BUCKETS,
+            registry=own,
+        )
+        self.kv_wait = histogram(
+            "kv_wait_seconds",
+            "From the prefill's answer to the decode's first token frame: the part of a "
+            "streamed answer's TTFT spent moving KV and starting the decode.",
+            "route",
+        )
+        self.prefill_duration = histogram(
+            "prefill_duration_seconds", "Time of the prefill leg, sent to answered."
+        )
+        self.retries = counter(
+            "retries",
+            "Legs tried again elsewhere because their upstream could not be reached.",
+            "stage",
+        )
+        self.engine_id_changes = counter(
+            "engine_id_changes",
+            "Times a prefill instance came back with other engine ids (a restart).",
+            "backend",
+        )
+        self.check_failures = counter(
+            "check_failures",
+            "Failed health checks, discoveries and load scrapes.",
+            "role",
+            "backend",
+        )
+        self.routing = counter(
+            "routing_decisions",
+            "Targets picked, by stage and reason (affinity, spill, cold, session, fallback, or "
+            "the policy's name for round_robin and least_loaded).",
+            *("stage", "reason"),
+        )
+        self.prefix_share = Histogram(
+            "mooncake_proxy_routing_prefix_share",
+            "Share of the prompt's blocks the chosen target was believed to hold (prefix_aware).",
+            ["stage"],
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+            registry=own,
+        )
+        self.kv_event_batches = counter(
+            "kv_event_batches",
+            "KV event batches from the engines (--kv-events-port), by result: applied, "
+            "malformed, missed (never received, not even by replay).",
+            "result",
+        )
+        self.ready = gauge("ready", "1 while PD requests are served.", mode="livemin")
+        self.usable = gauge(
+            "instance_usable", "1 while an instance is in the rotation.", "role", "backend",
+            mode="livemin",
+        )  # fmt: skip
+        # "backend", not "instance": Prometheus gives that name to the scraped target.
+        self.prefill_in_flight = gauge(
+            "prefill_in_flight",
+            "Prefill legs in flight per prefill engine (instance and DP rank).",
+            *("backend", "dp_rank", "engine_id"),
+            mode="livesum",
+        )
+        self.decode_in_flight = gauge(
+            "decode_in_flight", "Decode legs in flight per decode instance.", "backend",
+            mode="livesum",
+        )  # fmt: skip
+        self.client_connections = gauge(
+            "client_connections", "Client connections open.", mode="livesum"
+        )
+        self.connections_rejected = counter(
+            "client_connections_rejected",
+            "Client connections answered 503 and closed: --max-client-connections were open.",
+        )
+        self.admission_queue = gauge(
+            "admission_queue", "PD requests waiting for --max-in-flight.", mode="livesum"
+        )
+        self.admission_wait = histogram(
+            "admission_wait_seconds", "Time PD requests waited for --max-in-flight."
+        )
+        self.prefill_skipped = counter(
+            "prefill_skipped",
+            "PD requests sent to a decode alone, which computes the prompt itself, by the "
+            "field that makes vLLM split them into several requests (n, best_of, "
+            "use_beam_search, prompt: a batch of prompts).",
+            "reason",
+        )
+        self.rejected_counted = 0
+        self.engine_series: set[tuple[str, str, str]] = set()
+        self.start_series(state.config)
+        self.registry = own
+        if self.across_workers:
+            self.registry = CollectorRegistry()
+            MultiProcessCollector(self.registry)  # type: ignore[no-untyped-call]
 
-    def head_received(self) -> None:
-        self._busy = True
-        self._stop_head_deadline()
+    def start_series(self, config: ProxyConfig) -> None:
+        """Make every series whose labels are known before any request, at 0 (as
+        prometheus_client advises), so that dashboards and alerts find them on a proxy that
+        has not met them yet instead of reading "no data"."""
+        for route in COMPLETION_PATHS:
+            for status in PD_STATUSES:
+                self.of(self.requests, route, status)
+            for histogram in (self.duration, self.first_byte, self.first_token):
+                self.of(histogram, route)
+            self.of(self.inter_token, route)
+            self.of(self.kv_wait, route)
+        for stage, reasons in LEG_ERRORS.items():
+            for reason in reasons:
+                self.errors.labels(stage, reason)
+        for stage, policy in zip(("prefill", "decode"), config.policies, strict=True):
+            self.retries.labels(stage)
+            self.of(self.prefix_share, stage)
+            for reason in ROUTING_REASONS.get(policy, (policy.value,)):
+                self.of(self.routing, stage, reason)
+        for result in ("applied", "malformed", "missed"):
+            self.kv_event_batches.labels(result)
+        for field_name in (*SAMPLE_COUNTS, "use_beam_search", "prompt"):
+            self.of(self.prefill_skipped, field_name)
 
-    def _stop_head_deadline(self) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
+    def exposition(self) -> bytes:
+        self.refresh()
+        return generate_latest(self.registry)
 
-    def request_done(self) -> None:
-        self._busy = False
+    def refresh(self) -> None:
+        """Set the fleet's gauges from its state (under --workers, into this worker's file)."""
+        state = self.state
+        fleet, connections = state.fleet, state.connections
+        self.ready.set(float(state.serving))
+        series = set()
+        for instance in fleet.prefills:
+            self.usable.labels("prefill", str(instance.url)).set(float(instance.usable))
+            self.engine_id_changes.labels(str(instance.url))  # at 0 until it restarts
+            self.check_failures.labels("prefill", str(instance.url))
+            for engine in instance.engines:
+                labels = (str(instance.url), str(engine.dp_rank), engine.engine_id)
+                self.prefill_in_flight.labels(*labels).set(engine.in_flight)
+                series.add(labels)
+        for gone in self.engine_series - series:  # a restart gave the engine a new id
+            if self.across_workers:
+                self.prefill_in_flight.labels(*gone).set(0)  # files keep series: zero it
+            else:
+                self.prefill_in_flight.remove(*gone)
+        self.engine_series = series
+        for backend in fleet.decodes:
+            self.usable.labels("decode", str(backend.url)).set(float(backend.usable))
+            self.check_failures.labels("decode", str(backend.url))
+            self.decode_in_flight.labels(str(backend.url)).set(backend.in_flight)
+        self.client_connections.set(connections.open)
+        self.admission_queue.set(state.admission.queued)
+        self.connections_rejected.inc(connections.rejected - self.rejected_counted)
+        self.rejected_counted = connections.rejected
 
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if not isinstance(exc, HttpProcessingError):
-            return super().handle_error(request, status, exc, message)  # a bug: keep the trace
-        self.head_received()
-        error = malformed_request_error(exc)
-        self._record(error)
-        response = error.response()
-        response.force_close()
-        return response
+    def forget(self, gone: Sequence[Backend]) -> None:
+        """Instances that left the fleet: their gauges go (under --workers, the files keep a
+        series to the end of the process: it reads 0)."""
+        for backend in gone:
+            url = str(backend.url)
+            series: list[tuple[Gauge, tuple[str, ...]]] = [(self.usable, (backend.role, url))]
+            if isinstance(backend, DecodeInstance):
+                series.append((self.decode_in_flight, (url,)))
+            for gauge, labels in series:
+                if self.across_workers:
+                    gauge.labels(*labels).set(0)
+                else:
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(*labels)
 
-    def _start_head_deadline(self) -> None:
-        timeout = self.app[STATE_KEY].config.header_timeout
-        self._head_deadline = asyncio.get_running_loop().call_later(timeout, self._head_timed_out)
+    def of(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once: prometheus_client checks the values and
+        takes a lock on every call, several times a request. For the request path's series
+        only, which are never removed."""
+        key = (metric, *labels)
+        if (child := self._children.get(key)) is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
-    def _head_timed_out(self) -> None:
-        self._head_deadline = None
-        timeout = self.app[STATE_KEY].config.header_timeout
-        message = f"request head not received within {timeout:g} s (--header-timeout)"
-        error = ProxyError(408, message, reason="header_timeout")
-        self._record(error)
-        self._answer_and_close(error)
+    def routed(self, stage: str, choice: Choice, key: RouteKey | None) -> None:
+        self.of(self.routing, stage, choice.reason).inc()
+        if key is not None and key.chain:
+            self.of(self.prefix_share, stage).observe(choice.matched / len(key.chain))
 
-    def _record(self, error: ProxyError) -> None:
-        stats = RequestStats("-", UNPARSED, outcome=f"error:{error.reason}")
-        record_request(self.app, stats, error.status)
-
-    def _answer_and_close(self, error: ProxyError) -> None:
-        """Answer, end our side, read and drop what still comes for a moment, then close."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        self._closing = True
-        # aiohttp types it asyncio.Transport; uvloop's (the default loop) are no subclass of
-        # asyncio's, so it is used as one, never checked (an isinstance here failed on uvloop).
-        transport.write(raw_error_response(error))
-        transport.write_eof()
-        asyncio.get_running_loop().call_later(CLOSE_LINGER, self.force_close)
+    def token_gaps(self, route: str, gaps: TokenGaps) -> None:
+        """Add one stream's gaps to the histogram at once: a few increments per request
+        instead of a locked update per token (prometheus_client has no bulk observe, so
+        this adds to its per-bucket values; a test checks the totals)."""
+        child = self.of(self.inter_token, route)
+        for bucket, count in zip(child._buckets, gaps.counts, strict=True):
+            if count:
+                bucket.inc(count)
+        child._sum.inc(gaps.total)
 
 
-async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
-    """Serve a set-up runner's app on a bound socket, each connection a ClientConnection."""
-    app, server = runner.app, runner.server
-    assert server is not None, "the runner is set up first"
-    config = app[STATE_KEY].config
-    loop = asyncio.get_running_loop()
+GaugeMode = Literal["livemin", "livesum"]
 
-    def connection() -> ClientConnection:
-        return ClientConnection(
-            server,
-            app,
-            loop=loop,
-            keepalive_timeout=config.client_keepalive_timeout,
-            lingering_time=CLOSE_LINGER,
-            access_log=None,  # the proxy writes its own access line, with PD fields
+# Label values a fresh proxy makes its series for (Metrics.start_series): the statuses PD
+# requests are most often answered with, the reasons a leg fails for (beside http_<status>),
+# and each policy's routing reasons.
+PD_STATUSES: Final = ("200", "400", "404", "429", "499", "500", "502", "503", "504")
+
+LEG_ERRORS: Final = {
+    "prefill": ("refused", "timeout", "broken", "stopped_early", "kv_lost"),
+    "decode": ("refused", "timeout", "broken"),
+    "client": ("client_gone",),
+    "admission": ("queue_full", "queue_timeout"),
+}
+
+ROUTING_REASONS: Final = {Policy.PREFIX_AWARE: ("affinity", "spill", "cold", "session", "fallback")}
+
+# Seconds between two SSE events: a token every few ms at the least, seconds when stalled.
+TOKEN_GAP_BUCKETS: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5,
+)  # fmt: skip
+
+
+class TokenGaps:
+    """One stream's gaps between SSE events, counted in TOKEN_GAP_BUCKETS as they pass."""
+
+    __slots__ = ("counts", "last", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(TOKEN_GAP_BUCKETS) + 1)  # and +Inf
+        self.total = 0.0
+        self.last = 0.0
+
+    def events(self, count: int, now: float) -> None:
+        """``count`` events completed in one chunk: the first after the gap since the last
+        one (none before the first), the rest together with it."""
+        if self.last:
+            gap = now - self.last
+            self.counts[bisect.bisect_left(TOKEN_GAP_BUCKETS, gap)] += 1
+            self.total += gap
+        self.counts[0] += count - 1
+        self.last = now
+
+
+METRICS_REFRESH_SECONDS: Final = 1.0  # how stale, under --workers, another worker's gauges get
+
+
+async def refresh_metrics(app: web.Application) -> None:
+    """Under --workers a scrape reads every worker's gauges from their files: keep this
+    worker's current even while the scrapes go to the others."""
+    metrics = app[STATE_KEY].metrics
+    while True:
+        metrics.refresh()
+        await asyncio.sleep(METRICS_REFRESH_SECONDS)
+
+
+def metrics_across_workers() -> Callable[[], None]:
+    """Before the workers fork: prometheus_client's multiprocess mode, in the directory that
+    PROMETHEUS_MULTIPROC_DIR names (emptied: counts start again with the daemon) or in a new
+    one. prometheus_client picks how it stores values when imported; no metric exists yet,
+    so choosing again here is what it would have chosen with the variable set before.
+    Returns what to do at exit: remove a directory made here."""
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given:
+        os.makedirs(given, exist_ok=True)
+        for stale in glob.glob(os.path.join(given, "*.db")):
+            os.remove(stale)
+        path = given
+    else:
+        path = tempfile.mkdtemp(prefix="mooncake-proxy-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    prometheus_client.values.ValueClass = prometheus_client.values.get_value_class()  # type: ignore[no-untyped-call]
+    return (lambda: None) if given else functools.partial(shutil.rmtree, path, True)
+
+
+def route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def loggable_path(request: web.BaseRequest) -> str:
+    """The request's path as the client sent it, cut short and safe for one log line."""
+    path = request.raw_path
+    path = path if len(path) <= 200 else f"{path[:200]}..."
+    return path if path.isprintable() and path.isascii() else ascii(path)[1:-1]
+
+
+def record_request(app: web.Application, stats: RequestStats, status: int) -> None:
+    now = time.monotonic()
+    metrics = app[STATE_KEY].metrics
+    metrics.of(metrics.requests, stats.route, str(status)).inc()
+    if stats.span is not None:
+        stats.span.set_attribute("http.response.status_code", status)
+        stats.span.end()
+    probe = stats.route in PROBE_ROUTES
+    if not probe:
+        metrics.of(metrics.duration, stats.route).observe(now - stats.started)
+        first_byte = (stats.first_byte or now) - stats.started
+        metrics.of(metrics.first_byte, stats.route).observe(first_byte)
+        if stats.first_token is not None:
+            record_token_times(metrics, stats)
+    level = logging.DEBUG if probe else logging.INFO
+    if access_log.isEnabledFor(level):
+        fields = stats.access_fields(status, now)
+        access_log.log(
+            level,
+            "%(request_id)s %(method)s %(path)s %(status)d model=%(model)s "
+            "prefill=%(prefill)s decode=%(decode)s ttfb=%(ttfb_s).4fs total=%(total_s).4fs "
+            "bytes=%(bytes_out)d outcome=%(outcome)s trace=%(trace_id)s",
+            fields,
+            extra={"access": fields},
         )
 
-    return await loop.create_server(connection, sock=sock, backlog=LISTEN_BACKLOG)
+
+def record_token_times(metrics: Metrics, stats: RequestStats) -> None:
+    """The latency a client felt: its first token, the KV wait before it, the gaps after."""
+    assert stats.first_token is not None
+    metrics.of(metrics.first_token, stats.route).observe(stats.first_token - stats.started)
+    if stats.token_gaps is not None:
+        metrics.token_gaps(stats.route, stats.token_gaps)
+        if stats.prefill_answered is not None:
+            wait = max(0.0, stats.first_token - stats.prefill_answered)
+            metrics.of(metrics.kv_wait, stats.route).observe(wait)
 
 
-# --- application
+class Tracing:
+    """The proxy's own spans (--otlp-traces-endpoint, the [tracing] extra): one per request,
+    a child per leg whose context the leg's traceparent carries, so vLLM's spans hang under
+    the proxy's. OpenTelemetry's SDK batches and exports them from a thread of its own."""
+
+    def __init__(self, endpoint: str) -> None:
+        from opentelemetry import trace
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.provider = TracerProvider(resource=Resource.create({"service.name": ID}))
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        self.tracer = self.provider.get_tracer(ID, str(VERSION))
+        self.propagator = TraceContextTextMapPropagator()
+        self.trace = trace
+
+    def request_span(self, client_headers: Mapping[str, str], route: str) -> Any:
+        """Under the client's trace context if it sent a valid one, else a new trace."""
+        parent = self.propagator.extract(client_headers)
+        span = self.tracer.start_span(
+            f"POST {route}", context=parent, kind=self.trace.SpanKind.SERVER
+        )
+        span.set_attribute("http.route", route)
+        return span
+
+    def leg(self, parent: Any, name: str, headers: dict[str, str]) -> tuple[Any, dict[str, str]]:
+        """A leg's span and its headers, whose traceparent names that span."""
+        context = self.trace.set_span_in_context(parent)
+        span = self.tracer.start_span(name, context=context, kind=self.trace.SpanKind.CLIENT)
+        headers = {**headers}
+        self.propagator.inject(headers, context=self.trace.set_span_in_context(span))
+        return span, headers
+
+
+def trace_id_of_span(span: Any) -> str:
+    return f"{span.get_span_context().trace_id:032x}"
+
+
+def span_error(message: str) -> Any:
+    from opentelemetry.trace import Status, StatusCode
+
+    return Status(StatusCode.ERROR, message)
+
+
+async def tracing_ctx(app: web.Application) -> AsyncIterator[None]:
+    """With --otlp-traces-endpoint: the exporter for the app's lifetime; at exit, what it
+    still holds is sent (the SDK gives that up after its own timeout)."""
+    state = app[STATE_KEY]
+    endpoint = state.config.otlp_traces_endpoint
+    if endpoint is not None:
+        try:
+            state.tracing = Tracing(endpoint)
+        except ImportError as missing:
+            log.warning(
+                "--otlp-traces-endpoint needs pip install 'mooncake-proxy[tracing]' (%s): "
+                "no spans are exported; the legs still carry the trace context", missing,
+            )  # fmt: skip
+    yield
+    if state.tracing is not None:
+        await asyncio.to_thread(state.tracing.provider.shutdown)
+
+
+# ================================================================================================
+# 12. The application
+# Holds create_app: one web.Application, its resources (cleanup_ctx) and background coroutines.
+# Uses: all above.
+# ================================================================================================
 
 
 def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
@@ -5824,7 +5921,11 @@ def create_app(config: ProxyConfig) -> web.Application:
     return app
 
 
-# --- process
+# ================================================================================================
+# 13. The process
+# Holds serving: systemd notification, logging, the event loop, reloads on SIGHUP, drains, and the
+# Supervisor behind --workers. Uses: all above.
+# ================================================================================================
 
 
 def sd_notify(*lines: str) -> bool:
@@ -5960,6 +6061,7 @@ def event_loop_factory(choice: str) -> LoopFactory | None:
 # come from a heap that keeps what it once held, and a 16 MiB prompt peaked at 3.3 times its
 # size instead of 2.4 (a 1 MiB one, on the heap either way, is not concerned).
 LARGE_BUFFER_BYTES: Final = 4 << 20
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
@@ -6015,14 +6117,18 @@ def run_serve(
 
 # Signals the supervisor passes on to its workers, each of which acts on them itself.
 PASSED_ON: Final = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
 # A worker that dies is started again at once if it had served this long, else after a wait
 # that doubles up to WORKER_BACKOFF_MAX: one that cannot start must not spin the host.
 WORKER_STEADY_SECONDS: Final = 10.0
+
 WORKER_BACKOFF_MAX: Final = 30.0
+
 # Each worker reports to the supervisor as to systemd (READY=1, then WATCHDOG=1 every second
 # from its event loop); one silent for this long is not healthy, and systemd is not told the
 # daemon is.
 WORKER_SILENT_SECONDS: Final = 3.0
+
 # How long a replacement waits for a usable fleet before it takes its socket's connections.
 WORKER_WARM_UP_SECONDS: Final = 10.0
 
@@ -6323,7 +6429,10 @@ async def drained(admission: Admission, within: float) -> None:
 DRAIN_POLL_SECONDS: Final = 0.05
 
 
-# --- command line
+# ================================================================================================
+# 14. Command line
+# Holds build_parser and main. Uses: all above.
+# ================================================================================================
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
