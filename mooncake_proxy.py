@@ -63,7 +63,7 @@ from collections.abc import (
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
-from typing import Any, ClassVar, Final, Literal, NoReturn, TypedDict, TypeVar, cast
+from typing import Any, ClassVar, Final, Generic, Literal, NoReturn, TypedDict, TypeVar, cast
 
 try:
     import aiohttp
@@ -5396,6 +5396,57 @@ class RequestStats:
 STATS_KEY: Final = web.RequestKey("stats", RequestStats)
 
 
+GaugeMode = Literal["livemin", "livesum"]
+
+# Label values a fresh proxy makes its series for (Metrics.start_series): the statuses PD
+# requests are most often answered with, the reasons a leg fails for (beside http_<status>),
+# and each policy's routing reasons.
+PD_STATUSES: Final = ("200", "400", "404", "429", "499", "500", "502", "503", "504")
+
+LEG_ERRORS: Final = {
+    "prefill": ("refused", "timeout", "broken", "stopped_early", "kv_lost"),
+    "decode": ("refused", "timeout", "broken"),
+    "client": ("client_gone",),
+    "admission": ("queue_full", "queue_timeout"),
+}
+
+ROUTING_REASONS: Final = {Policy.PREFIX_AWARE: ("affinity", "spill", "cold", "session", "fallback")}
+
+# Seconds between two SSE events: a token every few ms at the least, seconds when stalled.
+TOKEN_GAP_BUCKETS: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5,
+)  # fmt: skip
+
+
+M = TypeVar("M", Counter, Histogram, Gauge)
+
+
+@dataclass(frozen=True, slots=True)
+class Metric(Generic[M]):
+    """One row of Metrics' table. It is not itself the metric: each Metrics makes its own
+    (its own registry, for tests and workers) and puts it in the instance's __dict__, where
+    it shadows this row. __get__ only tells the type checker what the attribute holds."""
+
+    kind: type[M]
+    name: str  # after "mooncake_proxy_"; a counter's gets "_total" from prometheus_client
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = LATENCY_BUCKETS  # histograms
+    mode: GaugeMode = "livesum"  # gauges under --workers: how the workers' values combine
+
+    def __get__(self, metrics: object, owner: type | None = None) -> M:
+        raise AttributeError(f"mooncake_proxy_{self.name} is made by Metrics()")
+
+    def make(self, registry: CollectorRegistry) -> M:
+        extra: dict[str, Any] = {}
+        if self.kind is Histogram:
+            extra["buckets"] = self.buckets
+        elif self.kind is Gauge:
+            extra["multiprocess_mode"] = self.mode
+        name = f"mooncake_proxy_{self.name}"
+        return self.kind(name, self.doc, self.labels, registry=registry, **extra)
+
+
 class Metrics:
     """Prometheus metrics. Labels are routes, statuses, stages and instances from the
     configuration, never request data. The fleet's gauges are set from its state when
@@ -5407,133 +5458,73 @@ class Metrics:
     ``instance_usable`` are the least of the live workers' (one worker that cannot serve shows).
     """
 
+    # The metrics, one row each: a row is made into its prometheus_client metric per Metrics
+    # (each has its own registry), which then stands in its place on the instance.
+    # fmt: off
+    requests = Metric(Counter, "requests",
+        "Client requests by route and final HTTP status.", ("route", "status"))
+    errors = Metric(Counter, "errors",
+        "Failed legs (stage prefill/decode) and clients gone (stage client), by reason.",
+        ("stage", "reason"))
+    duration = Metric(Histogram, "request_duration_seconds",
+        "End-to-end time of a client request.", ("route",))
+    first_byte = Metric(Histogram, "time_to_first_byte_seconds",
+        "Time until the first response body byte reached the client.", ("route",))
+    first_token = Metric(Histogram, "time_to_first_token_seconds",
+        "Arrival to the first token frame relayed to the client (a streamed answer's first SSE "
+        "event); for an answer not streamed, to the whole answer.", ("route",))
+    inter_token = Metric(Histogram, "inter_token_latency_seconds",
+        "Gaps between the SSE events of a streamed answer as they were relayed (events that "
+        "arrived together count a gap of 0).", ("route",), buckets=TOKEN_GAP_BUCKETS)
+    kv_wait = Metric(Histogram, "kv_wait_seconds",
+        "From the prefill's answer to the decode's first token frame: the part of a streamed "
+        "answer's TTFT spent moving KV and starting the decode.", ("route",))
+    prefill_duration = Metric(Histogram, "prefill_duration_seconds",
+        "Time of the prefill leg, sent to answered.")
+    retries = Metric(Counter, "retries",
+        "Legs tried again elsewhere because their upstream could not be reached.", ("stage",))
+    engine_id_changes = Metric(Counter, "engine_id_changes",
+        "Times a prefill instance came back with other engine ids (a restart).", ("backend",))
+    check_failures = Metric(Counter, "check_failures",
+        "Failed health checks, discoveries and load scrapes.", ("role", "backend"))
+    routing = Metric(Counter, "routing_decisions",
+        "Targets picked, by stage and reason (affinity, spill, cold, session, fallback, or the "
+        "policy's name for round_robin and least_loaded).", ("stage", "reason"))
+    prefix_share = Metric(Histogram, "routing_prefix_share",
+        "Share of the prompt's blocks the chosen target was believed to hold (prefix_aware).",
+        ("stage",), buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0))
+    kv_event_batches = Metric(Counter, "kv_event_batches",
+        "KV event batches from the engines (--kv-events-port), by result: applied, malformed, "
+        "missed (never received, not even by replay).", ("result",))
+    ready = Metric(Gauge, "ready", "1 while PD requests are served.", mode="livemin")
+    # "backend", not "instance": Prometheus gives that name to the scraped target.
+    usable = Metric(Gauge, "instance_usable", "1 while an instance is in the rotation.",
+        ("role", "backend"), mode="livemin")
+    prefill_in_flight = Metric(Gauge, "prefill_in_flight",
+        "Prefill legs in flight per prefill engine (instance and DP rank).",
+        ("backend", "dp_rank", "engine_id"))
+    decode_in_flight = Metric(Gauge, "decode_in_flight",
+        "Decode legs in flight per decode instance.", ("backend",))
+    client_connections = Metric(Gauge, "client_connections", "Client connections open.")
+    connections_rejected = Metric(Counter, "client_connections_rejected",
+        "Client connections answered 503 and closed: --max-client-connections were open.")
+    admission_queue = Metric(Gauge, "admission_queue", "PD requests waiting for --max-in-flight.")
+    admission_wait = Metric(Histogram, "admission_wait_seconds",
+        "Time PD requests waited for --max-in-flight.")
+    prefill_skipped = Metric(Counter, "prefill_skipped",
+        "PD requests sent to a decode alone, which computes the prompt itself, by the field that "
+        "makes vLLM split them into several requests (n, best_of, use_beam_search, prompt: a "
+        "batch of prompts).", ("reason",))
+    # fmt: on
+
     def __init__(self, state: ProxyState) -> None:
         self.state = state
         self._children: dict[tuple[Any, ...], Any] = {}  # of()
         self.across_workers = state.config.workers > 1
         own = CollectorRegistry()  # where this process's metrics live
-
-        def counter(name: str, doc: str, *labels: str) -> Counter:
-            return Counter(f"mooncake_proxy_{name}", doc, labels, registry=own)
-
-        def histogram(name: str, doc: str, *labels: str) -> Histogram:
-            name = f"mooncake_proxy_{name}"
-            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=own)
-
-        def gauge(name: str, doc: str, *labels: str, mode: GaugeMode) -> Gauge:
-            name = f"mooncake_proxy_{name}"
-            return Gauge(name, doc, labels, registry=own, multiprocess_mode=mode)
-
-        self.requests = counter(
-            "requests", "Client requests by route and final HTTP status.", "route", "status"
-        )
-        self.errors = counter(
-            "errors",
-            "Failed legs (stage prefill/decode) and clients gone (stage client), by reason.",
-            *("stage", "reason"),
-        )
-        self.duration = histogram(
-            "request_duration_seconds", "End-to-end time of a client request.", "route"
-        )
-        self.first_byte = histogram(
-            "time_to_first_byte_seconds",
-            "Time until the first response body byte reached the client.",
-            "route",
-        )
-        self.first_token = histogram(
-            "time_to_first_token_seconds",
-            "Arrival to the first token frame relayed to the client (a streamed answer's "
-            "first SSE event); for an answer not streamed, to the whole answer.",
-            "route",
-        )
-        self.inter_token = Histogram(
-            "mooncake_proxy_inter_token_latency_seconds",
-            "Gaps between the SSE events of a streamed answer as they were relayed (events "
-            "that arrived together count a gap of 0).",
-            ["route"],
-            buckets=TOKEN_GAP_BUCKETS,
-            registry=own,
-        )
-        self.kv_wait = histogram(
-            "kv_wait_seconds",
-            "From the prefill's answer to the decode's first token frame: the part of a "
-            "streamed answer's TTFT spent moving KV and starting the decode.",
-            "route",
-        )
-        self.prefill_duration = histogram(
-            "prefill_duration_seconds", "Time of the prefill leg, sent to answered."
-        )
-        self.retries = counter(
-            "retries",
-            "Legs tried again elsewhere because their upstream could not be reached.",
-            "stage",
-        )
-        self.engine_id_changes = counter(
-            "engine_id_changes",
-            "Times a prefill instance came back with other engine ids (a restart).",
-            "backend",
-        )
-        self.check_failures = counter(
-            "check_failures",
-            "Failed health checks, discoveries and load scrapes.",
-            "role",
-            "backend",
-        )
-        self.routing = counter(
-            "routing_decisions",
-            "Targets picked, by stage and reason (affinity, spill, cold, session, fallback, or "
-            "the policy's name for round_robin and least_loaded).",
-            *("stage", "reason"),
-        )
-        self.prefix_share = Histogram(
-            "mooncake_proxy_routing_prefix_share",
-            "Share of the prompt's blocks the chosen target was believed to hold (prefix_aware).",
-            ["stage"],
-            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
-            registry=own,
-        )
-        self.kv_event_batches = counter(
-            "kv_event_batches",
-            "KV event batches from the engines (--kv-events-port), by result: applied, "
-            "malformed, missed (never received, not even by replay).",
-            "result",
-        )
-        self.ready = gauge("ready", "1 while PD requests are served.", mode="livemin")
-        self.usable = gauge(
-            "instance_usable", "1 while an instance is in the rotation.", "role", "backend",
-            mode="livemin",
-        )  # fmt: skip
-        # "backend", not "instance": Prometheus gives that name to the scraped target.
-        self.prefill_in_flight = gauge(
-            "prefill_in_flight",
-            "Prefill legs in flight per prefill engine (instance and DP rank).",
-            *("backend", "dp_rank", "engine_id"),
-            mode="livesum",
-        )
-        self.decode_in_flight = gauge(
-            "decode_in_flight", "Decode legs in flight per decode instance.", "backend",
-            mode="livesum",
-        )  # fmt: skip
-        self.client_connections = gauge(
-            "client_connections", "Client connections open.", mode="livesum"
-        )
-        self.connections_rejected = counter(
-            "client_connections_rejected",
-            "Client connections answered 503 and closed: --max-client-connections were open.",
-        )
-        self.admission_queue = gauge(
-            "admission_queue", "PD requests waiting for --max-in-flight.", mode="livesum"
-        )
-        self.admission_wait = histogram(
-            "admission_wait_seconds", "Time PD requests waited for --max-in-flight."
-        )
-        self.prefill_skipped = counter(
-            "prefill_skipped",
-            "PD requests sent to a decode alone, which computes the prompt itself, by the "
-            "field that makes vLLM split them into several requests (n, best_of, "
-            "use_beam_search, prompt: a batch of prompts).",
-            "reason",
-        )
+        for attribute, row in vars(Metrics).items():
+            if isinstance(row, Metric):
+                self.__dict__[attribute] = row.make(own)
         self.rejected_counted = 0
         self.engine_series: set[tuple[str, str, str]] = set()
         self.start_series(state.config)
@@ -5637,28 +5628,6 @@ class Metrics:
             if count:
                 bucket.inc(count)
         child._sum.inc(gaps.total)
-
-
-GaugeMode = Literal["livemin", "livesum"]
-
-# Label values a fresh proxy makes its series for (Metrics.start_series): the statuses PD
-# requests are most often answered with, the reasons a leg fails for (beside http_<status>),
-# and each policy's routing reasons.
-PD_STATUSES: Final = ("200", "400", "404", "429", "499", "500", "502", "503", "504")
-
-LEG_ERRORS: Final = {
-    "prefill": ("refused", "timeout", "broken", "stopped_early", "kv_lost"),
-    "decode": ("refused", "timeout", "broken"),
-    "client": ("client_gone",),
-    "admission": ("queue_full", "queue_timeout"),
-}
-
-ROUTING_REASONS: Final = {Policy.PREFIX_AWARE: ("affinity", "spill", "cold", "session", "fallback")}
-
-# Seconds between two SSE events: a token every few ms at the least, seconds when stalled.
-TOKEN_GAP_BUCKETS: Final = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5,
-)  # fmt: skip
 
 
 class TokenGaps:
