@@ -1973,43 +1973,41 @@ async def stopped_if_prefill_fails(
     wait out Mooncake's timeouts; no byte has reached the client, so the pair is tried again
     elsewhere. Not a non-streamed one: it sends nothing before its whole answer, so a decode
     still waiting for the KV cannot be told from one generating. The block runs in the
-    handler's own task (one task less per request); a client gone at the same time still wins.
+    handler's own task (one task less per request); a client gone at the same time still wins
+    (asyncio.timeout lets a cancellation that is not its own through).
     """
-    handler = asyncio.current_task()
-    assert handler is not None
     exchange = attempt.exchange
-    running, stopped = True, False
     lost: Unreachable | None = None  # the KV, with the prefill instance that held it
+    # The block's scope: asyncio.timeout with no deadline, set to "now" to stop the block. It
+    # cancels the block alone and tells that cancellation apart from the client's.
+    scope = asyncio.timeout(None)
+    running = True
 
-    def stop() -> None:
-        # Once: a second cancel would outlive the uncancel() below and read as the client's.
-        nonlocal stopped
-        if running and not stopped:
-            stopped = True
-            handler.cancel()
+    def stop(cause: Unreachable | None = None) -> None:
+        nonlocal lost
+        if running and scope.when() is None:  # once, and only while the block runs
+            lost = cause
+            scope.reschedule(0)
 
-    def stop_the_decode(done: asyncio.Task[None]) -> None:
+    def prefill_done(done: asyncio.Task[None]) -> None:
         if leg_error(done) is not None:
             stop()
 
     def instance_down(why: str) -> None:
-        nonlocal lost
-        if running and not stopped and not exchange.response.prepared:
+        if not exchange.response.prepared:
             message = f"prefill {instance.url} {why} before its KV was pulled"
-            lost = Unreachable(502, message, reason="kv_lost", backend=instance)
-            stop()
+            stop(Unreachable(502, message, reason="kv_lost", backend=instance))
 
-    prefill.add_done_callback(stop_the_decode)
+    prefill.add_done_callback(prefill_done)
     if exchange.body.get("stream") is True:
         instance.down_watchers.add(instance_down)
     try:
-        yield
-    except (asyncio.CancelledError, ProxyError) as error:
+        async with scope:
+            yield
+    except (TimeoutError, ProxyError):  # TimeoutError: stopped here
         cause = leg_error(prefill) or lost
         if cause is None:
             raise
-        if isinstance(error, asyncio.CancelledError) and handler.uncancel() > 0:
-            raise  # the client went away as well
         raise cause from None
     finally:
         running = False
