@@ -975,7 +975,7 @@ class Setting:
     def is_switch(self) -> bool:
         return self.parse is switch
 
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
+    def add_to(self, parser: argparse._ActionsContainer) -> None:
         shown = self.default.value if isinstance(self.default, enum.Enum) else self.default
         help_text = self.help
         if shown not in (None, (), False):
@@ -6433,6 +6433,30 @@ class PrintVersion(argparse.Action):
         parser.exit()
 
 
+# --help's sections, in the order an operator meets them: every setting in one (build_parser
+# checks, so that a new setting cannot be left out of --help).
+FLAG_GROUPS: Final = (
+    ("the fleet: where the prefill and decode instances are",
+        ("prefills", "decodes", "prefill_dns", "decode_dns", "dns_interval", "dns_server")),
+    ("serving: where the proxy listens, and as what", ("config_file", "host", "port", "workers",
+        "loop", "log_level", "log_format", "otlp_traces_endpoint", "shutdown_timeout")),
+    ("health: when an instance leaves the rotation and comes back", ("health_interval",
+        "discovery_interval", "health_timeout", "unhealthy_after", "healthy_after")),
+    ("the legs: the proxy's requests to vLLM", ("upstream_api_key", "connect_timeout",
+        "keepalive_timeout", "request_timeout", "prefill_timeout", "max_retries",
+        "max_connections", "pool_timeout")),
+    ("routing: which engine and which decode a request goes to", ("policy", "prefill_policy",
+        "decode_policy", "load_interval", "prefix_index_blocks", "prefix_block_bytes",
+        "balance_factor", "prefill_load_weight", "decode_load_weight")),
+    ("KV events: routing on what each engine holds", ("kv_events_port",
+        "kv_events_replay_port", "kv_events", "tokenizer")),
+    ("limits: what clients may ask, and how long they may take", ("max_request_bytes",
+        "max_in_flight", "max_queue", "queue_timeout", "header_timeout", "body_timeout",
+        "body_min_rate", "max_client_connections", "client_keepalive_timeout")),
+    ("access: who may call the proxy", ("api_key", "protect_metrics")),
+)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
         prog="mooncake-proxy",
@@ -6448,8 +6472,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action=PrintVersion, help="print the version and exit")
-    for option in SETTINGS:
-        option.add_to(parser)
+    grouped = [name for _, names in FLAG_GROUPS for name in names]
+    assert sorted(grouped) == sorted(SETTINGS_BY_NAME), "FLAG_GROUPS: each setting once"
+    for title, names in FLAG_GROUPS:
+        group = parser.add_argument_group(title)
+        for name in names:
+            SETTINGS_BY_NAME[name].add_to(group)
     return parser
 
 
