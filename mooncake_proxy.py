@@ -1567,6 +1567,39 @@ class RelayResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+class ClientWire:
+    """The client's connection under aiohttp's response, as the relay writes to it after the
+    first bytes: the one place (with RelayResponse) that reaches past aiohttp's public API.
+
+    Writing a decode's reads to the transport as they come, framed as the response is, saves
+    a task wake-up and a copy per read over StreamResponse.write; aiohttp's protocol says when
+    the client cannot keep up (writing_paused), which is when the relay stops reading.
+    """
+
+    __slots__ = ("chunked", "protocol", "transport")
+
+    def __init__(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+        self.transport = request.transport
+        self.protocol = request.protocol
+        self.chunked = response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked"
+
+    @property
+    def closing(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+    @property
+    def writing_paused(self) -> bool:
+        return self.protocol.writing_paused
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+
+    def drop(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
 class ClientGone(Exception):
     """Writing to the client failed: it closed its connection before its answer was whole."""
 
@@ -1751,9 +1784,8 @@ class Exchange:
             with contextlib.suppress(ConnectionError):
                 await response.write(frame)
                 await response.write_eof()
-        elif self.request.transport is not None:
-            # A plain body cut short must not look complete: drop the connection instead.
-            self.request.transport.close()
+        else:  # a plain body cut short must not look complete: drop the connection instead
+            ClientWire(self.request, response).drop()
         return response
 
     def client_gone(self) -> web.StreamResponse:
@@ -2107,15 +2139,12 @@ class DecodeRelay:
     instead of filling the proxy's memory.
     """
 
-    __slots__ = ("chunked", "client", "gaps", "gone", "leg", "protocol", "stats")
+    __slots__ = ("client", "gaps", "gone", "leg", "stats")
 
     def __init__(self, exchange: Exchange, leg: HttpLeg, gaps: TokenGaps | None) -> None:
-        request = exchange.request
-        self.client = request.transport
-        self.protocol = request.protocol
+        self.client = ClientWire(exchange.request, exchange.response)
         self.leg, self.stats, self.gaps = leg, exchange.stats, gaps
-        self.chunked = exchange.response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked"
-        self.gone = self.client is None
+        self.gone = self.client.closing
 
     def start(self) -> None:
         """From now on the leg's pieces come here, those that came meanwhile first."""
@@ -2129,15 +2158,15 @@ class DecodeRelay:
     def __call__(self, pieces: list[bytes]) -> None:
         """The pieces one read of the decode brought (a list the leg reuses: not kept)."""
         client = self.client
-        if client is None or client.is_closing():
+        if client.closing:
             self.gone = True
             self.leg.close()  # vLLM aborts the request
             self.leg.wake()
             return
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        client.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        client.write(data)
         self.account(data)
-        if self.protocol.writing_paused:
+        if client.writing_paused:
             self.leg.pause()
 
     def account(self, data: bytes) -> None:
