@@ -761,8 +761,8 @@ class ProxyConfig:
     otlp_traces_endpoint: str | None = setting(
         None,
         "export the proxy's own span per request, with a child span per leg, over OTLP/HTTP to "
-        "this URL (e.g. http://collector:4318/v1/traces); needs pip install "
-        "'mooncake-proxy[tracing]'",
+        "this URL (e.g. http://collector:4318/v1/traces); needs the tracing extra: pip "
+        "install '.[tracing]' in the proxy's source tree",
         text_value,
         metavar="URL",
         restart=True,
@@ -1537,7 +1537,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 async def run_pd_request(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-    """One PD request, as the README's "How a request flows" numbers its steps (1 is the
+    """One PD request, as docs/flow.md's "The PD steps" numbers them (1 is the
     handler's: the body is parsed, the proxy is ready)."""
     exchange = Exchange.of(request, body)
     await exchange.learn_tokens()
@@ -4354,7 +4354,8 @@ async def watch_kv_events(app: web.Application) -> None:
         import zmq.asyncio
     except ImportError as missing:
         log.warning(
-            "routing on KV events needs pip install 'mooncake-proxy[precise]' (%s); "
+            "routing on KV events needs the precise extra, pip install '.[precise]' in the "
+            "proxy's source tree (%s); "
             "what each engine holds is estimated instead", missing,
         )  # fmt: skip
         return
@@ -5816,7 +5817,8 @@ async def tracing_ctx(app: web.Application) -> AsyncIterator[None]:
             state.tracing = Tracing(endpoint)
         except ImportError as missing:
             log.warning(
-                "--otlp-traces-endpoint needs pip install 'mooncake-proxy[tracing]' (%s): "
+                "--otlp-traces-endpoint needs the tracing extra, pip install '.[tracing]' in "
+                "the proxy's source tree (%s): "
                 "no spans are exported; the legs still carry the trace context", missing,
             )  # fmt: skip
     yield
