@@ -12,7 +12,29 @@ Run it as vLLM's example proxy is run::
     python mooncake_proxy.py --host 0.0.0.0 --port 8000 \\
         --prefill http://10.0.0.1:8100 8998 --decode http://10.0.0.3:8200
 
-``python mooncake_proxy.py --help`` lists every flag.
+``python mooncake_proxy.py --help`` lists every flag; docs/ is the manual.
+
+The module, in chapters (each opens with a banner saying what it holds and what it uses)::
+
+     1. Identity and defaults     names, version, wire constants
+     2. Configuration             ProxyConfig (frozen), its SETTINGS, flags/env/TOML loading
+     3. Errors and state          ProxyError (status + OpenAI type), ProxyState, STATE_KEY
+     4. HTTP handlers             the routes and middlewares; a request starts here
+     5. The PD flow               run_pd_request: the protocol's steps; Exchange and Attempt
+                                  (tries, failover), the prefill beside the decode, the relay
+     6. Request bodies, admission what each leg is sent; decode-alone requests; the limits
+     7. The legs, client conns    HttpLeg/UpstreamPool (our HTTP client); the client's side
+     8. Routing                   RouteKey, prefix index, load view, Router (tuned numbers first)
+     9. KV events, tokenizer      vLLM's KV cache events over ZMQ, the model's tokenizer
+    10. The fleet                 instances and engines; health, discovery, load, DNS
+    11. Metrics, tracing          the Prometheus table, access log, OpenTelemetry
+    12. The application           create_app: resources (cleanup_ctx) and background coroutines
+    13. The process               serve, reload, drain, systemd, the --workers Supervisor
+    14. Command line              build_parser (grouped --help), main
+
+A streamed chat completion reads top to bottom: handle_completion (4) -> run_pd_request (5)
+-> Exchange.attempt, which routes (8) among the fleet (10) -> send_prefill beside
+Attempt.relay_decode on the legs (7) -> relay_body and DecodeRelay (5) to the last byte.
 """
 
 from __future__ import annotations
