@@ -3271,6 +3271,25 @@ async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
 # at the chapter's top. Uses: 1-3, 9 (the tokenizer and KV events).
 # ================================================================================================
 
+# Routing's tuned numbers, all in one list. Each constant below says what measured it (the
+# routing benchmark, bench_routing.py, unless it says otherwise); the flags' defaults are in
+# ProxyConfig (2) and docs/routing.md gives their reasons:
+#   --balance-factor 1.25       the load bound: HAProxy's hash-balance-factor; bounded-load
+#                               consistent hashing (Mirrokni et al.) at its usual setting
+#   --prefill-load-weight 0.5   a spill costs more than its own blocks (docs/routing.md)
+#   --decode-load-weight 4      a decode's streams run long; a prefix held saves one transfer
+#   --prefix-block-bytes 512    ROUTING_BLOCK_BYTES (1): about vLLM's 16-token block in bytes
+#   --prefix-index-blocks 65536 per engine, at most: fewer where its KV cache holds fewer
+#   --load-interval 1           each engine's /metrics scraped once a second
+#   RECENT_SECONDS 10, RECENT_SLACK 4, RECENT_BALANCE 1.5    the share of recent requests
+#   QUEUE_SLACK 2               a prompt's queue where it is held
+#   PLACE_CHOICES 3, PLACE_MARGIN 0.9                        where a new prefix goes
+#   OTHERS_SEND 1.3, PENDING_SECONDS 2, TURNS_KEPT 4096, EARLIER_TURNS 8
+#   KV_FULL 0.98                a cache this full is passed over (vLLM would preempt)
+#   MEAN_UNCACHED_EVENTS 32, INDEX_EVICT_BATCH 1/8           bookkeeping, not behaviour
+#   TokenReading.FIRST_STEP, LAST_STEP, CHECKS (9)           how far a prompt is tokenized
+#   Fleet.bytes_per_token 4 (10)                             a first guess, learned per answer
+
 SESSION_HEADER: Final = "X-Session-ID"
 
 MASK64: Final = (1 << 64) - 1
@@ -3321,6 +3340,14 @@ OTHERS_SEND: Final = 1.3
 # How long this process's own sends count for a target whose KV events it hears: about the
 # longest a prefill queues and runs before the engine publishes its blocks.
 PENDING_SECONDS: Final = 2.0
+
+# Routing's running mean of the blocks a request computes weighs the last this many requests
+# about as much as all before: it follows a change of workload within a few dozen requests.
+MEAN_UNCACHED_EVENTS: Final = 32
+
+# A prefix index evicts once it holds this share more blocks than its capacity, to the
+# capacity: eviction sorts the index, so it runs once in many additions instead of each time.
+INDEX_EVICT_BATCH: Final = 1 / 8
 
 # Chat turns remembered per target: the next turn of each of that many conversations finds
 # its own there (Target.conversation_share).
@@ -3670,7 +3697,7 @@ class PrefixIndex:
         self.sends.append((now, self.clock))
         start, self.clock = self.clock, self.clock + len(chain)
         self.blocks.update(zip(chain, range(self.clock, start, -1), strict=True))
-        if len(self.blocks) > self.capacity + self.capacity // 8:  # evict in batches
+        if len(self.blocks) > self.capacity * (1 + INDEX_EVICT_BATCH):
             newest = heapq.nlargest(self.capacity, self.blocks.items(), key=operator.itemgetter(1))
             self.blocks = dict(newest)
 
@@ -3964,7 +3991,7 @@ class Router:
             now = time.monotonic()
             target.count_recent(now, uncached)
             target.sent_turn(key, now)
-            self.mean_uncached += (uncached - self.mean_uncached) / 32
+            self.mean_uncached += (uncached - self.mean_uncached) / MEAN_UNCACHED_EVENTS
         if self.observe is not None:
             self.observe(self.stage, choice, key)
         return choice
