@@ -1,4 +1,5 @@
-"""The documentation: docs/reference.md as the parser makes it, and no link that leads nowhere."""
+"""The documentation: docs/reference.md as the parser makes it, what the pages say that the code
+and deploy/ must agree with, and no link that leads nowhere."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import re
 import sys
 from pathlib import Path
+
+import mooncake_proxy as mp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "docs"))
@@ -64,3 +67,25 @@ def test_every_relative_link_points_at_a_file_that_exists() -> None:
             elif anchor and linked.suffix == ".md" and anchor not in headings(linked):
                 broken.append(f"{page.relative_to(HERE)}: {target} (no such heading)")
     assert not broken, broken
+
+
+def test_operations_names_exactly_what_a_reload_cannot_change() -> None:
+    page = (HERE / "docs" / "operations.md").read_text()
+    start = page.index("except those built into the listener")
+    listed = set(re.findall(r"`(--[a-z-]+)`", page[start : page.index("A change to one", start)]))
+    assert listed == {option.flag for option in mp.SETTINGS if option.restart}
+
+
+def test_the_unit_and_the_deploy_page_install_it_the_same_way() -> None:
+    unit = (HERE / "deploy" / "mooncake-proxy.service").read_text()
+    page = (HERE / "docs" / "deploy.md").read_text()
+    assert "Documentation=file:///opt/mooncake-proxy/README.md" in unit
+    for step in (
+        "install -m 644 README.md /opt/mooncake-proxy/README.md",
+        "install -m 644 -D -t /opt/mooncake-proxy/docs docs/*.md docs/*.png",
+        "install -m 600 deploy/mooncake-proxy.env /etc/mooncake-proxy.env",
+        "install -m 644 -D deploy/mooncake-proxy.toml /etc/mooncake-proxy/proxy.toml",
+        "install -m 644 deploy/mooncake-proxy.service /etc/systemd/system/",
+    ):
+        assert step in unit and step in page, step
+    assert "cp deploy" not in unit + page
