@@ -4,11 +4,12 @@
 # and, heavier: make integration   the proxy against real vLLM on the CPU with real Mooncake
 #               make bench         the benchmark (make bench-quick: under a minute)
 #               make bench-routing the routing benchmark (about 20 minutes)
+#               make reference     docs/reference.md from the parser, after changing a flag
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: demo test integration bench bench-quick bench-routing lint check clean
+.PHONY: demo test integration bench bench-quick bench-routing reference lint check clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-precise.txt requirements-tracing.txt
 	python3 -m venv $(VENV)
@@ -35,10 +36,13 @@ bench-routing: $(VENV)/.installed
 integration: $(VENV)/.installed
 	bash integration/run.sh
 
+reference: $(VENV)/.installed
+	$(PY) docs/reference.py
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --strict mooncake_proxy.py test_mooncake_proxy.py conftest.py fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py
+	$(VENV)/bin/mypy --strict mooncake_proxy.py test_mooncake_proxy.py conftest.py fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py test_docs.py docs/reference.py
 
 check: lint test
 

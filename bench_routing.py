@@ -21,7 +21,7 @@ max/mean requests per engine.
 Workloads: shared-prefix groups (vllm bench serve's prefix_repetition shape), multi-turn chats
 that grow, one chat alone on the cluster (its turns should stay on one engine), a replay of
 Mooncake's FAST'25 synthetic trace (each hash id a 512-token block in the trace, scaled down
-here to a 256-byte block of text; ``--trace``, default
+here to a 128-byte block of text; ``--trace``, default
 ~/.cache/mooncake-proxy/traces/synthetic_trace.jsonl: left out with a note when missing), and
 one hot prefix (sglang issue 21199's trap).
 """
