@@ -1000,7 +1000,7 @@ class Setting:
     def add_to(self, parser: argparse._ActionsContainer) -> None:
         shown = self.default.value if isinstance(self.default, enum.Enum) else self.default
         help_text = self.help
-        if shown not in (None, (), False):
+        if not (shown is None or shown is False or shown == ()):  # 0 is a default to show
             help_text += f" (default: {shown})"
         options: dict[str, Any] = {"dest": self.name, "default": argparse.SUPPRESS}
         if self.is_switch:
