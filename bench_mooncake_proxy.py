@@ -628,10 +628,22 @@ class Bench:
         wait_http(self.prefill_url + "/health")
         wait_http(self.decode_url + "/health")
 
-    def start_proxy(self, workers: int = 1, env: dict[str, str] | None = None) -> Target:
+    def start_proxy(
+        self, workers: int = 1, env: dict[str, str] | None = None, revision: str | None = None
+    ) -> Target:
+        """The proxy as users start it; with ``revision``, that commit's mooncake_proxy.py
+        (for an A/B of two builds in one invocation, on one cluster, taking turns)."""
         port = free_port()
+        script = HERE / "mooncake_proxy.py"
+        if revision is not None:
+            script = Path(tempfile.mkdtemp(prefix="bench-baseline-")) / "mooncake_proxy.py"
+            shown = subprocess.run(
+                ["git", "-C", str(HERE), "show", f"{revision}:mooncake_proxy.py"],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            script.write_bytes(shown.stdout)
         argv = [
-            sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port),
+            sys.executable, str(script), "--port", str(port),
             "--prefill", self.prefill_url, str(self.bootstrap_port),
             "--decode", self.decode_url, "--log-level", "WARNING",
         ]  # fmt: skip
@@ -640,9 +652,10 @@ class Bench:
         process = self.spawn(argv, env={**os.environ, **(env or {})})
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health")
-        return Target(
-            f"proxy (workers={workers})" if workers > 1 else "proxy", url, process.pid, process
-        )
+        name = f"proxy (workers={workers})" if workers > 1 else "proxy"
+        if revision is not None:
+            name = f"proxy at {revision}"
+        return Target(name, url, process.pid, process)
 
     def start_yardstick(self, kind: str, name: str) -> Target:
         """One of this file's own proxies (``kind``: plain or raw), in a process of its own."""
@@ -837,7 +850,8 @@ def bench_main(args: argparse.Namespace) -> int:
         router = None if args.no_router else bench.start_vllm_router()
         plain = bench.start_yardstick("plain", "plain aiohttp (ref)")
         raw = bench.start_yardstick("raw", RAW_REF)
-        targets = [t for t in (direct, proxy, plain, raw, router) if t is not None]
+        baseline = None if args.baseline is None else bench.start_proxy(revision=args.baseline)
+        targets = [t for t in (direct, proxy, baseline, plain, raw, router) if t is not None]
         for stream in (True, False):
             for concurrency in concurrencies:
                 for target in targets:
@@ -1170,6 +1184,12 @@ def main() -> int:
         "--workers", action="store_true", help="also compare --workers 1/2 in quick mode"
     )
     parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run the proxy as it was at this git revision (an A/B of two builds: both in "
+        "every round, on the same cluster, taking turns)",
+    )
     parser.add_argument(
         "--rounds",
         type=rounds,
