@@ -1609,13 +1609,14 @@ class ClientWire:
     def closing(self) -> bool:
         return self.transport is None or self.transport.is_closing()
 
-    @property
-    def writing_paused(self) -> bool:
+    def send(self, data: bytes) -> bool | None:
+        """Write ``data`` framed; None if the client is gone, else whether it fell behind
+        (one call a read: this runs for every piece of every stream)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return None
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         return self.protocol.writing_paused
-
-    def write(self, data: bytes) -> None:
-        assert self.transport is not None
-        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
 
     def drop(self) -> None:
         if self.transport is not None:
@@ -2179,16 +2180,15 @@ class DecodeRelay:
 
     def __call__(self, pieces: list[bytes]) -> None:
         """The pieces one read of the decode brought (a list the leg reuses: not kept)."""
-        client = self.client
-        if client.closing:
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        behind = self.client.send(data)
+        if behind is None:
             self.gone = True
             self.leg.close()  # vLLM aborts the request
             self.leg.wake()
             return
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        client.write(data)
         self.account(data)
-        if client.writing_paused:
+        if behind:
             self.leg.pause()
 
     def account(self, data: bytes) -> None:
