@@ -271,6 +271,22 @@ def chat(**extra: Any) -> dict[str, Any]:
     return {"model": "fake-model", "messages": messages, "max_tokens": 8, **extra}
 
 
+async def scrape(
+    cluster: Cluster, **headers: str
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = await cluster.client.get("/metrics", headers=headers)
+    assert response.status == 200
+    samples = {}
+    for family in text_string_to_metric_families(await response.text()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def sample(samples: dict[Any, float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
 async def test_async_tests_run_on_the_loop_they_name(request: pytest.FixtureRequest) -> None:
     """conftest.py runs each async test on asyncio's loop and on uvloop, the daemon's default:
     the second really is uvloop (a failure path that works on one loop only once hid here)."""
@@ -802,6 +818,9 @@ async def test_unmatched_requests_are_logged_with_an_id_and_their_path(
     assert "GET /v1/nothing?x=1 404" in caplog.records[-2].getMessage()
 
 
+# --- tracing: the trace context on both legs, the proxy's own spans over OTLP
+
+
 async def test_trace_context_reaches_both_legs(
     start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -919,6 +938,9 @@ async def test_without_the_tracing_extra_the_proxy_says_so_and_serves(
     assert len(warnings) == 1 and "mooncake-proxy[tracing]" in warnings[0]
 
 
+# --- admission: --max-in-flight, its queue and its priorities
+
+
 async def test_past_max_in_flight_requests_wait_lowest_priority_value_first(
     start_cluster: StartCluster,
 ) -> None:
@@ -983,7 +1005,7 @@ async def test_a_full_or_slow_queue_is_answered_429_with_retry_after(
     assert sample(samples, "mooncake_proxy_requests_total", route=COMPLETIONS, status="429") == 2
 
 
-# --- a fleet that changes: the config file, reloads, DNS discovery
+# --- a fleet that changes: the config file, reloads, rolling upgrades, DNS discovery
 
 
 def write_config(path: Path, text: str) -> Path:
@@ -1776,6 +1798,70 @@ async def test_headers_are_held_until_the_first_decode_bytes_then_streamed_unbuf
     assert sse_events(first + rest)[-1] == "[DONE]"
 
 
+FANS_OUT = {
+    "n": completion(n=3),
+    "n-chat": chat(n=3),
+    "n-as-text": completion(n="2"),
+    "best_of": completion(best_of=2),
+    "beam": completion(use_beam_search=True),
+    "batch": completion(prompt=["first prompt", "second prompt"]),
+    "token-batch": completion(prompt=[[1, 2, 3], [4, 5, 6]]),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("case", list(FANS_OUT))
+async def test_requests_vllm_splits_go_to_a_decode_alone(
+    start_cluster: StartCluster, case: str, stream: bool
+) -> None:
+    """vLLM splits these into child requests that all carry the one transfer_id; Mooncake
+    hands a transfer to one, and the rest would wait out the KV timeout (or load another
+    prompt's KV). The decode computes such a prompt itself, and answers every choice."""
+    cluster = await start_cluster()
+    body = {**FANS_OUT[case], "stream": stream, "kv_transfer_params": {"from": "the client"}}
+    path = CHAT if "messages" in body else COMPLETIONS
+    started = time.monotonic()
+    response = await cluster.client.post(path, json=body)
+    assert response.status == 200, await response.text()
+    raw = await response.read()
+    assert time.monotonic() - started < FAST
+    assert not cluster.prefills[0].requests
+    (sent,) = cluster.decodes[0].requests
+    assert "kv_transfer_params" not in sent.body
+    assert {k: v for k, v in sent.body.items()} == {
+        k: v for k, v in body.items() if k != "kv_transfer_params"
+    }
+    assert raw == bytes(cluster.decodes[0].sent[response.headers["X-Request-Id"]])
+    reason = {"n-chat": "n", "n-as-text": "n", "beam": "use_beam_search"}.get(case, case)
+    reason = "prompt" if "batch" in case else reason
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_prefill_skipped_total", reason=reason) == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (completion(), None),
+        (completion(n=1, best_of=1, use_beam_search=False), None),
+        (completion(n=2), "n"),
+        (completion(n=2.0), "n"),
+        (completion(n=" 3"), "n"),
+        (completion(n=True), None),
+        (completion(n="many"), None),  # vLLM answers it 400, whichever way it goes
+        (completion(best_of="2"), "best_of"),
+        (completion(use_beam_search="true"), "use_beam_search"),
+        (completion(prompt=["one prompt"]), None),
+        (completion(prompt=[1, 2, 3]), None),  # one prompt of token ids
+        (completion(prompt=["one", "two"]), "prompt"),
+        (completion(prompt=[[1], [2]]), "prompt"),
+        (chat(n=4), "n"),
+    ],
+)
+def test_what_vllm_splits_is_read_as_vllm_reads_it(body: dict[str, Any], why: str | None) -> None:
+    path = CHAT if "messages" in body else COMPLETIONS
+    assert mp.fans_out(path, body) == why
+
+
 # --- prefill failures fail fast
 
 
@@ -1825,124 +1911,6 @@ async def test_what_vllm_refuses_reaches_the_client_at_once_as_vllm_said_it(
     error = (await response.json())["error"]
     assert error["type"] == kind and words in error["message"]
     assert error == (await local.json())["error"]
-
-
-async def test_the_fakes_answer_n_choices_and_a_batch_as_vllm_does(
-    start_cluster: StartCluster,
-) -> None:
-    cluster = await start_cluster()
-    url = cluster.decodes[0].api_url
-    session = cluster.client.session
-    answer = await (await session.post(url + COMPLETIONS, json=completion(n=3))).json()
-    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
-    assert len({c["text"] for c in answer["choices"]}) > 1  # samples, not copies
-    batch = completion(prompt=["one", "two"], n=2, stream=True)
-    events = sse_events(await (await session.post(url + COMPLETIONS, json=batch)).read())
-    finished = [c["index"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
-    assert sorted(finished) == [0, 1, 2, 3]
-    chat_events = sse_events(
-        await (await session.post(url + CHAT, json=chat(n=2, stream=True))).read()
-    )
-    roles = [e["choices"][0]["index"] for e in chat_events[:2]]
-    assert roles == [0, 1] and all("role" in e["choices"][0]["delta"] for e in chat_events[:2])
-
-
-@pytest.mark.asyncio(loop_factories=["asyncio"])  # the fake's own behaviour: one loop is enough
-async def test_the_fakes_close_an_idle_connection_after_vllms_keepalive(
-    aiohttp_server: AiohttpServer,
-) -> None:
-    fake = FakeVllm("decode")
-    server = await serve(aiohttp_server, fake.api_app())
-    assert server.port is not None
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
-    answered = time.monotonic()
-    assert await asyncio.wait_for(reader.read(), KEEPALIVE_SECONDS + 3) == b""  # closed
-    assert KEEPALIVE_SECONDS - 0.5 < time.monotonic() - answered < KEEPALIVE_SECONDS + 2
-    writer.close()
-
-
-async def test_the_pool_lets_idle_connections_go_before_vllm_closes_them(
-    start_cluster: StartCluster,
-) -> None:
-    """--keepalive-timeout (4 s) under vLLM's 5: a request after 4.5 s idle goes on a new
-    connection, never on one vLLM is closing as it is written."""
-    cluster = await start_cluster()
-    decode = cluster.decodes[0]
-    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
-    await asyncio.sleep(cluster.config.keepalive_timeout + 0.5)
-    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
-    first, second = (recorded.peer for recorded in decode.requests)
-    assert first != second
-    assert sample(await scrape(cluster), "mooncake_proxy_retries_total", stage="decode") == 0
-
-
-@pytest.mark.parametrize(
-    ("role", "params"),
-    [("prefill", {"do_remote_prefill": True}), ("decode", {"do_remote_decode": "false"})],
-)
-async def test_the_fakes_die_of_kv_params_vllms_engine_asserts_against(
-    aiohttp_client: AiohttpClient, role: str, params: dict[str, Any]
-) -> None:
-    """MooncakeConnector asserts its role: vLLM's engine core dies (every request then 500,
-    /health 503). Its flags are read as truthy values: "false" is true."""
-    fake = FakeVllm(role)
-    client = await aiohttp_client(fake.api_app())
-    body = completion(kv_transfer_params=params)
-    assert (await client.post(COMPLETIONS, json=body)).status == 500
-    assert (await client.get("/health")).status == 503
-    assert (await client.post(COMPLETIONS, json=completion())).status == 500
-
-
-async def test_a_fake_decode_told_no_kv_source_waits_as_vllm_does(
-    aiohttp_client: AiohttpClient,
-) -> None:
-    """vLLM logs "Got invalid KVTransferParams" and queues no pull: the request waits."""
-    client = await aiohttp_client(FakeVllm("decode").api_app())
-    body = completion(kv_transfer_params={"do_remote_prefill": True, "transfer_id": "x"})
-    with pytest.raises(TimeoutError):
-        async with asyncio.timeout(0.5):
-            await client.post(COMPLETIONS, json=body)
-
-
-async def test_a_fake_decode_that_dies_after_its_pull_took_the_kv_and_answers_nothing(
-    start_cluster: StartCluster,
-) -> None:
-    """die_after_pull: the KV left the prefill (it gives a transfer out once), then the
-    connection drops before any answer, as a decode killed while it generates."""
-    cluster = await start_cluster()
-    (prefill,), (decode,) = cluster.prefills, cluster.decodes
-    decode.die_after_pull = True
-    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 502
-    assert prefill.transfers_served == 1 and not decode.sent  # pulled, nothing answered
-
-
-async def test_a_duplicate_transfer_id_collides_in_the_fake_as_in_vllm(
-    start_cluster: StartCluster,
-) -> None:
-    """Two prefills of one transfer_id: vLLM keeps one entry, which the last to finish
-    writes; one decode pulls it (the other prompt's KV: vLLM answers with the wrong text, the
-    fake fails it), the next waits out the KV timeout."""
-    cluster = await start_cluster()
-    (prefill,), (decode,) = cluster.prefills, cluster.decodes
-    decode.kv_timeout = 0.5
-    session, engine = cluster.client.session, prefill.engine_ids[0]
-    for prompt in ("the first prompt", "the second prompt"):
-        kv = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "xfer-1"}
-        body = completion(prompt=prompt, kv_transfer_params=kv)
-        assert (await session.post(prefill.api_url + COMPLETIONS, json=body)).status == 200
-    assert prefill.transfer_collisions == 1
-    bootstrap = fleet_of(cluster).prefills[0].spec.bootstrap
-    pull = {
-        "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": "xfer-1",
-        "remote_bootstrap_addr": str(bootstrap), "remote_engine_id": engine,
-    }  # fmt: skip
-    first = completion(prompt="the first prompt", kv_transfer_params=pull)
-    assert (await session.post(decode.api_url + COMPLETIONS, json=first)).status == 500
-    second = completion(prompt="the second prompt", kv_transfer_params=pull)
-    answer = await session.post(decode.api_url + COMPLETIONS, json=second)
-    assert answer.status == 500 and "did not arrive" in (await answer.json())["error"]["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -2034,6 +2002,112 @@ async def test_prefill_failure_after_stream_started_is_sent_in_band(
     assert_openai_error(events[-2], 502)
     await eventually(lambda: cluster.decodes[0].running == 0)
     assert cluster.decodes[0].aborted
+
+
+# --- the fakes: they do as vLLM does, which every test here relies on
+
+
+async def test_the_fakes_answer_n_choices_and_a_batch_as_vllm_does(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster()
+    url = cluster.decodes[0].api_url
+    session = cluster.client.session
+    answer = await (await session.post(url + COMPLETIONS, json=completion(n=3))).json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert len({c["text"] for c in answer["choices"]}) > 1  # samples, not copies
+    batch = completion(prompt=["one", "two"], n=2, stream=True)
+    events = sse_events(await (await session.post(url + COMPLETIONS, json=batch)).read())
+    finished = [c["index"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
+    assert sorted(finished) == [0, 1, 2, 3]
+    chat_events = sse_events(
+        await (await session.post(url + CHAT, json=chat(n=2, stream=True))).read()
+    )
+    roles = [e["choices"][0]["index"] for e in chat_events[:2]]
+    assert roles == [0, 1] and all("role" in e["choices"][0]["delta"] for e in chat_events[:2])
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])  # the fake's own behaviour: one loop is enough
+async def test_the_fakes_close_an_idle_connection_after_vllms_keepalive(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    fake = FakeVllm("decode")
+    server = await serve(aiohttp_server, fake.api_app())
+    assert server.port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+    answered = time.monotonic()
+    assert await asyncio.wait_for(reader.read(), KEEPALIVE_SECONDS + 3) == b""  # closed
+    assert KEEPALIVE_SECONDS - 0.5 < time.monotonic() - answered < KEEPALIVE_SECONDS + 2
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("role", "params"),
+    [("prefill", {"do_remote_prefill": True}), ("decode", {"do_remote_decode": "false"})],
+)
+async def test_the_fakes_die_of_kv_params_vllms_engine_asserts_against(
+    aiohttp_client: AiohttpClient, role: str, params: dict[str, Any]
+) -> None:
+    """MooncakeConnector asserts its role: vLLM's engine core dies (every request then 500,
+    /health 503). Its flags are read as truthy values: "false" is true."""
+    fake = FakeVllm(role)
+    client = await aiohttp_client(fake.api_app())
+    body = completion(kv_transfer_params=params)
+    assert (await client.post(COMPLETIONS, json=body)).status == 500
+    assert (await client.get("/health")).status == 503
+    assert (await client.post(COMPLETIONS, json=completion())).status == 500
+
+
+async def test_a_fake_decode_told_no_kv_source_waits_as_vllm_does(
+    aiohttp_client: AiohttpClient,
+) -> None:
+    """vLLM logs "Got invalid KVTransferParams" and queues no pull: the request waits."""
+    client = await aiohttp_client(FakeVllm("decode").api_app())
+    body = completion(kv_transfer_params={"do_remote_prefill": True, "transfer_id": "x"})
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.5):
+            await client.post(COMPLETIONS, json=body)
+
+
+async def test_a_fake_decode_that_dies_after_its_pull_took_the_kv_and_answers_nothing(
+    start_cluster: StartCluster,
+) -> None:
+    """die_after_pull: the KV left the prefill (it gives a transfer out once), then the
+    connection drops before any answer, as a decode killed while it generates."""
+    cluster = await start_cluster()
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    decode.die_after_pull = True
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 502
+    assert prefill.transfers_served == 1 and not decode.sent  # pulled, nothing answered
+
+
+async def test_a_duplicate_transfer_id_collides_in_the_fake_as_in_vllm(
+    start_cluster: StartCluster,
+) -> None:
+    """Two prefills of one transfer_id: vLLM keeps one entry, which the last to finish
+    writes; one decode pulls it (the other prompt's KV: vLLM answers with the wrong text, the
+    fake fails it), the next waits out the KV timeout."""
+    cluster = await start_cluster()
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    decode.kv_timeout = 0.5
+    session, engine = cluster.client.session, prefill.engine_ids[0]
+    for prompt in ("the first prompt", "the second prompt"):
+        kv = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "xfer-1"}
+        body = completion(prompt=prompt, kv_transfer_params=kv)
+        assert (await session.post(prefill.api_url + COMPLETIONS, json=body)).status == 200
+    assert prefill.transfer_collisions == 1
+    bootstrap = fleet_of(cluster).prefills[0].spec.bootstrap
+    pull = {
+        "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": "xfer-1",
+        "remote_bootstrap_addr": str(bootstrap), "remote_engine_id": engine,
+    }  # fmt: skip
+    first = completion(prompt="the first prompt", kv_transfer_params=pull)
+    assert (await session.post(decode.api_url + COMPLETIONS, json=first)).status == 500
+    second = completion(prompt="the second prompt", kv_transfer_params=pull)
+    answer = await session.post(decode.api_url + COMPLETIONS, json=second)
+    assert answer.status == 500 and "did not arrive" in (await answer.json())["error"]["message"]
 
 
 # --- decode failures
@@ -2631,6 +2705,21 @@ async def test_upstream_connections_are_reused(start_cluster: StartCluster) -> N
     # Sequential requests: each leg finds its previous connection idle in the pool.
     assert len({r.peer for r in cluster.prefills[0].requests}) == 1
     assert len({r.peer for r in cluster.decodes[0].requests}) == 1
+
+
+async def test_the_pool_lets_idle_connections_go_before_vllm_closes_them(
+    start_cluster: StartCluster,
+) -> None:
+    """--keepalive-timeout (4 s) under vLLM's 5: a request after 4.5 s idle goes on a new
+    connection, never on one vLLM is closing as it is written."""
+    cluster = await start_cluster()
+    decode = cluster.decodes[0]
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    await asyncio.sleep(cluster.config.keepalive_timeout + 0.5)
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    first, second = (recorded.peer for recorded in decode.requests)
+    assert first != second
+    assert sample(await scrape(cluster), "mooncake_proxy_retries_total", stage="decode") == 0
 
 
 # --- the legs' wire (HttpLeg, UpstreamPool), tested as a library's would be
@@ -3251,70 +3340,6 @@ async def test_a_decode_that_dies_after_pulling_is_retried_as_a_new_pair(
     assert answer["choices"] == local["choices"]
     samples = await scrape(cluster)
     assert sample(samples, "mooncake_proxy_retries_total", stage="decode") == 1
-
-
-FANS_OUT = {
-    "n": completion(n=3),
-    "n-chat": chat(n=3),
-    "n-as-text": completion(n="2"),
-    "best_of": completion(best_of=2),
-    "beam": completion(use_beam_search=True),
-    "batch": completion(prompt=["first prompt", "second prompt"]),
-    "token-batch": completion(prompt=[[1, 2, 3], [4, 5, 6]]),
-}
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
-@pytest.mark.parametrize("case", list(FANS_OUT))
-async def test_requests_vllm_splits_go_to_a_decode_alone(
-    start_cluster: StartCluster, case: str, stream: bool
-) -> None:
-    """vLLM splits these into child requests that all carry the one transfer_id; Mooncake
-    hands a transfer to one, and the rest would wait out the KV timeout (or load another
-    prompt's KV). The decode computes such a prompt itself, and answers every choice."""
-    cluster = await start_cluster()
-    body = {**FANS_OUT[case], "stream": stream, "kv_transfer_params": {"from": "the client"}}
-    path = CHAT if "messages" in body else COMPLETIONS
-    started = time.monotonic()
-    response = await cluster.client.post(path, json=body)
-    assert response.status == 200, await response.text()
-    raw = await response.read()
-    assert time.monotonic() - started < FAST
-    assert not cluster.prefills[0].requests
-    (sent,) = cluster.decodes[0].requests
-    assert "kv_transfer_params" not in sent.body
-    assert {k: v for k, v in sent.body.items()} == {
-        k: v for k, v in body.items() if k != "kv_transfer_params"
-    }
-    assert raw == bytes(cluster.decodes[0].sent[response.headers["X-Request-Id"]])
-    reason = {"n-chat": "n", "n-as-text": "n", "beam": "use_beam_search"}.get(case, case)
-    reason = "prompt" if "batch" in case else reason
-    samples = await scrape(cluster)
-    assert sample(samples, "mooncake_proxy_prefill_skipped_total", reason=reason) == 1
-
-
-@pytest.mark.parametrize(
-    ("body", "why"),
-    [
-        (completion(), None),
-        (completion(n=1, best_of=1, use_beam_search=False), None),
-        (completion(n=2), "n"),
-        (completion(n=2.0), "n"),
-        (completion(n=" 3"), "n"),
-        (completion(n=True), None),
-        (completion(n="many"), None),  # vLLM answers it 400, whichever way it goes
-        (completion(best_of="2"), "best_of"),
-        (completion(use_beam_search="true"), "use_beam_search"),
-        (completion(prompt=["one prompt"]), None),
-        (completion(prompt=[1, 2, 3]), None),  # one prompt of token ids
-        (completion(prompt=["one", "two"]), "prompt"),
-        (completion(prompt=[[1], [2]]), "prompt"),
-        (chat(n=4), "n"),
-    ],
-)
-def test_what_vllm_splits_is_read_as_vllm_reads_it(body: dict[str, Any], why: str | None) -> None:
-    path = CHAT if "messages" in body else COMPLETIONS
-    assert mp.fans_out(path, body) == why
 
 
 async def test_a_refused_prefill_is_retried_elsewhere_with_a_new_transfer_id(
@@ -4147,25 +4172,6 @@ async def test_a_restarted_engine_is_believed_to_hold_nothing(start_cluster: Sta
     await eventually(lambda: decode.index.blocks == {})
 
 
-# --- running it for real: metrics, access log, drain, systemd, auth
-
-
-async def scrape(
-    cluster: Cluster, **headers: str
-) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    response = await cluster.client.get("/metrics", headers=headers)
-    assert response.status == 200
-    samples = {}
-    for family in text_string_to_metric_families(await response.text()):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def sample(samples: dict[Any, float], name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
 # --- precise routing: vLLM's KV cache events
 
 
@@ -4728,6 +4734,9 @@ async def test_without_the_precise_extra_routing_estimates(
     assert "needs pip install 'mooncake-proxy[precise]'" in log and "Traceback" not in log
 
 
+# --- running it for real: metrics, access log, drain, systemd, auth
+
+
 async def test_metrics_parse_and_move_as_requests_flow(start_cluster: StartCluster) -> None:
     cluster = await start_cluster(decode={"token_delay": 0.2})
     (prefill,), (decode,) = cluster.prefills, cluster.decodes
@@ -5264,6 +5273,9 @@ def test_the_example_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     assert "mooncake-proxy.service" not in result.stderr, result.stderr
 
 
+# --- --workers: one port, metrics summed, reloads and drains, workers supervised
+
+
 async def test_workers_share_the_port_and_drain_together(aiohttp_server: AiohttpServer) -> None:
     proxy, _ = await ProxyProcess.start(aiohttp_server, "--workers", "2")
     pids = set()
@@ -5522,6 +5534,9 @@ async def test_under_workers_systemd_hears_ready_once_all_serve_and_a_watchdog_w
             assert [line for _, line in heard].count("READY=1") == 1
         finally:
             await proxy.stop()
+
+
+# --- without the speed extra: the stdlib's json and asyncio's loop
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["orjson", "stdlib"])
