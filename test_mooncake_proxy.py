@@ -29,7 +29,7 @@ import sys
 import textwrap
 import time
 import tomllib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -40,7 +40,7 @@ import hypothesis
 import pytest
 import yaml
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,232 +59,38 @@ from fake_vllm import (
     free_port,
     prompt_blocks,
 )
+from testing_support import (
+    CHAT,
+    COMPLETIONS,
+    FAST,
+    HERE,
+    JSON_TYPE,
+    KV_TIMEOUT,
+    LONG_CONTEXT,
+    SPEC,
+    Cluster,
+    DaemonTestServer,
+    ProcessLog,
+    ProxyProcess,
+    StartCluster,
+    access_lines,
+    assert_openai_error,
+    chat,
+    completion,
+    daemon_client,
+    engine_of,
+    eventually,
+    fleet_of,
+    long_prompt,
+    sample,
+    scrape,
+    serve,
+    sse_events,
+    subscribed,
+    wait_ready_,
+)
 
-HERE = Path(__file__).resolve().parent
-# Generous bounds: a proxy that fails fast answers in milliseconds, a broken one waits for the
-# decode's KV timeout (KV_TIMEOUT) and fails these.
-FAST = 3.0
-KV_TIMEOUT = 20.0
-
-CHAT = "/v1/chat/completions"
-JSON_TYPE = {"Content-Type": "application/json"}  # for bodies not sent with json=
-# Fakes refuse prompts past their max_model_len (4096 tokens of 4 bytes) as vLLM does.
-LONG_CONTEXT = {"max_model_len": 1 << 26}
-COMPLETIONS = "/v1/completions"
-SPEC = mp.PrefillSpec(URL("http://p:1"), URL("http://p:8998"))
-
-
-# --- the cluster under test
-
-
-@dataclass
-class Cluster:
-    prefills: list[FakeVllm]
-    decodes: list[FakeVllm]
-    config: mp.ProxyConfig
-    client: TestClient[web.Request, web.Application]
-    aiohttp_server: AiohttpServer
-    api_servers: dict[int, TestServer]  # by id() of the fake
-
-    @property
-    def port(self) -> int:
-        """The proxy's port, for clients on plain sockets."""
-        port = self.client.server.port
-        assert port is not None
-        return port
-
-    def prefill_requests(self) -> list[tuple[int, Any]]:
-        return [(i, r) for i, fake in enumerate(self.prefills) for r in fake.requests]
-
-    async def kill(self, fake: FakeVllm) -> None:
-        """The API server goes away: its port refuses connections (the bootstrap stays)."""
-        await self.api_servers.pop(id(fake)).close()
-
-    async def start_again(self, fake: FakeVllm, new_engine_ids: bool = True) -> None:
-        if new_engine_ids:
-            fake.restart()
-        port = int(fake.api_url.rsplit(":", 1)[1])
-        self.api_servers[id(fake)] = await serve(self.aiohttp_server, fake.api_app(), port=port)
-
-
-StartCluster = Callable[..., Awaitable[Cluster]]
-
-
-class DaemonTestServer(TestServer):
-    """The app served as the daemon serves it: each connection a mooncake_proxy.ClientConnection
-    (head deadline, connection cap, the proxy's own answer to malformed requests)."""
-
-    listener: asyncio.Server | None = None
-
-    async def start_server(self, loop: Any = None, **kwargs: Any) -> None:
-        if self.runner:
-            return
-        self.runner = runner = web.AppRunner(self.app, handler_cancellation=True)
-        await runner.setup()
-        sock = socket.create_server(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.listener = await mp.listen(runner, sock)
-        self._root = URL(f"http://127.0.0.1:{self.port}")
-
-    async def close(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
-        await super().close()
-
-
-class UncancelledTestServer(TestServer):
-    """A server that does not cancel the handler of a client that left, so the proxy finds out
-    on its next write: what happens under load when the two events meet in one loop turn."""
-
-    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
-        kwargs["handler_cancellation"] = False
-        return await super()._make_runner(**kwargs)
-
-
-async def serve(
-    aiohttp_server: AiohttpServer, app: web.Application, port: int | None = None
-) -> TestServer:
-    """An app (a fake vLLM's, mostly) served as vLLM's uvicorn serves: idle connections are
-    closed after KEEPALIVE_SECONDS."""
-    server: TestServer = await aiohttp_server(app, port=port, keepalive_timeout=KEEPALIVE_SECONDS)
-    return server
-
-
-@pytest.fixture
-def start_cluster(aiohttp_server: AiohttpServer, aiohttp_client: AiohttpClient) -> StartCluster:
-    async def start(
-        prefill_dp: tuple[int, ...] = (1,),
-        decodes: int = 1,
-        wait_ready: bool = True,
-        prefill: dict[str, Any] | None = None,
-        decode: dict[str, Any] | None = None,
-        each_prefill: tuple[dict[str, Any], ...] = (),
-        cancel_handlers: bool = True,
-        kv_events: bool = False,
-        kv_replay: bool = False,
-        **config: Any,
-    ) -> Cluster:
-        """``kv_events``: every engine publishes vLLM's KV events on ports of its own, which
-        the proxy is told of (``kv_replay``: with a replay socket)."""
-        prefills, specs, api_servers = [], [], {}
-        sources: list[mp.KvEventSource] = []
-
-        def publish(fake: FakeVllm) -> None:
-            if kv_events:
-                fake.kv_events_port = free_port(fake.dp_size)
-                fake.kv_replay_port = free_port(fake.dp_size) if kv_replay else None
-                endpoint, replay = (
-                    URL(f"tcp://127.0.0.1:{port}") if port else None
-                    for port in (fake.kv_events_port, fake.kv_replay_port)
-                )
-                assert endpoint is not None
-                sources.append(mp.KvEventSource(URL(fake.api_url), endpoint, replay))
-
-        for index, dp_size in enumerate(prefill_dp):
-            own = each_prefill[index] if index < len(each_prefill) else {}
-            fake = FakeVllm("prefill", dp_size=dp_size, **{**(prefill or {}), **own})
-            fake.api_url = f"http://127.0.0.1:{free_port()}"
-            publish(fake)
-            api = await serve(aiohttp_server, fake.api_app(), URL(fake.api_url).port)
-            bootstrap = await serve(aiohttp_server, fake.bootstrap_app())
-            api_servers[id(fake)] = api
-            prefills.append(fake)
-            specs.append(
-                mp.PrefillSpec(
-                    URL(fake.api_url),
-                    URL.build(scheme="http", host="127.0.0.1", port=bootstrap.port),
-                )
-            )
-        decode_fakes, decode_urls = [], []
-        for _ in range(decodes):
-            fake = FakeVllm("decode", kv_timeout=KV_TIMEOUT, **(decode or {}))
-            fake.api_url = f"http://127.0.0.1:{free_port()}"
-            publish(fake)
-            api = await serve(aiohttp_server, fake.api_app(), URL(fake.api_url).port)
-            api_servers[id(fake)] = api
-            decode_fakes.append(fake)
-            decode_urls.append(URL(fake.api_url))
-        config.setdefault("discovery_interval", 0.02)
-        config.setdefault("kv_events", tuple(sources))
-        proxy_config = mp.ProxyConfig(prefills=tuple(specs), decodes=tuple(decode_urls), **config)
-        app = mp.create_app(proxy_config)
-        server = DaemonTestServer(app) if cancel_handlers else UncancelledTestServer(app)
-        # The client of a server (not of an app) is typed without the app: it is this one.
-        client = cast(TestClient[web.Request, web.Application], await aiohttp_client(server))
-        if wait_ready:
-            await wait_ready_(client)
-        if kv_events:  # every engine's publisher heard the proxy subscribe
-            await eventually(lambda: all(subscribed(fake) for fake in (*prefills, *decode_fakes)))
-        return Cluster(prefills, decode_fakes, proxy_config, client, aiohttp_server, api_servers)
-
-    return start
-
-
-def subscribed(fake: FakeVllm, subscribers: int = 1) -> bool:
-    """Each of the fake's engines has this many subscribers to its KV events."""
-    return all(
-        (events := fake.sim(rank).events) is not None and events.subscribers >= subscribers
-        for rank in range(fake.dp_size)
-    )
-
-
-async def wait_ready_(client: TestClient[web.Request, web.Application]) -> None:
-    """Until every configured instance is in the rotation (readiness needs only one each)."""
-    fleet = client.app[mp.STATE_KEY].fleet
-    async with asyncio.timeout(FAST):
-        while (await client.get("/health")).status != 200 or not all(
-            backend.usable for backend in (*fleet.prefills, *fleet.decodes)
-        ):
-            await asyncio.sleep(0.01)
-
-
-async def eventually(check: Callable[[], bool], seconds: float = FAST) -> None:
-    async with asyncio.timeout(seconds):
-        while not check():
-            await asyncio.sleep(0.01)
-
-
-def sse_events(raw: bytes) -> list[Any]:
-    events = []
-    for frame in raw.split(b"\n\n"):
-        if frame.startswith(b"data: "):
-            data = frame[6:]
-            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return events
-
-
-def assert_openai_error(payload: Any, status: int) -> None:
-    assert set(payload) == {"error"}
-    error = payload["error"]
-    assert set(error) >= {"message", "type", "param", "code"}
-    assert error["code"] == status
-    assert isinstance(error["message"], str) and error["message"]
-    assert error["type"].endswith("Error")
-
-
-def completion(**extra: Any) -> dict[str, Any]:
-    return {"model": "fake-model", "prompt": "Tell me about KV caches", "max_tokens": 8, **extra}
-
-
-def chat(**extra: Any) -> dict[str, Any]:
-    messages = [{"role": "user", "content": "Tell me about KV caches"}]
-    return {"model": "fake-model", "messages": messages, "max_tokens": 8, **extra}
-
-
-async def scrape(
-    cluster: Cluster, **headers: str
-) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    response = await cluster.client.get("/metrics", headers=headers)
-    assert response.status == 200
-    samples = {}
-    for family in text_string_to_metric_families(await response.text()):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def sample(samples: dict[Any, float], name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+# --- the harness: every async test runs on both event loops (conftest.py)
 
 
 async def test_async_tests_run_on_the_loop_they_name(request: pytest.FixtureRequest) -> None:
@@ -1181,38 +987,6 @@ async def test_a_reload_that_adds_instances_and_changes_limits_applies_them_at_o
     await (await first).read()
 
 
-class ProcessLog:
-    """A daemon's stderr, line by line, read as it comes."""
-
-    def __init__(self, stream: asyncio.StreamReader) -> None:
-        self.lines: list[str] = []
-        self.grew = asyncio.Event()
-        self.task = asyncio.create_task(self.read(stream))
-
-    async def read(self, stream: asyncio.StreamReader) -> None:
-        while line := await stream.readline():
-            self.lines.append(line.decode().rstrip())
-            self.grew.set()
-
-    async def wait_for_processes(self, text: str, count: int, seconds: float = FAST) -> None:
-        """Until ``count`` processes (the pid in each line) have logged ``text``."""
-        async with asyncio.timeout(seconds):
-            while True:
-                self.grew.clear()
-                pids = {re.search(r"\[(\d+)\]: ", line) for line in self.lines if text in line}
-                if len({match[1] for match in pids if match}) >= count:
-                    return
-                await self.grew.wait()
-
-    async def wait_for(self, text: str, seconds: float = FAST) -> str:
-        async with asyncio.timeout(seconds):
-            while True:
-                self.grew.clear()
-                if found := [line for line in self.lines if text in line]:
-                    return found[-1]
-                await self.grew.wait()
-
-
 async def test_sighup_rereads_the_config_file_and_a_bad_one_changes_nothing(
     aiohttp_server: AiohttpServer, tmp_path: Path
 ) -> None:
@@ -1515,14 +1289,6 @@ async def start_fake_at(
     await aiohttp_server(fake.api_app(), host=host, port=port)
     if bootstrap:
         await aiohttp_server(fake.bootstrap_app(), host=host, port=bootstrap)
-
-
-async def daemon_client(
-    aiohttp_client: AiohttpClient, config: mp.ProxyConfig
-) -> TestClient[web.Request, web.Application]:
-    # The client of a server (not of an app) is typed without the app: it is this one.
-    server = DaemonTestServer(mp.create_app(config))
-    return cast(TestClient[web.Request, web.Application], await aiohttp_client(server))
 
 
 async def test_instances_come_and_go_with_their_dns_records(
@@ -2234,15 +2000,6 @@ async def read_until(reader: asyncio.StreamReader, marker: bytes) -> bytes:
 def close_raw() -> None:
     while raw_writers:
         raw_writers.pop().close()
-
-
-def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    """The access lines of requests other than probes (which are DEBUG)."""
-    return [
-        r.__dict__["access"]
-        for r in caplog.records
-        if r.name == "mooncake_proxy.access" and r.levelno >= logging.INFO
-    ]
 
 
 CANCEL_HANDLERS = pytest.mark.parametrize(
@@ -3240,10 +2997,6 @@ def listening(port: int) -> bool:
 # --- a live fleet: health, re-discovery, failover, load-aware routing
 
 
-def fleet_of(cluster: Cluster) -> mp.Fleet:
-    return cluster.client.app[mp.STATE_KEY].fleet
-
-
 async def test_restarted_prefill_is_served_with_its_new_engine_ids(
     start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -3656,19 +3409,6 @@ async def test_a_burst_does_not_pile_onto_the_one_idle_decode(start_cluster: Sta
 
 
 # --- routing: where the prefix is cached, weighed against real load
-
-
-def long_prompt(tag: str, size: int = 2048) -> str:
-    """A prompt of ``size`` bytes that starts with ``tag``: its first block is the tag's."""
-    return (f"{tag}: " + "context " * size)[:size]
-
-
-def engine_of(cluster: Cluster) -> dict[str, tuple[int, int]]:
-    """Which prefill engine (instance, DP rank) served each prompt."""
-    return {
-        r.body["prompt"]: (index, int(r.headers["X-data-parallel-rank"]))
-        for index, r in cluster.prefill_requests()
-    }
 
 
 def test_a_chats_next_turn_extends_its_routing_bytes_and_block_chain() -> None:
@@ -4989,54 +4729,6 @@ def test_every_flag_can_come_from_the_environment_and_flags_win(
     assert config.port == 9100 and config.max_retries == 5
     assert config.protect_metrics is True and config.api_key == "from-env"
     assert "from-env" not in repr(config) and "from-env" not in config.describe()
-
-
-class ProxyProcess:
-    """The daemon as systemd runs it, in front of in-test fakes."""
-
-    def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
-        self.process = process
-        self.base = f"http://127.0.0.1:{port}"
-
-    @classmethod
-    async def start(
-        cls,
-        aiohttp_server: AiohttpServer,
-        *flags: str,
-        env: dict[str, str] | None = None,
-        decode: dict[str, Any] | None = None,
-        both: dict[str, Any] | None = None,
-    ) -> tuple[ProxyProcess, FakeVllm]:
-        """``decode``: the decode fake's settings; ``both``: both fakes'."""
-        prefill = FakeVllm("prefill", **(both or {}))
-        api = await serve(aiohttp_server, prefill.api_app())
-        bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
-        prefill.api_url = f"http://127.0.0.1:{api.port}"
-        fake_decode = FakeVllm("decode", kv_timeout=KV_TIMEOUT, **(both or {}) | (decode or {}))
-        decode_server = await serve(aiohttp_server, fake_decode.api_app())
-        port = free_port()
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port),
-            "--prefill", prefill.api_url, str(bootstrap.port),
-            "--decode", f"http://127.0.0.1:{decode_server.port}", *flags,
-            stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, **(env or {})},
-        )  # fmt: skip
-        proxy = cls(process, port)
-        async with aiohttp.ClientSession() as session, asyncio.timeout(15):
-            while True:
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"{proxy.base}/health") as health:
-                        if health.status == 200:
-                            break
-                await asyncio.sleep(0.05)
-        return proxy, fake_decode
-
-    async def stop(self) -> str:
-        if self.process.returncode is None:
-            self.process.terminate()
-        _, stderr = await self.process.communicate()
-        return stderr.decode()
 
 
 @pytest.mark.parametrize(
