@@ -59,6 +59,9 @@ def start_cluster(aiohttp_server: AiohttpServer, aiohttp_client: AiohttpClient) 
     ) -> Cluster:
         """``kv_events``: every engine publishes vLLM's KV events on ports of its own, which
         the proxy is told of (``kv_replay``: with a replay socket)."""
+        if kv_events:  # the [precise] extra's: the fakes publish as vLLM does, over ZMQ
+            pytest.importorskip("zmq")
+            pytest.importorskip("msgspec")
         prefills, specs, api_servers = [], [], {}
         sources: list[mp.KvEventSource] = []
 

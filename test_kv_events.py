@@ -14,7 +14,6 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 from pytest_aiohttp import AiohttpClient, AiohttpServer
-from tokenizers import AddedToken
 
 import mooncake_proxy as mp
 from fake_vllm import BLOCK_TOKENS, EngineSim, FakeVllm, build_tokenizer, prompt_blocks
@@ -42,6 +41,7 @@ from testing_support import (
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("tokenizers")  # the [precise] extra's, as its tests' fakes tokenize
     path = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(path)
     return path
@@ -49,6 +49,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir: Path) -> Any:
+    pytest.importorskip("transformers")  # what the proxy loads a tokenizer with
     return mp.PromptTokenizer.load(str(tokenizer_dir)).tokenizer
 
 
@@ -175,9 +176,10 @@ def test_earlier_turns_and_shared_prefixes_are_not_tokenized_again(tokenizer_dir
     assert "".join(pieces) == "word " * 600 and [len(p) for p in pieces] == [1024, 1025, 951]
     assert all(piece.startswith(" word") for piece in pieces[1:])
     # A tokenizer whose markers strip the text around them is not split: encoded whole.
+    tokenizers = pytest.importorskip("tokenizers")
     stripping = mp.PromptTokenizer.load(str(tokenizer_dir))
     stripping.tokenizer.add_special_tokens(
-        {"additional_special_tokens": [AddedToken("<|tool|>", lstrip=True)]}
+        {"additional_special_tokens": [tokenizers.AddedToken("<|tool|>", lstrip=True)]}
     )
     stripping = mp.PromptTokenizer(stripping.tokenizer)
     assert not stripping.pieces.usable

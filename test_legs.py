@@ -17,10 +17,8 @@ from pathlib import Path
 
 import aiohttp
 import httptools
-import hypothesis
 import pytest
 from aiohttp import web
-from hypothesis import strategies as st
 from pytest_aiohttp import AiohttpServer
 from yarl import URL
 
@@ -251,57 +249,71 @@ def chunked(body: bytes, sizes: Sequence[int]) -> bytes:
     return b"".join(framed) + b"0\r\n\r\n"
 
 
-@hypothesis.settings(max_examples=150, deadline=None)
-@hypothesis.given(
-    body=st.binary(max_size=3000),
-    framing=st.one_of(st.none(), st.lists(st.integers(1, 700), max_size=6)),
-    cuts=st.lists(st.integers(0, 10_000), max_size=12),
-)
-def test_any_split_of_a_sized_or_chunked_answer_reads_the_same(
-    body: bytes, framing: list[int] | None, cuts: list[int]
-) -> None:
+def test_any_split_of_a_sized_or_chunked_answer_reads_the_same() -> None:
     """None: sized by Content-Length; a list: chunked in chunks of those sizes, in turn."""
-    if framing is None:
-        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
-        answer = head % len(body) + body
-    else:
-        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked"
-        answer = head + b"\r\n\r\n" + chunked(body, framing)
-    leg = asyncio.run(leg_reading(split(answer, cuts), eof=False))
-    assert leg.error is None and leg.complete and leg.reusable
-    assert (leg.status, leg.reason, leg.content_type) == (200, b"OK", b"text/event-stream")
-    assert leg.body() == body
+    pytest.importorskip("hypothesis")
+    import hypothesis
+    from hypothesis import strategies as st
+
+    @hypothesis.settings(max_examples=150, deadline=None)
+    @hypothesis.given(
+        body=st.binary(max_size=3000),
+        framing=st.one_of(st.none(), st.lists(st.integers(1, 700), max_size=6)),
+        cuts=st.lists(st.integers(0, 10_000), max_size=12),
+    )
+    def check(body: bytes, framing: list[int] | None, cuts: list[int]) -> None:
+        if framing is None:
+            head = (
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+            )
+            answer = head % len(body) + body
+        else:
+            head = (
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked"
+            )
+            answer = head + b"\r\n\r\n" + chunked(body, framing)
+        leg = asyncio.run(leg_reading(split(answer, cuts), eof=False))
+        assert leg.error is None and leg.complete and leg.reusable
+        assert (leg.status, leg.reason, leg.content_type) == (200, b"OK", b"text/event-stream")
+        assert leg.body() == body
+
+    check()
 
 
 VALID_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
 
-@hypothesis.settings(max_examples=300, deadline=None)
-@hypothesis.given(
-    edits=st.lists(
-        st.tuples(st.integers(0, len(VALID_HEAD) - 1), st.binary(max_size=3)), min_size=1
-    ),
-    cuts=st.lists(st.integers(0, 200), max_size=4),
-)
-def test_a_malformed_answer_fails_its_leg_and_nothing_else(
-    edits: list[tuple[int, bytes]], cuts: list[int]
-) -> None:
+def test_a_malformed_answer_fails_its_leg_and_nothing_else() -> None:
     """A valid answer with bytes replaced or inserted anywhere (the status line and the
     headers most of all), then the connection closed: the leg either read an answer or failed
     with LegFailed; no other exception, no wait past the close."""
-    answer = bytearray(VALID_HEAD)
-    for at, new in edits:
-        answer[at : at + (len(new) % 2)] = new  # replace a byte, or insert before it
-    leg = asyncio.run(leg_reading(split(bytes(answer), cuts)))
-    assert leg.complete or leg.error is not None
-    if leg.error is not None:
-        assert str(leg.error)
-        return
-    assert 200 <= leg.status <= 999
-    # What it read across the pieces is what llhttp reads of the answer in one piece.
-    whole = WholeAnswer(bytes(answer))
-    if whole.complete:
-        assert (leg.status, leg.body()) == (whole.status, whole.body)
+    pytest.importorskip("hypothesis")
+    import hypothesis
+    from hypothesis import strategies as st
+
+    @hypothesis.settings(max_examples=300, deadline=None)
+    @hypothesis.given(
+        edits=st.lists(
+            st.tuples(st.integers(0, len(VALID_HEAD) - 1), st.binary(max_size=3)), min_size=1
+        ),
+        cuts=st.lists(st.integers(0, 200), max_size=4),
+    )
+    def check(edits: list[tuple[int, bytes]], cuts: list[int]) -> None:
+        answer = bytearray(VALID_HEAD)
+        for at, new in edits:
+            answer[at : at + (len(new) % 2)] = new  # replace a byte, or insert before it
+        leg = asyncio.run(leg_reading(split(bytes(answer), cuts)))
+        assert leg.complete or leg.error is not None
+        if leg.error is not None:
+            assert str(leg.error)
+            return
+        assert 200 <= leg.status <= 999
+        # What it read across the pieces is what llhttp reads of the answer in one piece.
+        whole = WholeAnswer(bytes(answer))
+        if whole.complete:
+            assert (leg.status, leg.body()) == (whole.status, whole.body)
+
+    check()
 
 
 class WholeAnswer:

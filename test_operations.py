@@ -23,7 +23,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from pytest_aiohttp import AiohttpServer
@@ -102,6 +101,7 @@ class OtlpCollector:
         self.spans: list[Any] = []
 
     def app(self) -> web.Application:
+        pytest.importorskip("opentelemetry.proto")
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
             ExportTraceServiceRequest,
         )
@@ -124,6 +124,8 @@ async def test_the_proxy_exports_its_span_and_one_per_leg(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """vLLM's spans hang under the proxy's legs: each leg's traceparent names its span."""
+    pytest.importorskip("opentelemetry.sdk")  # the [tracing] extra, which exports the spans
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
     caplog.set_level("INFO", logger="mooncake_proxy.access")
     collector = OtlpCollector()
     receiver = await aiohttp_server(collector.app())
@@ -1105,6 +1107,9 @@ SERVICEMONITOR_ENDPOINT_FIELDS = {
 
 def k8s_documents() -> list[dict[str, Any]]:
     """Every YAML document in deploy/kubernetes, in file order."""
+    pytest.importorskip("yaml")
+    import yaml
+
     return [
         document
         for path in sorted(K8S.glob("*.yaml"))
@@ -1151,6 +1156,9 @@ def test_kubernetes_manifests_pass_the_kubernetes_schemas() -> None:
 def test_kubernetes_manifests_agree_with_the_proxy_and_each_other(tmp_path: Path) -> None:
     flags = {s.flag for s in mp.SETTINGS}
     defaults = {s.flag: s.default for s in mp.SETTINGS}
+    pytest.importorskip("yaml")
+    import yaml
+
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     manifests = {path.name for path in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     assert sorted(kustomization["resources"]) == sorted(manifests)
