@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import uvloop
-from aiohttp import web
-from aiohttp.test_utils import TestClient
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 from yarl import URL
 
@@ -22,9 +20,8 @@ from fake_vllm import FakeVllm, free_port
 from testing_support import (
     KV_TIMEOUT,
     Cluster,
-    DaemonTestServer,
     StartCluster,
-    UncancelledTestServer,
+    daemon_client,
     eventually,
     serve,
     subscribed,
@@ -103,10 +100,7 @@ def start_cluster(aiohttp_server: AiohttpServer, aiohttp_client: AiohttpClient) 
         config.setdefault("discovery_interval", 0.02)
         config.setdefault("kv_events", tuple(sources))
         proxy_config = mp.ProxyConfig(prefills=tuple(specs), decodes=tuple(decode_urls), **config)
-        app = mp.create_app(proxy_config)
-        server = DaemonTestServer(app) if cancel_handlers else UncancelledTestServer(app)
-        # The client of a server (not of an app) is typed without the app: it is this one.
-        client = cast(TestClient[web.Request, web.Application], await aiohttp_client(server))
+        client = await daemon_client(aiohttp_client, proxy_config, cancel_handlers)
         if wait_ready:
             await wait_ready_(client)
         if kv_events:  # every engine's publisher heard the proxy subscribe

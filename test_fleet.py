@@ -35,7 +35,7 @@ from testing_support import (
     FAST,
     HERE,
     KV_TIMEOUT,
-    ProcessLog,
+    ProxyProcess,
     StartCluster,
     access_lines,
     assert_openai_error,
@@ -350,13 +350,8 @@ async def test_sighup_rereads_the_config_file_and_a_bad_one_changes_nothing(
         file.write_text("\n".join(lines) + "\n")
 
     configure(old)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, str(HERE / "mooncake_proxy.py"), "--config", str(file),
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert process.stderr is not None
-    log = ProcessLog(process.stderr)
-    base = f"http://127.0.0.1:{port}"
+    proxy = await ProxyProcess.launch("--config", str(file), port=port, ready=False)
+    process, log, base = proxy.process, proxy.log, proxy.base
     try:
         async with aiohttp.ClientSession() as session:
             await log.wait_for(f"decode {old.api_url} is usable", seconds=15)
@@ -381,9 +376,7 @@ async def test_sighup_rereads_the_config_file_and_a_bad_one_changes_nothing(
             assert len(new.requests) == 1 and len(old.requests) == 1
             await log.wait_for("DEBUG")  # the new level took effect
     finally:
-        process.terminate()
-        await process.wait()
-        await log.task
+        await proxy.stop()
     assert "Traceback" not in "\n".join(log.lines)
 
 
@@ -391,21 +384,16 @@ async def test_under_workers_sighup_reaches_every_worker(tmp_path: Path) -> None
     file, port = tmp_path / "proxy.toml", free_port()
     lines = [f"port = {port}", "workers = 2", 'prefill = ["http://127.0.0.1:9"]']
     file.write_text("\n".join([*lines, 'decode = ["http://127.0.0.1:10"]', ""]))
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, str(HERE / "mooncake_proxy.py"), "--config", str(file),
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert process.stderr is not None
-    log = ProcessLog(process.stderr)
+    proxy = await ProxyProcess.launch("--config", str(file), port=port, ready=False)
+    process, log = proxy.process, proxy.log
     try:
         await log.wait_for_processes("decode http://127.0.0.1:10 check failed", 2, seconds=15)
         file.write_text("\n".join([*lines, 'decode = ["http://127.0.0.1:11"]', ""]))
         process.send_signal(signal.SIGHUP)  # to the parent, which passes it on
         await log.wait_for_processes("configuration reloaded: --decode", 2)
     finally:
-        process.terminate()
-        assert await process.wait() == 0
-        await log.task
+        await proxy.stop()
+        assert process.returncode == 0
 
 
 @dataclass
@@ -496,13 +484,8 @@ async def test_a_rolling_upgrade_under_load_fails_no_request_and_cuts_no_stream(
     async with aiohttp.ClientSession() as session:
         for fake in (*prefills, *decodes):
             await fake.start(session)
-        proxy = await asyncio.create_subprocess_exec(
-            sys.executable, str(HERE / "mooncake_proxy.py"), "--config", str(file),
-            stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        assert proxy.stderr is not None
-        log = ProcessLog(proxy.stderr)
-        base = f"http://127.0.0.1:{port}"
+        proxy = await ProxyProcess.launch("--config", str(file), port=port, ready=False)
+        log, base = proxy.log, proxy.base
         done, failures = asyncio.Event(), list[str]()
         try:
             for fake in (*prefills, *decodes[:2]):
@@ -522,7 +505,7 @@ async def test_a_rolling_upgrade_under_load_fails_no_request_and_cuts_no_stream(
                 await fake.start(session)
                 await took_traffic(fake)  # a new process: it counts from 0
             configure([decodes[0], decodes[2]])
-            proxy.send_signal(signal.SIGHUP)
+            proxy.process.send_signal(signal.SIGHUP)
             await log.wait_for(f"decode {decodes[1].url} has left the fleet", seconds=15)
             await took_traffic(decodes[2])
             await asyncio.sleep(0.5)  # and a little more load on the swapped fleet
@@ -530,9 +513,7 @@ async def test_a_rolling_upgrade_under_load_fails_no_request_and_cuts_no_stream(
             sent = await asyncio.gather(*load)
         finally:
             done.set()
-            proxy.terminate()
-            await proxy.wait()
-            await log.task
+            await proxy.stop()
             for fake in (*prefills, *decodes):
                 if fake.process is not None and fake.process.returncode is None:
                     fake.process.kill()

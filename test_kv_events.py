@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 
 import mooncake_proxy as mp
@@ -22,11 +20,11 @@ from testing_support import (
     COMPLETIONS,
     FAST,
     Cluster,
-    DaemonTestServer,
     ProxyProcess,
     StartCluster,
     chat,
     completion,
+    daemon_client,
     engine_of,
     eventually,
     long_prompt,
@@ -428,10 +426,7 @@ async def test_a_proxy_that_joins_late_learns_earlier_blocks_by_replay(
     (prefill,) = cluster.prefills
     earlier = "cat dog bird fish horse . " * 12
     await warm(prefill, 0, completion(prompt=earlier))
-    late = cast(
-        TestClient[web.Request, web.Application],
-        await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
-    )
+    late = await daemon_client(aiohttp_client, cluster.config)
     await wait_ready_(late)
     (feed,) = (f for f in late.app[mp.STATE_KEY].fleet.feeds.values() if f.engine_id)
     chain = mp.token_chain(tokenizer(earlier)["input_ids"], BLOCK_TOKENS)
@@ -464,10 +459,7 @@ async def test_a_proxy_that_joins_a_full_replay_buffer_misses_nothing(
             "token_ids": [(n + i) % 1000 for i in range(blocks * size)],
         }])  # fmt: skip
     started = time.monotonic()
-    late = cast(
-        TestClient[web.Request, web.Application],
-        await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
-    )
+    late = await daemon_client(aiohttp_client, cluster.config)
     await wait_ready_(late)
     (feed,) = (f for f in late.app[mp.STATE_KEY].fleet.feeds.values() if f.engine_id)
     await eventually(lambda: feed.live, seconds=mp.REPLAY_TIMEOUT + 5)
@@ -488,10 +480,7 @@ async def test_batches_published_while_a_proxy_catches_up_are_applied_once(
     await warm(prefill, 0, completion(prompt=earlier))
     publisher.replay_delay = 1.0
     asked = publisher.replay_requests
-    late = cast(
-        TestClient[web.Request, web.Application],
-        await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
-    )
+    late = await daemon_client(aiohttp_client, cluster.config)
     await wait_ready_(late)
     (feed,) = (f for f in late.app[mp.STATE_KEY].fleet.feeds.values() if f.engine_id)
     # Subscribed, its replay asked for and not answered yet.

@@ -37,7 +37,6 @@ from testing_support import (
     JSON_TYPE,
     KV_TIMEOUT,
     LONG_CONTEXT,
-    ProcessLog,
     ProxyProcess,
     StartCluster,
     access_lines,
@@ -185,27 +184,13 @@ async def test_daemon_serves_a_stream_end_to_end(aiohttp_server: AiohttpServer) 
     prefill.api_url = f"http://127.0.0.1:{api.port}"
     decode = FakeVllm("decode", kv_timeout=KV_TIMEOUT)
     decode_server = await serve(aiohttp_server, decode.api_app())
-    port = free_port()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(HERE / "mooncake_proxy.py"),
-        "--port", str(port),
+    proxy = await ProxyProcess.launch(
         "--prefill", prefill.api_url, str(bootstrap.port),
         "--decode", f"http://127.0.0.1:{decode_server.port}", "--policy", "round_robin",
-        stderr=asyncio.subprocess.PIPE,
-        env=dict(os.environ),
     )  # fmt: skip
     try:
         async with aiohttp.ClientSession() as session, asyncio.timeout(15):
-            base = f"http://127.0.0.1:{port}"
-            while True:
-                try:
-                    async with session.get(f"{base}/health") as health:
-                        if health.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
+            base = proxy.base
             for _ in range(2):
                 async with session.post(
                     f"{base}/v1/completions", json=completion(stream=True)
@@ -214,10 +199,8 @@ async def test_daemon_serves_a_stream_end_to_end(aiohttp_server: AiohttpServer) 
                     assert raw == bytes(decode.sent[r.headers["X-Request-Id"]])
         assert sorted(r.headers["X-data-parallel-rank"] for r in prefill.requests) == ["0", "1"]
     finally:
-        process.terminate()
-        _, stderr = await process.communicate()
-    assert process.returncode == 0
-    log = stderr.decode()
+        log = await proxy.stop()
+    assert proxy.process.returncode == 0
     assert "is usable: 2 DP rank(s)" in log and "Traceback" not in log
 
 
@@ -908,19 +891,8 @@ async def test_sighup_as_the_workers_start_ends_none_of_them(
 ) -> None:
     """Workers are forked with SIGHUP blocked, and take it once they handle it: its default
     action would end a worker that has no handler yet."""
-    prefill = FakeVllm("prefill")
-    api = await serve(aiohttp_server, prefill.api_app())
-    bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
-    prefill.api_url = f"http://127.0.0.1:{api.port}"  # where decodes pull its KV
-    decode = FakeVllm("decode")
-    decode_api = await serve(aiohttp_server, decode.api_app())
-    port = free_port()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port), "--workers", "2",
-        "--prefill", f"http://127.0.0.1:{api.port}", str(bootstrap.port),
-        "--decode", f"http://127.0.0.1:{decode_api.port}", stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    proxy = ProxyProcess(process, port)
+    proxy, _ = await ProxyProcess.start(aiohttp_server, "--workers", "2", ready=False)
+    process = proxy.process
     try:
         await eventually(lambda: len(children_of(process.pid)) == 2, 10)
         workers = children_of(process.pid)
@@ -949,12 +921,8 @@ async def test_a_reload_under_workers_sends_every_request_to_the_new_decode(
     lines = [f"port = {port}", "workers = 2"]
     lines.append(f'prefill = ["http://127.0.0.1:{api.port} {bootstrap.port}"]')
     file.write_text("\n".join([*lines, f'decode = ["http://127.0.0.1:{old_api.port}"]', ""]))
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, str(HERE / "mooncake_proxy.py"), "--config", str(file),
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert process.stderr is not None
-    proxy, log = ProxyProcess(process, port), ProcessLog(process.stderr)
+    proxy = await ProxyProcess.launch("--config", str(file), port=port, ready=False)
+    process, log = proxy.process, proxy.log
     try:
         await log.wait_for_processes("is usable", 2, seconds=15)
         file.write_text("\n".join([*lines, f'decode = ["http://127.0.0.1:{new_api.port}"]', ""]))
@@ -971,9 +939,8 @@ async def test_a_reload_under_workers_sends_every_request_to_the_new_decode(
         }
         assert len(served_by) == 2  # both workers took some (each of 12 a coin toss)
     finally:
-        process.terminate()
-        assert await process.wait() == 0
-        await log.task
+        await proxy.stop()
+        assert process.returncode == 0
 
 
 async def test_a_drain_under_workers_lets_every_stream_finish(

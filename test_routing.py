@@ -11,11 +11,9 @@ import functools
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient
 from pytest_aiohttp import AiohttpClient
 from yarl import URL
 
@@ -27,10 +25,10 @@ from testing_support import (
     FAST,
     SPEC,
     Cluster,
-    DaemonTestServer,
     StartCluster,
     chat,
     completion,
+    daemon_client,
     engine_of,
     eventually,
     fleet_of,
@@ -354,10 +352,7 @@ async def test_two_proxies_that_never_talked_send_a_new_prefix_to_the_same_engin
     start_cluster: StartCluster, aiohttp_client: AiohttpClient
 ) -> None:
     cluster = await start_cluster(prefill_dp=(2, 2, 2))
-    other = cast(
-        TestClient[web.Request, web.Application],
-        await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
-    )
+    other = await daemon_client(aiohttp_client, cluster.config)
     await wait_ready_(other)
     for i in range(12):
         first_block = long_prompt(f"tenant {i}", 600)  # the same first block on both proxies
@@ -409,10 +404,7 @@ async def test_a_new_prefix_goes_to_the_least_written_by_a_margin_only_where_oth
     engines = [e for p in cluster.client.app[mp.STATE_KEY].fleet.prefills for e in p.engines]
     await eventually(lambda: all(e.load.finished is not None for e in engines))
     if others_send:
-        other = cast(
-            TestClient[web.Request, web.Application],
-            await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
-        )
+        other = await daemon_client(aiohttp_client, cluster.config)
         await wait_ready_(other)
         for i in range(8):
             body = completion(prompt=f"another replica's prompt {i}")
@@ -441,10 +433,7 @@ async def test_replicas_bound_an_engines_share_of_everyones_requests(
     """The share bound counts what the engine says it finished (vllm:request_success_total),
     not only what this proxy sent: replicas that each send a part of a pile-up see all of it."""
     cluster = await start_cluster(prefill_dp=(2, 2), load_interval=0.05)
-    other = cast(
-        TestClient[web.Request, web.Application],
-        await aiohttp_client(DaemonTestServer(mp.create_app(cluster.config))),
-    )
+    other = await daemon_client(aiohttp_client, cluster.config)
     await wait_ready_(other)
     engines = [e for p in other.app[mp.STATE_KEY].fleet.prefills for e in p.engines]
     await eventually(lambda: all(e.load.finished is not None for e in engines))

@@ -120,10 +120,13 @@ async def serve(
 
 
 async def daemon_client(
-    aiohttp_client: AiohttpClient, config: mp.ProxyConfig
+    aiohttp_client: AiohttpClient, config: mp.ProxyConfig, cancel_handlers: bool = True
 ) -> TestClient[web.Request, web.Application]:
+    """The daemon in this process, its app served as the daemon serves it, and a client of it.
+    ``cancel_handlers``: as the daemon does; else UncancelledTestServer's way."""
+    app = mp.create_app(config)
+    server = DaemonTestServer(app) if cancel_handlers else UncancelledTestServer(app)
     # The client of a server (not of an app) is typed without the app: it is this one.
-    server = DaemonTestServer(mp.create_app(config))
     return cast(TestClient[web.Request, web.Application], await aiohttp_client(server))
 
 
@@ -259,11 +262,50 @@ class ProcessLog:
 
 
 class ProxyProcess:
-    """The daemon as systemd runs it, in front of in-test fakes."""
+    """The daemon in a process of its own (python mooncake_proxy.py), as users and systemd
+    start it; what it says on stderr is read as it comes (``log``)."""
 
     def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
         self.process = process
         self.base = f"http://127.0.0.1:{port}"
+        assert process.stderr is not None
+        self.log = ProcessLog(process.stderr)
+
+    @classmethod
+    async def launch(
+        cls,
+        *argv: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        ready: bool = True,
+    ) -> ProxyProcess:
+        """The daemon started with ``argv``, after a --port of a free port; or, given
+        ``port``, where its --config file says it listens. ``env`` is added to the test's
+        environment. ``ready``: returned once it answers /health 200; else at once, for a
+        test that watches its log."""
+        if port is None:
+            port = free_port()
+            argv = ("--port", str(port), *argv)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(HERE / "mooncake_proxy.py"), *argv,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+        proxy = cls(process, port)
+        if not ready:
+            return proxy
+        try:
+            async with aiohttp.ClientSession() as session, asyncio.timeout(15):
+                while True:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.get(f"{proxy.base}/health") as health:
+                            if health.status == 200:
+                                break
+                    await asyncio.sleep(0.05)
+        except BaseException:
+            await proxy.stop()  # a daemon that never got ready is not left running
+            raise
+        return proxy
 
     @classmethod
     async def start(
@@ -273,34 +315,28 @@ class ProxyProcess:
         env: dict[str, str] | None = None,
         decode: dict[str, Any] | None = None,
         both: dict[str, Any] | None = None,
+        ready: bool = True,
     ) -> tuple[ProxyProcess, FakeVllm]:
-        """``decode``: the decode fake's settings; ``both``: both fakes'."""
+        """The daemon (launch(), with ``flags``, ``env`` and ``ready``) in front of a prefill
+        and a decode fake served here. ``decode``: the decode fake's settings; ``both``: both
+        fakes'."""
         prefill = FakeVllm("prefill", **(both or {}))
         api = await serve(aiohttp_server, prefill.api_app())
         bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
         prefill.api_url = f"http://127.0.0.1:{api.port}"
         fake_decode = FakeVllm("decode", kv_timeout=KV_TIMEOUT, **(both or {}) | (decode or {}))
         decode_server = await serve(aiohttp_server, fake_decode.api_app())
-        port = free_port()
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port),
+        proxy = await cls.launch(
             "--prefill", prefill.api_url, str(bootstrap.port),
             "--decode", f"http://127.0.0.1:{decode_server.port}", *flags,
-            stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, **(env or {})},
+            env=env, ready=ready,
         )  # fmt: skip
-        proxy = cls(process, port)
-        async with aiohttp.ClientSession() as session, asyncio.timeout(15):
-            while True:
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"{proxy.base}/health") as health:
-                        if health.status == 200:
-                            break
-                await asyncio.sleep(0.05)
         return proxy, fake_decode
 
     async def stop(self) -> str:
+        """SIGTERM, unless it exited already; once it did, all it said on stderr."""
         if self.process.returncode is None:
             self.process.terminate()
-        _, stderr = await self.process.communicate()
-        return stderr.decode()
+        await self.process.wait()
+        await self.log.task
+        return "\n".join(self.log.lines)
