@@ -38,7 +38,9 @@ integration: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --strict mooncake_proxy.py test_mooncake_proxy.py test_operations.py test_kv_events.py test_routing.py test_fleet.py test_legs.py test_config.py conftest.py testing_support.py fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py
+	$(VENV)/bin/mypy --strict mooncake_proxy.py conftest.py testing_support.py test_mooncake_proxy.py \
+		test_config.py test_legs.py test_fleet.py test_routing.py test_kv_events.py test_operations.py \
+		fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py
 
 check: lint test
 
