@@ -530,7 +530,7 @@ def test_a_connection_found_closing_as_its_body_is_written_is_tried_elsewhere() 
     requests, in CI); health checks still do. The server never read the request, so it is
     unreachable, not a broken answer; the same words without a reset behind them stay a
     failure. (The legs' own wire says so by not having a byte of an answer:
-    test_a_broken_answer_says_what_broke.)"""
+    test_a_broken_answer_says_what_broke, in test_legs.py.)"""
     url = URL("http://127.0.0.1:1/v1/completions")
     error = aiohttp.ClientOSError(None, f"Can not write request body for {url}")
     error.__cause__ = aiohttp.ClientConnectionResetError("Cannot write to closing transport")

@@ -457,7 +457,7 @@ async def test_prefill_failure_after_stream_started_is_sent_in_band(
     assert cluster.decodes[0].aborted
 
 
-# --- the fakes: they do as vLLM does, which every test here relies on
+# --- the fakes: they do as vLLM does, which every test file relies on
 
 
 async def test_the_fakes_answer_n_choices_and_a_batch_as_vllm_does(
