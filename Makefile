@@ -42,7 +42,9 @@ reference: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --strict mooncake_proxy.py test_mooncake_proxy.py conftest.py fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py test_docs.py docs/reference.py
+	$(VENV)/bin/mypy --strict mooncake_proxy.py conftest.py testing_support.py test_mooncake_proxy.py \
+		test_config.py test_legs.py test_fleet.py test_routing.py test_kv_events.py test_operations.py \
+		test_docs.py fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py docs/reference.py
 
 check: lint test
 

@@ -1,0 +1,533 @@
+"""Routing: where a prompt's prefix is cached (as the proxy estimates it from what it sent),
+weighed against each engine's real load, with other replicas of the proxy in the picture.
+Routing on vLLM's own KV cache events is in test_kv_events.py."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from pytest_aiohttp import AiohttpClient
+from yarl import URL
+
+import mooncake_proxy as mp
+from fake_vllm import BLOCK_TOKENS
+from testing_support import (
+    CHAT,
+    COMPLETIONS,
+    FAST,
+    SPEC,
+    Cluster,
+    StartCluster,
+    chat,
+    completion,
+    daemon_client,
+    engine_of,
+    eventually,
+    fleet_of,
+    long_prompt,
+    sample,
+    scrape,
+    wait_ready_,
+)
+
+# --- routing: where the prefix is cached, weighed against real load
+
+
+def test_a_chats_next_turn_extends_its_routing_bytes_and_block_chain() -> None:
+    system = {"role": "system", "content": "You are terse. " * 80}
+    first = [system, {"role": "user", "content": "What is KV? " * 40}]
+    second = [*first, {"content": "A cache. " * 40, "role": "assistant"}]
+    second.append({"role": "user", "content": "And PD?"})
+    one, two = (
+        mp.prompt_bytes(CHAT, chat(messages=first)),
+        mp.prompt_bytes(CHAT, chat(messages=second)),
+    )
+    assert two.startswith(one)
+    chain_one, chain_two = mp.block_chain(one), mp.block_chain(two)
+    assert len(chain_one) >= 2 and chain_two[: len(chain_one)] == chain_one
+    # Another model, or the same text as token ids, is another prefix.
+    other = mp.prompt_bytes(CHAT, {**chat(messages=first), "model": "other"})
+    assert mp.block_chain(other)[0] != chain_one[0]
+    assert mp.prompt_bytes(COMPLETIONS, completion(prompt=[1, 2, 3])).endswith(b"\0" + b"1,2,3")
+    assert mp.block_chain(b"x" * 511) == []  # no full block: nothing to match
+
+
+def test_a_chats_next_turn_names_the_turn_before_it_and_no_other() -> None:
+    system = {"role": "system", "content": "You are terse. " * 80}
+    first = [system, {"role": "user", "content": "What is KV?"}]
+    second = [*first, {"role": "assistant", "content": "A cache."}]
+    second.append({"role": "user", "content": "And PD?"})
+    # Another conversation whose first turn differs only within its last, partial block.
+    other = [system, {"role": "user", "content": "What is PD?"}]
+    keys = [mp.route_key(CHAT, chat(messages=m), None) for m in (first, second, other)]
+    assert keys[1].earlier_turns == (keys[0].turn,) and keys[0].turn != keys[2].turn
+    assert keys[0].earlier_turns == keys[2].earlier_turns == ()  # nothing answered yet
+    assert mp.route_key(COMPLETIONS, completion(), None).earlier_turns == ()
+
+
+def test_the_prefix_index_forgets_tails_first_and_matches_prefixes() -> None:
+    index = mp.PrefixIndex(capacity=8)
+    first = mp.block_chain(b"a" * 512 * 6)
+    index.add(first)
+    assert index.match(first) == 6
+    assert index.match(mp.block_chain(b"a" * 512 * 3 + b"b" * 512 * 3)) == 3
+    index.add(mp.block_chain(b"c" * 512 * 6))  # 12 blocks: over 8 + 8 // 8, so evicted to 8
+    assert len(index.blocks) == 8
+    assert index.match(first) == 2  # the head of the older chain outlived its tail
+    index.clear()
+    assert index.match(first) == 0
+
+
+def test_bounded_consistent_hashing_takes_the_first_target_with_room() -> None:
+    assert mp.bounded_first([2, 0, 1], [0, 0, 0], 1.25) == 2
+    # Limit ceil(1.25 x (5 + 1) / 3) = 3: target 2 is over it, 0 is next in the key's order.
+    assert mp.bounded_first([2, 0, 1], [0, 0, 5], 1.25) == 0
+    assert mp.bounded_first([0, 1], [9, 8], 1.0) == 1  # all over: the least loaded
+
+
+@pytest.mark.parametrize(("holder_share", "kept"), [(16, True), (24, False)])
+def test_an_engine_keeps_its_prefix_through_a_burst_but_not_a_pile_up(
+    holder_share: float, kept: bool
+) -> None:
+    """The share bound: 16 recent requests where the others had 10 (1.36 times the mean) is
+    a prefix's burst, and the engine that holds it keeps it; 24 (1.75 times) is a pile-up,
+    and the prompt goes elsewhere though that costs its prefix."""
+    router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
+    key = mp.route_key(COMPLETIONS, completion(prompt=long_prompt("held", 4096)), None)
+    targets[0].index.add(key.chain)
+    now = time.monotonic()
+    for target, share in zip(targets, [holder_share, 10, 10, 10], strict=True):
+        target.recent = mp.Decayed(share, now)
+    choice = router.choose(targets, mp.Policy.PREFIX_AWARE, key)
+    assert (choice.index == 0) is kept, choice
+
+
+def test_with_one_target_the_choice_is_what_weighing_would_give() -> None:
+    """Router.only, the shortcut where there is one target, against the full weighing, on
+    the same states: a new prefix, a held one, a partly held one, a session, no key."""
+    router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
+    target = mp.Target("engine 0", capacity=1024)
+    prompts = [long_prompt(tag, size) for tag in ("a", "b", "a") for size in (4096, 9000)]
+    keys: list[mp.RouteKey | None] = [
+        *(mp.route_key(COMPLETIONS, completion(prompt=prompt), None) for prompt in prompts),
+        mp.route_key(COMPLETIONS, completion(), "session 7"),
+        None,
+    ]
+    seen = set()
+    for key in keys * 2:
+        choice = router.only(target, key)
+        assert choice == router.weigh([target], key)
+        seen.add(choice.reason)
+        router.pick([target], mp.Policy.PREFIX_AWARE, key)  # what it holds from now on
+    assert seen == {"cold", "affinity", "session", "fallback"}
+
+
+async def test_a_lone_conversation_stays_on_one_engine_turn_after_turn(
+    start_cluster: StartCluster,
+) -> None:
+    """Its own turns are not a pile-up: counted against the share bound, they moved this
+    chat to another engine at its sixth turn, which then computed its whole history."""
+    cluster = await start_cluster(prefill_dp=(2, 2))
+    messages = [{"role": "system", "content": long_prompt("a lone chat", 2048)}]
+    for turn in range(12):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        answer = await cluster.client.post(CHAT, json=chat(messages=messages))
+        assert answer.status == 200
+        text = (await answer.json())["choices"][0]["message"]["content"]
+        messages.append({"role": "assistant", "content": text})
+    engines = [(i, r.headers["X-data-parallel-rank"]) for i, r in cluster.prefill_requests()]
+    assert len(set(engines)) == 1, engines
+
+
+def chat_turns(count: int) -> list[mp.RouteKey]:
+    """The keys of a chat's first ``count`` turns, each answered before the next."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": long_prompt("sys", 4096)}]
+    turns = []
+    for turn in range(count):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        turns.append(mp.route_key(CHAT, chat(messages=list(messages)), None))
+        messages.append({"role": "assistant", "content": f"answer {turn}"})
+    return turns
+
+
+def sent(target: mp.Target, turns: Sequence[mp.RouteKey], now: float) -> None:
+    """What the router's pick records of each turn sent to ``target``."""
+    for key in turns:
+        target.index.add(key.chain)
+        target.count_recent(now, 1)
+        target.sent_turn(key, now)
+
+
+@pytest.mark.parametrize(
+    ("others_there", "others_elsewhere", "kept"), [(0, 0, True), (8, 4, False)]
+)
+def test_a_chats_own_turns_are_no_pile_up_but_other_chats_there_are(
+    others_there: int, others_elsewhere: int, kept: bool
+) -> None:
+    """Its eight turns so far on engine 0 count as the mean engine's share: alone, they keep
+    its ninth there (counted whole, 8 + 1 were over the bound of 7). With 8 requests of other
+    chats there and 4 on each other engine, 8 + 7 + 1 are over the bound of 11 (left out
+    altogether, its turns would have kept it there: 8 + 1 within 10)."""
+    router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
+    turns = chat_turns(9)
+    now = time.monotonic()
+    sent(targets[0], turns[:-1], now)
+    targets[0].recent.add(now, others_there)
+    for target in targets[1:]:
+        target.recent = mp.Decayed(others_elsewhere, now)
+    choice = router.choose(targets, mp.Policy.PREFIX_AWARE, turns[-1])
+    assert (choice.index == 0) is kept, choice
+
+
+@pytest.mark.parametrize(("others_there", "kept"), [(0, True), (8, False)])
+def test_a_chats_turns_through_two_replicas_in_turn_are_no_pile_up(
+    others_there: int, kept: bool
+) -> None:
+    """Two replicas behind a round-robin balancer: this one sent turns 1, 3, 5 and 7 of a
+    chat to engine 0, the other replica 2, 4, 6 and 8, and the scrape counts all eight. Its
+    ninth turn names the eighth as the one before, which this process never saw: it finds
+    its seventh among the earlier turns, and its four turns, scaled by everyone's requests
+    to its own (two senders), are the chat's eight. Alone, they count as the mean and the
+    chat stays. With 8 requests of other chats there too (half of them this process's),
+    engine 0 still has too many."""
+    router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
+    turns = chat_turns(9)
+    now = time.monotonic()
+    sent(targets[0], turns[:-1:2], now)
+    targets[0].recent.add(now, others_there / 2)
+    for target in targets:  # what a fresh scrape says each engine finished lately
+        ours = target.recent_share(now)
+        target.load.took(0.0, now, ours)
+        target.load.took(8.0 + others_there if target is targets[0] else 0.0, now, ours)
+        target.load.scraped_at = now
+    choice = router.choose(targets, mp.Policy.PREFIX_AWARE, turns[-1])
+    assert (choice.index == 0) is kept, choice
+
+
+@pytest.mark.parametrize(("written", "holder_kept"), [(0, True), (64, False)])
+def test_a_prompt_leaves_a_cache_that_turns_over_fast_for_one_at_rest(
+    written: int, holder_kept: bool
+) -> None:
+    """A 20-block prompt whose first 8 blocks engine 0 holds. Where nothing was written there
+    lately, its 12 lacking blocks cost less than engine 1's 20. Where this process wrote a
+    whole cache's worth there lately, each block computed evicts one in use, and costs
+    twice: 24 against 20 on an engine at rest."""
+    router = mp.Router("prefill", load_weight=0.5, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=64) for i in range(2)]
+    key = mp.route_key(COMPLETIONS, completion(prompt="x" * 512 * 20), None)
+    targets[0].index.add(key.chain[:8])
+    now = time.monotonic()
+    targets[0].written = mp.Decayed(written, now)
+    choice = router.choose(targets, mp.Policy.PREFIX_AWARE, key)
+    assert (choice.index == 0) is holder_kept, choice
+
+
+@pytest.mark.parametrize(("others_wrote", "holder_kept"), [(0, True), (48, False)])
+def test_a_cache_other_senders_turn_over_shows_in_its_kv_events(
+    others_wrote: int, holder_kept: bool
+) -> None:
+    """As above, engine 0 holds the first 8 blocks of a 20-block prompt, here as its KV
+    events say, and this process wrote nothing there. Where the events report that others
+    (another proxy replica) stored 48 blocks there lately, its cache of 64 turned over by
+    (8 + 48) / 64, and the 12 lacking blocks cost 22.5 against engine 1's 20."""
+    state = mp.ProxyState(mp.ProxyConfig(prefills=(SPEC,), decodes=(URL("http://d:1"),)))
+    router = mp.Router("prefill", load_weight=0.5, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=64) for i in range(2)]
+    tokens = list(range(20 * BLOCK_TOKENS))
+    key = mp.route_key(COMPLETIONS, completion(prompt="x" * 512 * 20), None)
+    key = dataclasses.replace(key, tokens=tokens)
+
+    def stored(name: str, ids: list[int]) -> dict[str, Any]:
+        hashes = [f"{name}{i}".encode() for i in range(len(ids) // BLOCK_TOKENS)]
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+                "token_ids": ids, "block_size": BLOCK_TOKENS}  # fmt: skip
+
+    feed = targets[0].feed = mp.KvFeed("tcp://engine-0:5557", None)
+    targets[0].kv_tokens = 64 * BLOCK_TOKENS
+    others = [stored("other", [10**6 + i for i in range(others_wrote * BLOCK_TOKENS)])]
+    mp.take_kv_batch(state, feed, 0, [0.0, [stored("prompt", tokens[: 8 * BLOCK_TOKENS])]])
+    mp.take_kv_batch(state, feed, 1, [0.0, others if others_wrote else []])
+    assert targets[0].holds(key) == 8
+    choice = router.choose(targets, mp.Policy.PREFIX_AWARE, key)
+    assert (choice.index == 0) is holder_kept, choice
+    # What a join's replay brings was written before: it turns nothing over lately.
+    joined = mp.KvFeed("tcp://engine-1:5557", None)
+    joined.joining = True
+    mp.take_kv_batch(state, joined, 0, [0.0, [stored("old", tokens)]])
+    assert len(joined.held) == 20 and joined.written.now(time.monotonic()) == 0.0
+
+
+async def test_a_repeated_prefix_goes_to_the_engine_that_holds_it(
+    start_cluster: StartCluster,
+) -> None:
+    rates = {}
+    for policy in (mp.Policy.PREFIX_AWARE, mp.Policy.ROUND_ROBIN):
+        # Two of the three prefixes may be placed on one engine (placement hashes the
+        # engines' names, ports included): a loose load bound keeps that engine from being
+        # left out as over its share, which is the bound's own test, not this one.
+        cluster = await start_cluster(
+            prefill_dp=(2, 2), prefill={"cache_blocks": 64}, policy=policy, balance_factor=4.0
+        )
+        # Three prefixes over four engines: round robin sends each to every engine in turn.
+        prefixes = [long_prompt(f"group {i}", 1024) for i in range(3)]
+        for turn in range(4):
+            for prefix in prefixes:
+                body = completion(prompt=f"{prefix} question {turn}")
+                assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+        served = engine_of(cluster)
+        engines = [{served[p] for p in served if p.startswith(prefix)} for prefix in prefixes]
+        if policy is mp.Policy.PREFIX_AWARE:
+            assert all(len(used) == 1 for used in engines), engines
+        hits = sum(s.hits for fake in cluster.prefills for s in fake.sims)
+        queries = sum(s.queries for fake in cluster.prefills for s in fake.sims)
+        rates[policy] = hits / queries
+    # Each prefix computed once, then found: 3 turns of 4 hit their 1 KiB prefix.
+    assert rates[mp.Policy.PREFIX_AWARE] > 0.6 > rates[mp.Policy.ROUND_ROBIN] + 0.3, rates
+
+
+async def test_a_hot_prefix_spills_once_waiting_costs_more_than_computing_again(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(
+        prefill_dp=(2, 2), prefill={"cache_blocks": 256, "token_time": 0.002}
+    )
+    prefix = long_prompt("the one system prompt", 2048)
+    async with asyncio.timeout(FAST * 5):
+        answers = await asyncio.gather(
+            *(
+                cluster.client.post(COMPLETIONS, json=completion(prompt=f"{prefix} q{i}"))
+                for i in range(16)
+            )
+        )
+    assert [a.status for a in answers] == [200] * 16
+    per_engine = collections.Counter(engine_of(cluster).values())
+    assert len(per_engine) >= 2, per_engine  # not all piled on the engine that had it first
+    assert max(per_engine.values()) < 16
+    samples = await scrape(cluster)
+    assert (
+        sample(samples, "mooncake_proxy_routing_decisions_total", stage="prefill", reason="spill")
+        >= 1
+    )
+
+
+def arrived(cluster: Cluster, count: int) -> bool:
+    return len(cluster.prefill_requests()) == count
+
+
+async def test_a_new_hot_prefix_does_not_queue_up_behind_its_first_prefill(
+    start_cluster: StartCluster,
+) -> None:
+    """At the default load weight (0.5) waiting weighs half of computing: the engine that
+    computes a new prefix's first request would take every next one while that runs (cost 8
+    to 9 against 16 here) and the share bound would let it. The queue bound sends the
+    fourth one elsewhere: the mean of 4 engines' in-flight requests plus 2."""
+    cluster = await start_cluster(
+        prefill_dp=(2, 2), prefill={"cache_blocks": 256, "token_time": 0.0005}
+    )
+    assert cluster.config.prefill_load_weight == 0.5
+    prefix = long_prompt("the one system prompt", 8192)  # 2048 fake tokens: about 1 s
+    posts = []
+    for i in range(6):  # one after another, each once the one before reached its engine
+        body = completion(prompt=f"{prefix} q{i}")
+        posts.append(asyncio.create_task(cluster.client.post(COMPLETIONS, json=body)))
+        await eventually(functools.partial(arrived, cluster, i + 1))
+    assert [(await post).status for post in posts] == [200] * 6
+    served = engine_of(cluster)
+    first = served[f"{prefix} q0"]
+    assert sum(engine == first for engine in served.values()) <= 4, served
+
+
+async def test_two_proxies_that_never_talked_send_a_new_prefix_to_the_same_engine(
+    start_cluster: StartCluster, aiohttp_client: AiohttpClient
+) -> None:
+    cluster = await start_cluster(prefill_dp=(2, 2, 2))
+    other = await daemon_client(aiohttp_client, cluster.config)
+    await wait_ready_(other)
+    for i in range(12):
+        first_block = long_prompt(f"tenant {i}", 600)  # the same first block on both proxies
+        for client, tail in ((cluster.client, "asked here"), (other, "asked there")):
+            body = completion(prompt=f"{first_block} {tail}")
+            assert (await client.post(COMPLETIONS, json=body)).status == 200
+        served = engine_of(cluster)
+        assert served[f"{first_block} asked here"] == served[f"{first_block} asked there"]
+
+
+def hash_order(cluster: Cluster, prompt: str) -> tuple[tuple[int, int], ...]:
+    """The prefill engines (instance, DP rank) in the order a new prefix's hash ranks them,
+    as every proxy process ranks them."""
+    placement = mp.route_key(COMPLETIONS, completion(prompt=prompt), None).placement
+    fleet = cluster.client.app[mp.STATE_KEY].fleet
+    engines = {(i, e.dp_rank): e.seed for i, p in enumerate(fleet.prefills) for e in p.engines}
+    return tuple(sorted(engines, key=lambda e: mp.mix64(placement << 32 ^ engines[e])))
+
+
+async def test_new_prefixes_that_hash_alike_spread_over_three_engines_by_their_writes(
+    start_cluster: StartCluster,
+) -> None:
+    """Six new prompts, each with a first block of its own, whose hash ranks the same three
+    engines first: each goes to the one of the three written least lately, so they share
+    the writes, where the first of the order alone would take them all."""
+    cluster = await start_cluster(prefill_dp=(2, 2))
+    tags = (f"tenant {n}" for n in itertools.count())
+    by_order: dict[tuple[tuple[int, int], ...], list[str]] = collections.defaultdict(list)
+    while not any(len(prompts) == 6 for prompts in by_order.values()):
+        prompt = long_prompt(next(tags), 1024)
+        by_order[hash_order(cluster, prompt)[:3]].append(prompt)
+    (three, prompts), *_ = ((o, p) for o, p in by_order.items() if len(p) == 6)
+    for prompt in prompts:
+        answer = await cluster.client.post(COMPLETIONS, json=completion(prompt=prompt))
+        assert answer.status == 200
+    served = collections.Counter(engine_of(cluster).values())
+    assert served == {engine: 2 for engine in three}, (three, served)
+
+
+@pytest.mark.parametrize("others_send", [False, True], ids=["alone", "with a replica"])
+async def test_a_new_prefix_goes_to_the_least_written_by_a_margin_only_where_others_send(
+    start_cluster: StartCluster, aiohttp_client: AiohttpClient, others_send: bool
+) -> None:
+    """Alone, a proxy knows every write it placed, and a new prefix goes to the least written
+    of its three candidates, by however little. Where the engines' counts show another
+    sender, whose writes this proxy does not see, it moves off the first only by a margin,
+    so that replicas pick alike."""
+    cluster = await start_cluster(prefill_dp=(2, 2), load_interval=0.05)
+    engines = [e for p in cluster.client.app[mp.STATE_KEY].fleet.prefills for e in p.engines]
+    await eventually(lambda: all(e.load.finished is not None for e in engines))
+    if others_send:
+        other = await daemon_client(aiohttp_client, cluster.config)
+        await wait_ready_(other)
+        for i in range(8):
+            body = completion(prompt=f"another replica's prompt {i}")
+            assert (await other.post(COMPLETIONS, json=body)).status == 200
+        await eventually(lambda: sum(e.load.finished or 0 for e in engines) == 8)
+    tags = (f"tenant {n}" for n in itertools.count())
+    by_order: dict[tuple[tuple[int, int], ...], list[str]] = collections.defaultdict(list)
+    while not any(len(prompts) == 4 for prompts in by_order.values()):
+        tag = next(tags)
+        by_order[hash_order(cluster, long_prompt(tag, 512))[:3]].append(tag)
+    (three, tags_alike), *_ = ((o, t) for o, t in by_order.items() if len(t) == 4)
+    # The first three are written 19, 18 and 20 blocks: the second is least, by 5%.
+    sizes = (19, 18, 20, 4)
+    prompts = [long_prompt(tag, n * 512) for tag, n in zip(tags_alike, sizes, strict=True)]
+    for prompt in prompts:
+        answer = await cluster.client.post(COMPLETIONS, json=completion(prompt=prompt))
+        assert answer.status == 200
+    served = engine_of(cluster)
+    assert [served[p] for p in prompts[:3]] == list(three)
+    assert served[prompts[3]] == (three[0] if others_send else three[1])
+
+
+async def test_replicas_bound_an_engines_share_of_everyones_requests(
+    start_cluster: StartCluster, aiohttp_client: AiohttpClient
+) -> None:
+    """The share bound counts what the engine says it finished (vllm:request_success_total),
+    not only what this proxy sent: replicas that each send a part of a pile-up see all of it."""
+    cluster = await start_cluster(prefill_dp=(2, 2), load_interval=0.05)
+    other = await daemon_client(aiohttp_client, cluster.config)
+    await wait_ready_(other)
+    engines = [e for p in other.app[mp.STATE_KEY].fleet.prefills for e in p.engines]
+    await eventually(lambda: all(e.load.finished is not None for e in engines))
+    prefix = long_prompt("one system prompt", 2048)
+    for i in range(5):
+        body = completion(prompt=f"{prefix} asked here {i}")
+        assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+    holder = engine_of(cluster)[f"{prefix} asked here 0"]
+    assert set(engine_of(cluster).values()) == {holder}
+    held = engines[2 * holder[0] + holder[1]]
+    await eventually(lambda: held.load.finished == 5)  # the other replica counted all five
+    for i in range(2):
+        body = completion(prompt=f"{prefix} asked there {i}")
+        assert (await other.post(COMPLETIONS, json=body)).status == 200
+    served = engine_of(cluster)
+    # Six of seven recent requests on one of four engines is over the mean plus 4.
+    assert served[f"{prefix} asked there 0"] == holder
+    assert served[f"{prefix} asked there 1"] != holder
+
+
+async def test_a_session_stays_on_one_engine_whatever_its_prompts(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(prefill_dp=(2, 2))
+    for session in ("alice", "bob", "carol"):
+        for i in range(4):
+            body = completion(prompt=f"unrelated prompt {session} {i} " * 3)
+            response = await cluster.client.post(
+                COMPLETIONS, json=body, headers={"X-Session-ID": session}
+            )
+            assert response.status == 200
+        body = completion(prompt=f"one more from {session}", user=session)  # the body's user
+        assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+    served = engine_of(cluster)
+    for session in ("alice", "bob", "carol"):
+        assert len({engine for prompt, engine in served.items() if session in prompt}) == 1
+    samples = await scrape(cluster)
+    assert (
+        sample(samples, "mooncake_proxy_routing_decisions_total", stage="prefill", reason="session")
+        == 15
+    )
+
+
+async def test_load_comes_from_each_engines_own_metrics(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(prefill_dp=(2,), load_interval=0.05)
+    busy = cluster.prefills[0].sim(0)
+    busy.waiting = 10  # rank 0 has a queue this proxy did not send: another replica's
+    fleet = fleet_of(cluster)
+    await eventually(lambda: fleet.prefills[0].engines[0].load.waiting == 10)
+    for i in range(8):
+        body = completion(prompt=f"short prompt {i}")  # under one block: placed by hash
+        assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+        await asyncio.sleep(0.1)  # a scrape in between: rank 1's finished requests are gone
+    assert set(engine_of(cluster).values()) == {(0, 1)}
+    status = await (await cluster.client.get("/healthcheck")).json()
+    rank0, rank1 = status["prefill"][0]["engines"]
+    assert rank0["load"]["waiting"] == 10 and 0 <= rank0["load"]["age_s"] < 1
+    assert rank1["index_blocks"] == 0 and status["decode"][0]["load"]["age_s"] is not None
+    # Without /metrics the proxy says so and routes by its own counts.
+    cluster.prefills[0].metrics_status = 404
+    await eventually(lambda: fleet.prefills[0].load_error is not None)
+    status = await (await cluster.client.get("/healthcheck")).json()
+    assert "404" in status["prefill"][0]["load_error"]
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+
+
+async def test_the_decode_that_holds_the_prefix_gets_it_and_pulls_less(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(decodes=2, decode={"cache_blocks": 128})
+    prefix = long_prompt("shared document", 2048)
+    for i in range(6):
+        body = completion(prompt=f"{prefix} question {i}")
+        assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+    used = [fake for fake in cluster.decodes if fake.requests]
+    assert len(used) == 1  # decode weight 4, but nothing else ran: the prefix decides
+    (sim,) = used[0].sims
+    assert sim.local_hit_tokens >= 5 * (2048 // 64) * 16 - 16  # 5 of 6 found it there
+    assert sim.transferred_tokens < sim.local_hit_tokens
+
+
+async def test_a_restarted_engine_is_believed_to_hold_nothing(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(
+        health_interval=0.05, load_interval=0.05, decode={"cache_blocks": 64}
+    )
+    fleet = fleet_of(cluster)
+    prefix = long_prompt("before the restart", 2048)
+    assert (await cluster.client.post(COMPLETIONS, json=completion(prompt=prefix))).status == 200
+    (engine,) = fleet.prefills[0].engines
+    decode = fleet.decodes[0]
+    assert len(engine.index.blocks) == 4 and len(decode.index.blocks) == 4
+    cluster.prefills[0].restart()  # new engine ids: new PrefillEngines, with empty indexes
+    await eventually(lambda: fleet.prefills[0].engines[0] is not engine)
+    assert fleet.prefills[0].engines[0].index.blocks == {}
+    await eventually(lambda: decode.load.prefix_queries > 0)
+    cluster.decodes[0].sims.clear()  # a decode's counters going back mean it restarted
+    await eventually(lambda: decode.index.blocks == {})
