@@ -11,7 +11,6 @@ import dataclasses
 import getpass
 import os
 import random
-import re
 import shutil
 import signal
 import socket
@@ -224,17 +223,6 @@ def test_a_bad_config_file_is_refused_naming_the_file_and_the_key(
     with pytest.raises(mp.ConfigError) as refused:
         mp.load_config(mp.build_parser(), ["--config", str(path)], {})
     assert message in str(refused.value)
-
-
-def test_the_readme_names_exactly_what_a_reload_cannot_change() -> None:
-    readme = (HERE / "README.md").read_text()
-    for option in mp.SETTINGS:  # and the table of flags has a row for each
-        assert re.search(rf"(\| |, )`{option.flag}[ `]", readme), option.flag
-    start = readme.index("except those built into the listener")
-    listed = set(
-        re.findall(r"`(--[a-z-]+)`", readme[start : readme.index("A change to one", start)])
-    )
-    assert listed == {option.flag for option in mp.SETTINGS if option.restart}
 
 
 async def test_a_reload_swaps_a_decode_without_a_gap_and_lets_the_old_one_finish(

@@ -587,4 +587,4 @@ async def test_without_the_precise_extra_routing_estimates(
     ):
         assert answer.status == 200
     log = await proxy.stop()
-    assert "needs pip install 'mooncake-proxy[precise]'" in log and "Traceback" not in log
+    assert "needs the precise extra, pip install '.[precise]'" in log and "Traceback" not in log
