@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import getpass
 import os
@@ -47,6 +46,7 @@ from testing_support import (
     scrape,
     serve,
     sse_events,
+    until_healthy,
     wait_ready_,
 )
 
@@ -404,13 +404,7 @@ class FakeProcess:
             "--port", str(self.port), "--bootstrap-port", str(self.bootstrap_port),
             "--token-delay", "0.02", "--drain-delay", str(self.drain_delay),
         )  # fmt: skip
-        async with asyncio.timeout(15):
-            while True:
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"{self.url}/health") as health:
-                        if health.status == 200:
-                            return
-                await asyncio.sleep(0.05)
+        await until_healthy(session, self.url)
 
     async def stop(self) -> None:
         """SIGTERM, and wait for the drain to end."""

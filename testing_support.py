@@ -261,6 +261,17 @@ class ProcessLog:
                 await self.grew.wait()
 
 
+async def until_healthy(session: aiohttp.ClientSession, base: str, seconds: float = 15) -> None:
+    """Wait for ``base``'s /health to answer 200 (a server starting in a process of its own)."""
+    async with asyncio.timeout(seconds):
+        while True:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(f"{base}/health") as health:
+                    if health.status == 200:
+                        return
+            await asyncio.sleep(0.05)
+
+
 class ProxyProcess:
     """The daemon in a process of its own (python mooncake_proxy.py), as users and systemd
     start it; what it says on stderr is read as it comes (``log``)."""
@@ -295,13 +306,8 @@ class ProxyProcess:
         if not ready:
             return proxy
         try:
-            async with aiohttp.ClientSession() as session, asyncio.timeout(15):
-                while True:
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with session.get(f"{proxy.base}/health") as health:
-                            if health.status == 200:
-                                break
-                    await asyncio.sleep(0.05)
+            async with aiohttp.ClientSession() as session:
+                await until_healthy(session, proxy.base)
         except BaseException:
             await proxy.stop()  # a daemon that never got ready is not left running
             raise
