@@ -74,6 +74,7 @@ import tomllib
 import zlib
 from collections.abc import (
     AsyncIterator,
+    Awaitable,
     Callable,
     Collection,
     Container,
@@ -1409,8 +1410,8 @@ async def handle_models(request: web.Request) -> web.Response:
     try:
         async with asyncio.timeout(config.request_timeout):
             leg = await state.upstreams.send(b"GET", url, header_lines(headers))
-            await leg.wait(leg.is_complete)
-        response = web.Response(status=leg.status, body=leg.body())
+            body = await leg.whole()
+        response = web.Response(status=leg.status, body=body)
         content_type = (leg.content_type or b"application/json").decode("latin-1")
         response.headers[hdrs.CONTENT_TYPE] = content_type
         return response
@@ -1933,7 +1934,7 @@ class Attempt:
                 failure = self.decode_failed(url, error)  # refused: never sent
             else:
                 try:
-                    await leg.wait(leg.has_head)
+                    await leg.head()
                     return leg
                 except LegFailed as error:
                     raise self.decode_failed(url, error) from None
@@ -1984,12 +1985,12 @@ class Attempt:
     async def decode_leg_through(self) -> None:
         leg = await self.open_decode()
         if leg.status >= 400:
-            await leg.wait(leg.is_complete)
+            body = await leg.whole()
             if leg.status >= 500:
                 await self.let_prefill_speak()
             url = self.decode.routes[self.exchange.request.path]
             suspect = self.decode if self.engine is None else self.engine.instance
-            raise upstream_failure("decode", url, leg, leg.body(), suspect)
+            raise upstream_failure("decode", url, leg, body, suspect)
         self.decode.last_success = time.monotonic()
         await relay_body(self.exchange, leg)
 
@@ -2081,8 +2082,7 @@ async def send_prefill(
     try:
         async with asyncio.timeout(state.config.prefill_timeout):
             leg = await state.upstreams.send(b"POST", url, headers, payload)
-            await leg.wait(leg.is_complete)  # to the end, so the connection goes back to the pool
-        body = leg.body()
+            body = await leg.whole()  # to the end, so the connection goes back to the pool
         if not 200 <= leg.status < 300:
             raise upstream_failure(where, url, leg, body, suspect=engine.instance)
         problem, prompt_tokens = prefill_outcome(body)
@@ -2126,24 +2126,18 @@ async def relay_body(exchange: Exchange, leg: HttpLeg) -> None:
     gaps = None
     if leg.status == 200 and content_type.startswith(SSE_CONTENT_TYPE):
         gaps = stats.token_gaps = TokenGaps()
-    await leg.wait(leg.has_piece)
+    first = await leg.first_bytes()
     writer = await response.prepare(exchange.request)
     assert writer is not None  # None only for a response already ended
     stats.first_byte = time.monotonic()
     stats.status_sent = response.status
-    relay = DecodeRelay(exchange, leg, gaps)
+    relay = DecodeRelay(exchange, gaps)
     try:
-        if first := leg.body():
+        if first:
             relay.account(first)
             await response.write(first)
-        relay.start()
-        while not leg.complete:
-            await leg.wait(relay.must_act)
-            if relay.gone:
-                raise ClientGone
-            if leg.paused:
-                await writer.drain()
-                leg.resume()
+        if relay.client.closing or not await leg.stream_to(relay, writer.drain):
+            raise ClientGone
     except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
         raise ClientGone from None
     if gaps is None and leg.status == 200:
@@ -2155,41 +2149,27 @@ async def relay_body(exchange: Exchange, leg: HttpLeg) -> None:
 
 class DecodeRelay:
     """The decode's body after its first bytes, written to the client's connection from the
-    leg's read callback: one write per read, framed as the client's response is (chunked, or
-    as it is), and no task woken for it. When the client's connection holds more than it can
-    send (aiohttp's protocol says its writing is paused) the leg stops reading, and the
-    request's task waits for the client before it reads on: a slow client slows its decode
-    instead of filling the proxy's memory.
+    leg's read callback (HttpLeg.stream_to): one write per read, framed as the client's
+    response is (chunked, or as it is), and no task woken for it. It tells the leg when the
+    client's connection holds more than it can send (aiohttp's protocol says its writing is
+    paused): the leg stops reading until the client caught up, so a slow client slows its
+    decode instead of filling the proxy's memory.
     """
 
-    __slots__ = ("client", "gaps", "gone", "leg", "stats")
+    __slots__ = ("client", "gaps", "stats")
 
-    def __init__(self, exchange: Exchange, leg: HttpLeg, gaps: TokenGaps | None) -> None:
+    def __init__(self, exchange: Exchange, gaps: TokenGaps | None) -> None:
         self.client = ClientWire(exchange.request, exchange.response)
-        self.leg, self.stats, self.gaps = leg, exchange.stats, gaps
-        self.gone = self.client.closing
+        self.stats, self.gaps = exchange.stats, gaps
 
-    def start(self) -> None:
-        """From now on the leg's pieces come here, those that came meanwhile first."""
-        self.leg.sink = self
-        if self.leg.kept:
-            self([self.leg.body()])
-
-    def must_act(self) -> bool:
-        return self.leg.complete or self.leg.paused or self.gone
-
-    def __call__(self, pieces: list[bytes]) -> None:
-        """The pieces one read of the decode brought (a list the leg reuses: not kept)."""
+    def __call__(self, pieces: list[bytes]) -> bool | None:
+        """The pieces one read of the decode brought (HttpLeg.stream_to's Sink): None if the
+        client is gone, else whether it fell behind."""
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         behind = self.client.send(data)
-        if behind is None:
-            self.gone = True
-            self.leg.close()  # vLLM aborts the request
-            self.leg.wake()
-            return
-        self.account(data)
-        if behind:
-            self.leg.pause()
+        if behind is not None:
+            self.account(data)
+        return behind
 
     def account(self, data: bytes) -> None:
         """Bytes out, and token timing for a stream: an SSE event ends with a blank line and
@@ -2737,6 +2717,10 @@ class LegFailed(Exception):
         self.unreachable, self.timed_out = unreachable, timed_out
 
 
+# A relay's side of HttpLeg.stream_to: handed the pieces one read brought (a list the leg
+# reuses: not kept), it says whether the client fell behind (True) or is gone (None).
+Sink = Callable[[list[bytes]], bool | None]
+
 # Below this a copy costs less than a second write (and a second syscall); above it the body
 # goes out as it is, not joined to the head (a 100 MiB prompt would be copied once more).
 LEG_BODY_COPY_LIMIT: Final = 64 * 1024
@@ -2771,6 +2755,7 @@ class HttpLeg(asyncio.Protocol):
         "reason",
         "reusable",
         "sink",
+        "sink_gone",
         "status",
         "transport",
         "waiter",
@@ -2782,13 +2767,13 @@ class HttpLeg(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future[None] | None = None
-        self.sink: Callable[[list[bytes]], None] | None = None
+        self.sink: Sink | None = None
         self.kept: list[bytes] = []
         self.status, self.reason = 0, b""
         self.content_type: bytes | None = None
         self.content_length: int | None = None
         self.chunked = self.informational = self.answered = False
-        self.head_in = self.reusable = self.paused = self.out_of_step = False
+        self.head_in = self.reusable = self.paused = self.out_of_step = self.sink_gone = False
         self.complete = True  # no answer outstanding (send starts one)
         self.error: LegFailed | None = None
 
@@ -2801,13 +2786,55 @@ class HttpLeg(asyncio.Protocol):
         was read whole (or there was none)."""
         assert self.transport is not None and self.sink is None
         self.kept, self.status, self.answered = [], 0, False
-        self.head_in = self.complete = self.reusable = False
+        self.head_in = self.complete = self.reusable = self.sink_gone = False
         if size < LEG_BODY_COPY_LIMIT:
             self.transport.write(b"".join((head, *body)))
         else:
             self.transport.write(head)
             for piece in body:
                 self.transport.write(piece)
+
+    # What the leg's users call: the answer's head (status, reason, content_type,
+    # content_length, chunked) once head() returned, then its body: whole(), or first_bytes()
+    # and stream_to() for a relay. Each raises LegFailed if the exchange fails first.
+
+    async def head(self) -> None:
+        await self.wait(self.has_head)
+
+    async def whole(self) -> bytes:
+        """The whole answer's body (the connection can then go back to the pool)."""
+        await self.wait(self.is_complete)
+        return self.body()
+
+    async def first_bytes(self) -> bytes:
+        """The body's first bytes, or all of it if it was empty or came at once."""
+        await self.wait(self.has_piece)
+        return self.body()
+
+    async def stream_to(self, sink: Sink, drain: Callable[[], Awaitable[None]]) -> bool:
+        """Hand the rest of the body to ``sink`` as each read brings it, in the read callback
+        (no task woken per piece), until the answer is complete. The sink says whether the
+        client fell behind (True: reading stops until ``drain()`` returns, so a slow client
+        slows its decode instead of filling memory) or is gone (None: the connection is
+        dropped, which makes vLLM abort the request, and this returns False)."""
+        self.sink = sink
+        if self.kept:
+            self.relayed(sink([self.body()]))
+        while not self.complete:
+            await self.wait(self.must_act)
+            if self.sink_gone:
+                return False
+            if self.paused:
+                await drain()
+                self.resume()
+        return True
+
+    def close(self) -> None:
+        """Drop the connection: an upstream that sees it close aborts the request (vLLM does)."""
+        if self.transport is not None:
+            self.transport.close()
+
+    # Within the leg and its pool
 
     async def wait(self, ready: Callable[[], bool]) -> None:
         """Until ``ready()``; raises LegFailed if the exchange fails first."""
@@ -2829,11 +2856,23 @@ class HttpLeg(asyncio.Protocol):
     def is_complete(self) -> bool:
         return self.complete
 
+    def must_act(self) -> bool:
+        return self.complete or self.paused or self.sink_gone
+
     def body(self) -> bytes:
         """The pieces kept so far, as one (the whole body, once complete without a sink)."""
         body = self.kept[0] if len(self.kept) == 1 else b"".join(self.kept)
         self.kept = []
         return body
+
+    def relayed(self, behind: bool | None) -> None:
+        """What the sink said of the pieces it was handed (see stream_to)."""
+        if behind is None:
+            self.sink_gone = True
+            self.close()
+            self.wake()
+        elif behind:
+            self.pause()
 
     def pause(self) -> None:
         """Stop reading the answer (the client is slower than the upstream) and wake the
@@ -2848,11 +2887,6 @@ class HttpLeg(asyncio.Protocol):
             self.paused = False
             if self.transport is not None:
                 self.transport.resume_reading()
-
-    def close(self) -> None:
-        """Drop the connection: an upstream that sees it close aborts the request (vLLM does)."""
-        if self.transport is not None:
-            self.transport.close()
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -2882,7 +2916,9 @@ class HttpLeg(asyncio.Protocol):
             self.answered = True
             self.fail(f"sent a malformed answer ({error})")
         if self.kept and self.sink is not None:
-            self.sink(self.kept)  # every piece this read brought, in one write to the client
+            # Every piece this read brought, in one write to the client.
+            if (behind := self.sink(self.kept)) is not False:
+                self.relayed(behind)
             self.kept.clear()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -387,8 +387,7 @@ async def test_the_pool_reuses_what_is_open_and_replaces_what_the_upstream_close
     async def get(url: URL) -> bytes:
         leg = await pool.send(b"POST", url / "v1/completions", b"X: 1\r\n", (b"{}",))
         try:
-            await leg.wait(leg.is_complete)
-            return leg.body()
+            return await leg.whole()
         finally:
             pool.finish(leg)
 
@@ -417,13 +416,13 @@ async def test_idle_connections_close_after_the_keepalive_timeout() -> None:
     async with upstream as url:
         legs = [await pool.send(b"GET", url / "v1/models", b"") for _ in range(3)]
         for leg in legs:
-            await leg.wait(leg.is_complete)
+            await leg.whole()
             pool.finish(leg)
         async with asyncio.timeout(FAST):
             while upstream.closed_by_proxy < 3:  # the pool's sweep closed all three
                 await asyncio.sleep(0.02)
         leg = await pool.send(b"GET", url / "v1/models", b"")
-        await leg.wait(leg.is_complete)
+        await leg.whole()
         assert upstream.connections == 4
         pool.finish(leg)
     pool.close()
