@@ -458,6 +458,7 @@ class FakeVllm:
     keepalive_first: bool = False  # a streaming decode sends ": keep-alive" before its KV
     break_after_tokens: int | None = None  # drop the connection mid-stream
     die_after_pull: bool = False  # decode: drop the connection once the KV arrived (killed)
+    fail_pulls: int = 0  # decode: this many KV pulls fail, as Mooncake's can ("returned -1")
     linger_after_done: float = 0.0  # seconds between a stream's [DONE] and its end
     kv_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
     bootstrap_not_ready: int = 0  # answer /query 503 this many times, then {} once
@@ -483,6 +484,7 @@ class FakeVllm:
     kv_tokens_received: int = 0
     resolved: int = 0  # decode legs whose prefill engine the bootstrap named (resolve_worker)
     transfers_served: int = 0
+    pull_failures: list[str] = field(default_factory=list)  # decode: why each failed pull did
     transfer_collisions: int = 0
     query_count: int = 0
     health_count: int = 0
@@ -795,14 +797,15 @@ class FakeVllm:
                         await self.hold_kv(self.engine_ids[rank], params, child, generation)
             return await self.answer(request, body, request_id, generations)
         worker: str | None = None
+        failure: str | None = None
         if params.get("do_remote_prefill"):
-            # An unknown engine id fails at once: a 500. Streamed, vLLM 0.32 answers it 200 and
-            # in band (seen); this fake answers 500 still, until the proxy tries a stream whose
-            # first event is an error again (issue 34) instead of relaying it.
+            # An unknown engine id fails at once: non-streamed a 500, streamed in band (as
+            # a failed pull does, below; seen on vLLM 0.32).
             worker, failure = await self.resolve_worker(params)
-            if failure is not None:
-                return error(500, failure)
-            self.resolved += 1
+            if failure is None:
+                self.resolved += 1
+        if failure is not None and not stream:
+            return error(500, failure)
         response: web.StreamResponse | None = None
         if stream:
             # vLLM sends 200 and its headers at once, before the KV has arrived.
@@ -813,12 +816,18 @@ class FakeVllm:
             self.sent[request_id] = bytearray()
             if self.keepalive_first:
                 await self.write(response, request_id, b": keep-alive\n\n")
+        if failure is not None:
+            assert response is not None
+            return await self.fail_in_band(response, request, body, request_id, failure)
         if worker is not None:
             await asyncio.sleep(self.pull_delay)
             # Every child request pulls the one transfer_id, as in vLLM; Mooncake hands it to
             # one of them, and the rest wait out the KV timeout (or load another's KV).
             pulls = [self.pull_kv(worker, params, child) for child in children]
             failure = next((f for f in await asyncio.gather(*pulls) if f is not None), None)
+            if failure is None and self.fail_pulls > 0:
+                self.fail_pulls -= 1
+                failure = "Mooncake transfer engine returned -1"
             await asyncio.sleep(self.transfer_delay)
             if failure is None and self.cache_blocks:
                 for prompt in prompts:
@@ -828,13 +837,10 @@ class FakeVllm:
                 request.transport.abort()  # as a process killed while it generates
                 raise asyncio.CancelledError
             if failure is not None:
+                self.pull_failures.append(failure)
                 if response is None:
-                    return error(500, failure)
-                frame = {"error": {"message": failure, "type": "InternalServerError", "code": 500}}
-                await self.write(response, request_id, f"data: {json.dumps(frame)}\n\n".encode())
-                await self.write(response, request_id, b"data: [DONE]\n\n")
-                await response.write_eof()
-                return response
+                    return error(500, "Internal server error")  # vLLM says no more
+                return await self.fail_in_band(response, request, body, request_id, failure)
         else:
             await asyncio.sleep(self.delay)
         return await self.answer(request, body, request_id, generations, response)
@@ -1012,6 +1018,32 @@ class FakeVllm:
             await self.frame(response, request_id, {**base, "choices": [], "usage": usage})
         await self.write(response, request_id, b"data: [DONE]\n\n")
         await asyncio.sleep(self.linger_after_done)
+        await response.write_eof()
+        return response
+
+    async def fail_in_band(
+        self,
+        response: web.StreamResponse,
+        request: web.Request,
+        body: dict[str, Any],
+        request_id: str,
+        failure: str,
+    ) -> web.StreamResponse:
+        """A stream that fails before its first token, as vLLM 0.32's does (seen): a chat's
+        role chunk, then an error event and [DONE]."""
+        if request.path.endswith("/chat/completions"):
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+            chunk = {
+                "id": f"chatcmpl-{request_id}",
+                "object": "chat.completion.chunk",
+                "created": int(time.time()),
+                "model": body.get("model", MODEL),
+                "choices": [first],
+            }
+            await self.frame(response, request_id, chunk)
+        frame = {"error": {"message": failure, "type": "InternalServerError", "code": 500}}
+        await self.frame(response, request_id, frame)
+        await self.write(response, request_id, b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 

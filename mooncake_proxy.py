@@ -686,8 +686,9 @@ class ProxyConfig:
     healthy_after: int = setting(1, "good checks in a row that bring an instance back", at_least(1))
     max_retries: int = setting(
         2,
-        "per request, how many times a leg that could not connect is tried elsewhere (never "
-        "after bytes reached the client, never for an upstream's own answer)",
+        "per request, how many times the pair is tried again: a leg that could not connect "
+        "or was lost before answering, or a decode that failed before its first token (a "
+        "failed KV pull); never after bytes reached the client, never for a 4xx",
         at_least(0),
     )
     policy: Policy = setting(
@@ -1644,7 +1645,7 @@ class Exchange:
     alone: str | None = None  # why it goes to a decode alone (fans_out), if it does
     response: RelayResponse = field(default_factory=RelayResponse)
     attempts: int = 0
-    failures: list[Unreachable] = field(default_factory=list)
+    failures: list[ProxyError] = field(default_factory=list)  # Unreachable or KvLoadFailed
     tried: set[Backend] = field(default_factory=set)  # instances found unreachable
 
     @classmethod
@@ -1716,6 +1717,8 @@ class Exchange:
         """Claim a prefill engine (none for a decode alone), a decode and the legs' upstream
         connections; the first attempt goes by the request's id, a retry by a new one (so a
         new ``transfer_id``)."""
+        if self.failures and isinstance(failed := self.failures[-1], KvLoadFailed):
+            await failed.suspect_checked(self.state.config.health_timeout)
         engine, decode = self.claim_pair()
         try:
             await self.state.slots.acquire(
@@ -1759,12 +1762,14 @@ class Exchange:
         except ProxyError as nothing_left:
             raise self.exhausted() if self.failures else nothing_left from None
 
-    def fail_over(self, stage: str, backend: Backend, failure: Unreachable) -> None:
-        """Step 7, for either leg: take the instance that could not be reached out of the
-        rotation and allow another try elsewhere; raises naming every try when none is left."""
+    def fail_over(self, stage: str, backend: Backend | None, failure: ProxyError) -> None:
+        """Step 7, for either leg: take the instance that could not be reached (if one could
+        not) out of the rotation and allow another try; raises naming every try when none is
+        left."""
         self.failures.append(failure)
-        self.tried.add(backend)
-        self.state.fleet.take_out(backend, failure.message)
+        if backend is not None:
+            self.tried.add(backend)
+            self.state.fleet.take_out(backend, failure.message)
         self.state.metrics.errors.labels(stage, failure.reason).inc()
         if self.retries_left <= 0:
             raise self.exhausted()
@@ -1772,12 +1777,16 @@ class Exchange:
         self.state.metrics.retries.labels(stage).inc()
 
     def try_again(self, failure: ProxyError) -> bool:
-        """True to start the pair again elsewhere: nothing reached the client, and an instance
-        was unreachable or lost the request before answering (a decode that took it may have
-        pulled the KV, which the prefill gives out once, so the pair starts again whole)."""
-        if self.response.prepared or not isinstance(failure, Unreachable):
+        """True to start the pair again: nothing reached the client, and an instance was
+        unreachable or lost the request before answering, or the decode failed before its
+        first token (KvLoadFailed). A decode that took the request may have pulled the KV,
+        which the prefill gives out once, so the pair starts again whole."""
+        if self.response.prepared:
             return False
-        if failure.backend is None:
+        if isinstance(failure, KvLoadFailed):  # no instance is out: a transfer failed
+            self.fail_over("decode", None, failure)
+            return True
+        if not isinstance(failure, Unreachable) or failure.backend is None:
             return False
         self.fail_over(failure.backend.role, failure.backend, failure)
         return True
@@ -1792,7 +1801,7 @@ class Exchange:
         return Unreachable(last.status, message, reason=last.reason)
 
     def count_failure(self, stage: str, failure: ProxyError) -> None:
-        if not isinstance(failure, Unreachable):  # fail_over counts those
+        if not isinstance(failure, Unreachable | KvLoadFailed):  # fail_over counts those
             self.state.metrics.errors.labels(stage, failure.reason).inc()
 
     async def fail(self, error: ProxyError) -> web.StreamResponse:
@@ -1958,9 +1967,10 @@ class Attempt:
     async def relay_decode(self) -> None:
         """Step 5: the decode's status, content type and bytes reach the client as they come.
 
-        The client's headers are held until the decode's first body bytes: a streaming decode
-        sends 200 before its KV arrives, and until real bytes flow a prefill failure can still
-        be answered with the prefill's own status.
+        The client's headers are held until the decode's first body bytes, a PD stream's until
+        its first token: a streaming decode sends 200 before its KV arrives, and until a token
+        flows a prefill failure can still be answered with the prefill's own status, and a
+        failed KV pull tried again.
         """
         exchange = self.exchange
         try:
@@ -1984,15 +1994,18 @@ class Attempt:
 
     async def decode_leg_through(self) -> None:
         leg = await self.open_decode()
+        url = self.decode.routes[self.exchange.request.path]
         if leg.status >= 400:
             body = await leg.whole()
             if leg.status >= 500:
                 await self.let_prefill_speak()
-            url = self.decode.routes[self.exchange.request.path]
             suspect = self.decode if self.engine is None else self.engine.instance
-            raise upstream_failure("decode", url, leg, body, suspect)
+            failure = upstream_failure("decode", url, leg, body, suspect)
+            if leg.status >= 500 and self.engine is not None:  # as vLLM fails a failed KV pull
+                raise KvLoadFailed.of(url, failure.message, self.engine.instance)
+            raise failure
         self.decode.last_success = time.monotonic()
-        await relay_body(self.exchange, leg)
+        await relay_body(self.exchange, leg, self if self.engine is not None else None)
 
     def finish_decode_leg(self) -> None:
         if self.decode_leg is not None:
@@ -2106,8 +2119,86 @@ async def send_prefill(
     engine.instance.last_success = finished
 
 
-async def relay_body(exchange: Exchange, leg: HttpLeg) -> None:
-    """Pass an answer on byte for byte: no re-chunking, what each read brought at once.
+class KvLoadFailed(ProxyError):
+    """The decode of a PD pair failed before its first token: a 5xx, or a stream whose first
+    event is an error. vLLM fails a request whose KV pull failed so (its
+    kv_load_failure_policy "fail") and says nothing that tells it apart from other causes;
+    before a token nothing reached the client, so the pair starts again whole
+    (Exchange.try_again), and no instance leaves the rotation for it."""
+
+    suspect: Backend | None = None
+
+    @classmethod
+    def of(cls, url: URL, why: str, suspect: Backend) -> KvLoadFailed:
+        """The failure, with the prefill instance checked at once: vLLM fails so a decode that
+        names the engine id of a prefill that restarted, and the next try should know the new
+        one (suspect_checked)."""
+        suspect.recheck.set()
+        failure = cls(502, f"decode {url} failed before its first token: {why}", reason="kv_load")
+        failure.suspect = suspect
+        return failure
+
+    async def suspect_checked(self, within: float) -> None:
+        """Until the prefill instance's check (started by ``of``) has ended, for ``within``
+        seconds at most: a restarted prefill's new engine ids are then in place."""
+        if self.suspect is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(within):
+                    await self.suspect.checked.wait()
+
+
+async def until_first_token(leg: HttpLeg, data: bytes, url: URL, prefill: Backend) -> bytes:
+    """A PD stream's bytes up to its first event that carries a token (or all of it, if it
+    ended without one); KvLoadFailed if an error event comes first."""
+    while (start := stream_start(data)) is None:
+        if not (more := await leg.next_bytes()):
+            return data
+        data += more
+    if isinstance(start, str):
+        raise KvLoadFailed.of(url, start, prefill)
+    return data
+
+
+def stream_start(data: bytes) -> str | bool | None:
+    """What a stream's whole events so far say: True once one carries a token (or anything
+    but a chat's role chunk), the error's message if an error comes first, None while
+    neither (no whole event yet, keep-alive comments, role chunks)."""
+    for event in data.split(b"\n\n")[:-1]:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue  # a comment (": keep-alive") or another field
+            try:
+                payload = json.loads(line[5:])
+            except ValueError:
+                return True  # [DONE], or what vLLM never sends: not ours to judge
+            if not isinstance(payload, dict):
+                return True
+            if "error" in payload or payload.get("object") == "error":
+                error = payload.get("error")
+                message = error.get("message") if isinstance(error, dict) else None
+                return str(message or payload.get("message") or "an error event")
+            choices = payload.get("choices")
+            if not (isinstance(choices, list) and choices and all(map(says_nothing, choices))):
+                return True
+    return None
+
+
+def says_nothing(choice: object) -> bool:
+    """A streamed choice that carries no token yet: a chat's role chunk ({"role": "assistant",
+    "content": ""}), or a completion's empty first text."""
+    if not isinstance(choice, dict) or choice.get("finish_reason") or choice.get("token_ids"):
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return set(delta) <= {"role", "content"} and not delta.get("content")
+    return choice.get("text") == ""
+
+
+async def relay_body(exchange: Exchange, leg: HttpLeg, pair: Attempt | None) -> None:
+    """Pass an answer on byte for byte: no re-chunking, what each read brought at once. A PD
+    stream (``pair``: one whose decode pulls its KV) is held until its first token: vLLM fails
+    a stream whose KV pull failed with an error event before any token, and until one came
+    the pair can start again.
 
     The first bytes leave with the client's headers through aiohttp's response; the rest is
     written by the leg's read callback (DecodeRelay), and this task only wakes when the answer
@@ -2126,7 +2217,10 @@ async def relay_body(exchange: Exchange, leg: HttpLeg) -> None:
     gaps = None
     if leg.status == 200 and content_type.startswith(SSE_CONTENT_TYPE):
         gaps = stats.token_gaps = TokenGaps()
-    first = await leg.first_bytes()
+    first = await leg.next_bytes()
+    if gaps is not None and pair is not None and pair.engine is not None:
+        url = pair.decode.routes[exchange.request.path]
+        first = await until_first_token(leg, first, url, pair.engine.instance)
     writer = await response.prepare(exchange.request)
     assert writer is not None  # None only for a response already ended
     stats.first_byte = time.monotonic()
@@ -2795,7 +2889,7 @@ class HttpLeg(asyncio.Protocol):
                 self.transport.write(piece)
 
     # What the leg's users call: the answer's head (status, reason, content_type,
-    # content_length, chunked) once head() returned, then its body: whole(), or first_bytes()
+    # content_length, chunked) once head() returned, then its body: whole(), or next_bytes()
     # and stream_to() for a relay. Each raises LegFailed if the exchange fails first.
 
     async def head(self) -> None:
@@ -2806,8 +2900,9 @@ class HttpLeg(asyncio.Protocol):
         await self.wait(self.is_complete)
         return self.body()
 
-    async def first_bytes(self) -> bytes:
-        """The body's first bytes, or all of it if it was empty or came at once."""
+    async def next_bytes(self) -> bytes:
+        """The body's bytes come since the last call (at least one piece); b"" once it is
+        over."""
         await self.wait(self.has_piece)
         return self.body()
 
@@ -4672,8 +4767,10 @@ class Backend:
         self.failures = 0
         self.passes = 0
         self.in_flight = 0
-        # Set to check this instance now instead of at the next interval.
+        # Set to check this instance now instead of at the next interval; ``checked`` is set,
+        # and replaced, as each check ends (a retry waits for one: KvLoadFailed).
         self.recheck = asyncio.Event()
+        self.checked = asyncio.Event()
         # Checks in a row that failed the same way: the checks back off while it lasts.
         self.same_failures = 0
         # When the last check began and the last request on it succeeded (monotonic): a check
@@ -5228,6 +5325,8 @@ async def watch_backend(app: web.Application, backend: Backend) -> None:
             await check_backend(app, backend)
         except Exception:  # a bug must not end the checks of this instance
             log.exception("checking %s %s failed", backend.role, backend.url)
+        ended, backend.checked = backend.checked, asyncio.Event()
+        ended.set()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(check_interval(config, backend)):
                 await backend.recheck.wait()
@@ -5518,7 +5617,7 @@ PD_STATUSES: Final = ("200", "400", "404", "429", "499", "500", "502", "503", "5
 
 LEG_ERRORS: Final = {
     "prefill": ("refused", "timeout", "broken", "stopped_early", "kv_lost"),
-    "decode": ("refused", "timeout", "broken"),
+    "decode": ("refused", "timeout", "broken", "kv_load"),
     "client": ("client_gone",),
     "admission": ("queue_full", "queue_timeout"),
 }

@@ -704,10 +704,17 @@ async def test_a_stale_engine_id_triggers_an_immediate_recheck(start_cluster: St
     cluster = await start_cluster(health_interval=60)  # the timer alone would take a minute
     (prefill,) = cluster.prefills
     prefill.restart()
-    stale = await cluster.client.post(COMPLETIONS, json=completion())
-    assert stale.status == 500  # the decode does not know the old engine: vLLM's own answer
-    await eventually(lambda: fleet_of(cluster).prefills[0].engine_ids == tuple(prefill.engine_ids))
-    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    for stream in (False, True):
+        # The decode does not know the old engine id and fails the request before any token
+        # (vLLM's 500, or in band): the prefill is checked at once, and the next try names the
+        # engine id it has now.
+        answer = await cluster.client.post(COMPLETIONS, json=completion(stream=stream))
+        assert answer.status == 200, await answer.text()
+        assert b"error" not in await answer.read()
+        assert fleet_of(cluster).prefills[0].engine_ids == tuple(prefill.engine_ids)
+        prefill.restart()
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_errors_total", stage="decode", reason="kv_load") == 2
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -877,7 +884,20 @@ async def test_an_upstream_4xx_is_never_retried(start_cluster: StartCluster) -> 
     assert all(b.usable for b in fleet_of(cluster).prefills)
 
 
-async def test_no_retry_once_bytes_reached_the_client(start_cluster: StartCluster) -> None:
+async def test_no_retry_once_a_token_reached_the_client(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(prefill_dp=(1, 1), decodes=2, decode={"break_after_tokens": 2})
+    response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+    events = sse_events(await response.read())
+    assert response.status == 200 and [e["choices"][0]["text"] for e in events[:2]]
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 502)
+    prefills = cluster.prefills
+    assert len(prefills[0].requests) + len(prefills[1].requests) == 1  # not tried again
+
+
+async def test_a_keep_alive_is_no_token_a_prefill_lost_after_it_is_tried_again(
+    start_cluster: StartCluster,
+) -> None:
     cluster = await start_cluster(
         prefill_dp=(1, 1),
         prefill_policy=mp.Policy.ROUND_ROBIN,
@@ -886,11 +906,9 @@ async def test_no_retry_once_bytes_reached_the_client(start_cluster: StartCluste
     )
     response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
     raw = await response.read()
-    assert raw.startswith(b": keep-alive\n\n")
-    events = sse_events(raw)
-    assert events[-1] == "[DONE]"
-    assert_openai_error(events[-2], 502)
-    assert not cluster.prefills[1].requests
+    assert response.status == 200 and raw.startswith(b": keep-alive\n\n")
+    assert sse_events(raw)[-1] == "[DONE]" and b"error" not in raw
+    assert len(cluster.prefills[1].requests) == 1
 
 
 async def test_least_loaded_sends_new_requests_to_the_idle_decode(

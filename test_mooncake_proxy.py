@@ -437,22 +437,19 @@ async def test_prefill_timeout_is_a_504(start_cluster: StartCluster) -> None:
     await eventually(lambda: cluster.decodes[0].running == 0 and cluster.prefills[0].running == 0)
 
 
-async def test_prefill_failure_after_stream_started_is_sent_in_band(
+async def test_a_prefill_failure_after_the_decodes_keep_alive_has_its_own_status(
     start_cluster: StartCluster,
 ) -> None:
-    cluster = await start_cluster(
-        prefill={"fail_status": 500, "delay": 0.2}, decode={"keepalive_first": True}
-    )
-    cluster.prefills[0].fail_status = None
+    """The decode's 200 and keep-alive come before its KV: held until a token, so a prefill
+    that fails meanwhile is answered with its own status, not in band."""
+    cluster = await start_cluster(prefill={"delay": 0.2}, decode={"keepalive_first": True})
     cluster.prefills[0].force_finish_reason = "stop"
     async with asyncio.timeout(FAST):
         response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
-        raw = await response.read()
-    assert response.status == 200
-    assert raw.startswith(b": keep-alive\n\n")
-    events = sse_events(raw)
-    assert events[-1] == "[DONE]"
-    assert_openai_error(events[-2], 502)
+        payload = await response.json()
+    assert response.status == 502
+    assert_openai_error(payload, 502)
+    assert "stop" in payload["error"]["message"]
     await eventually(lambda: cluster.decodes[0].running == 0)
     assert cluster.decodes[0].aborted
 
@@ -560,24 +557,70 @@ async def test_a_duplicate_transfer_id_collides_in_the_fake_as_in_vllm(
     assert (await session.post(decode.api_url + COMPLETIONS, json=first)).status == 500
     second = completion(prompt="the second prompt", kv_transfer_params=pull)
     answer = await session.post(decode.api_url + COMPLETIONS, json=second)
-    assert answer.status == 500 and "did not arrive" in (await answer.json())["error"]["message"]
+    assert (await answer.json())["error"]["message"] == "Internal server error"  # as vLLM says
+    assert answer.status == 500 and "did not arrive" in decode.pull_failures[-1]
+    assert "belongs to another prompt" in decode.pull_failures[0]
 
 
 # --- decode failures
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_decode_error_reaches_client_and_cancels_the_prefill(
+async def test_a_decode_error_with_no_retry_left_reaches_the_client_and_cancels_the_prefill(
     start_cluster: StartCluster, stream: bool
 ) -> None:
-    cluster = await start_cluster(decode={"fail_status": 500}, prefill={"delay": 5})
+    cluster = await start_cluster(decode={"fail_status": 500}, prefill={"delay": 5}, max_retries=0)
     async with asyncio.timeout(FAST):
         response = await cluster.client.post(COMPLETIONS, json=completion(stream=stream))
         payload = await response.json()
-    assert response.status == 500
-    assert payload["error"]["message"] == "injected failure 500"
+    assert response.status == 502
+    assert_openai_error(payload, 502)
+    message = payload["error"]["message"]
+    assert "failed before its first token" in message and "injected failure 500" in message
     await eventually(lambda: cluster.prefills[0].running == 0)
     assert len(cluster.prefills[0].aborted) == 1
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_failed_kv_pull_is_tried_again_as_a_new_pair(
+    start_cluster: StartCluster, path: str, stream: bool
+) -> None:
+    """vLLM fails a request whose KV pull failed: non-streamed a 500, streamed a 200 whose first
+    event is an error (a chat's after its role chunk). No token reached the client: the pair is
+    tried again with a new prefill leg and transfer_id, and the client sees one whole answer."""
+    cluster = await start_cluster(decode={"fail_pulls": 1})
+    body = chat(stream=stream) if path == CHAT else completion(stream=stream)
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(path, json=body)
+        raw = await response.read()
+    assert response.status == 200
+    if stream:
+        events = sse_events(raw)
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+        assert sum(1 for e in events[:-1] if e["choices"][0].get("delta", {}).get("role")) <= 1
+    else:
+        assert "error" not in json.loads(raw)
+    (decode,) = cluster.decodes
+    assert decode.fail_pulls == 0 and len(cluster.prefills[0].requests) == 2
+    transfers = {r.body["kv_transfer_params"]["transfer_id"] for r in decode.requests}
+    assert len(transfers) == 2  # a new transfer_id, not the one that failed
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_errors_total", stage="decode", reason="kv_load") == 1
+    assert sample(samples, "mooncake_proxy_retries_total", stage="decode") == 1
+
+
+async def test_a_stream_is_held_until_its_first_token(start_cluster: StartCluster) -> None:
+    """The client's headers wait for the first event that carries a token, not for the decode's
+    200 and its role chunk (sent before the KV arrives): a pull that fails in between is
+    tried again."""
+    cluster = await start_cluster(decode={"fail_pulls": 2, "keepalive_first": True})
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(CHAT, json=chat(stream=True))
+        events = sse_events(await response.read())
+    assert response.status == 200 and events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("error" not in e for e in events[:-1]) and len(cluster.decodes[0].requests) == 3
 
 
 async def test_decode_refused_is_a_502_naming_the_decode(start_cluster: StartCluster) -> None:
