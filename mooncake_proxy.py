@@ -2163,10 +2163,14 @@ def stream_start(data: bytes) -> str | bool | None:
     """What a stream's whole events so far say: True once one carries a token (or anything
     but a chat's role chunk), the error's message if an error comes first, None while
     neither (no whole event yet, keep-alive comments, role chunks)."""
-    for event in data.split(b"\n\n")[:-1]:
+    start = 0
+    while (end := data.find(b"\n\n", start)) >= 0:  # each whole event, the first first
+        event, start = data[start:end], end + 2
         for line in event.split(b"\n"):
             if not line.startswith(b"data:"):
                 continue  # a comment (": keep-alive") or another field
+            if b'"error"' not in line and b'"role"' not in line:
+                return True  # a token (or [DONE]): no need to parse it
             try:
                 payload = json.loads(line[5:])
             except ValueError:
@@ -2185,13 +2189,11 @@ def stream_start(data: bytes) -> str | bool | None:
 
 def says_nothing(choice: object) -> bool:
     """A streamed choice that carries no token yet: a chat's role chunk ({"role": "assistant",
-    "content": ""}), or a completion's empty first text."""
+    "content": ""})."""
     if not isinstance(choice, dict) or choice.get("finish_reason") or choice.get("token_ids"):
         return False
     delta = choice.get("delta")
-    if isinstance(delta, dict):
-        return set(delta) <= {"role", "content"} and not delta.get("content")
-    return choice.get("text") == ""
+    return isinstance(delta, dict) and set(delta) <= {"role", "content"} and not delta["content"]
 
 
 async def relay_body(exchange: Exchange, leg: HttpLeg, pair: Attempt | None) -> None:
