@@ -272,6 +272,28 @@ async def until_healthy(session: aiohttp.ClientSession, base: str, seconds: floa
             await asyncio.sleep(0.05)
 
 
+class SystemdInbox:
+    """A NOTIFY_SOCKET as systemd's: what the daemon tells it, read as it comes (a datagram
+    left unread would, 512 later, block the daemon's sends)."""
+
+    def __init__(self) -> None:
+        self.address = f"@mooncake-proxy-test-{os.getpid()}-{free_port()}"
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.socket.bind("\0" + self.address[1:])
+        self.socket.setblocking(False)
+        self.heard: list[str] = []
+        asyncio.get_running_loop().add_reader(self.socket, self.read)
+
+    def read(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                self.heard += self.socket.recv(4096).decode().splitlines()
+
+    def close(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.socket)
+        self.socket.close()
+
+
 class ProxyProcess:
     """The daemon in a process of its own (python mooncake_proxy.py), as users and systemd
     start it; what it says on stderr is read as it comes (``log``)."""
@@ -281,6 +303,7 @@ class ProxyProcess:
         self.base = f"http://127.0.0.1:{port}"
         assert process.stderr is not None
         self.log = ProcessLog(process.stderr)
+        self.systemd: SystemdInbox | None = None
 
     @classmethod
     async def launch(
@@ -297,17 +320,26 @@ class ProxyProcess:
         if port is None:
             port = free_port()
             argv = ("--port", str(port), *argv)
+        env = {**os.environ, **(env or {})}
+        # Under --workers one worker's /health says nothing of the others: ready is when the
+        # supervisor tells systemd so, once every worker serves.
+        systemd = None
+        if ready and "--workers" in argv and "NOTIFY_SOCKET" not in env:
+            systemd = SystemdInbox()
+            env["NOTIFY_SOCKET"] = systemd.address
         process = await asyncio.create_subprocess_exec(
             sys.executable, str(HERE / "mooncake_proxy.py"), *argv,
-            stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, **(env or {})},
+            stderr=asyncio.subprocess.PIPE, env=env,
         )  # fmt: skip
         proxy = cls(process, port)
+        proxy.systemd = systemd
         if not ready:
             return proxy
         try:
             async with aiohttp.ClientSession() as session:
                 await until_healthy(session, proxy.base)
+            if systemd is not None:
+                await eventually(lambda: "READY=1" in systemd.heard, 15)
         except BaseException:
             await proxy.stop()  # a daemon that never got ready is not left running
             raise
@@ -345,4 +377,6 @@ class ProxyProcess:
             self.process.terminate()
         await self.process.wait()
         await self.log.task
+        if self.systemd is not None:
+            self.systemd.close()
         return "\n".join(self.log.lines)
