@@ -447,6 +447,13 @@ def weight(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """A number from 0 to 1."""
+    if (value := weight(text)) > 1:
+        raise ValueError("expected a number from 0 to 1")
+    return value
+
+
 def factor(text: str) -> float:
     """A number of 1 or more."""
     if (value := weight(text)) < 1:
@@ -684,6 +691,13 @@ class ProxyConfig:
         at_least(1),
     )
     healthy_after: int = setting(1, "good checks in a row that bring an instance back", at_least(1))
+    panic_threshold: float = setting(
+        0.0,
+        "panic (Envoy's word): while fewer than this share of a role's instances are usable, or "
+        "none is, those out only because their checks timed out take requests again; 0 panics "
+        "only when none is usable, 1 always sends to every instance that is only slow",
+        share,
+    )
     max_retries: int = setting(
         2,
         "per request, how many times the pair is tried again: a leg that could not connect "
@@ -1435,6 +1449,8 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
         # Under --workers this page is one worker's view (each checks the fleet itself, and
         # in-flight counts are its own); /metrics adds up the whole daemon.
         "scope": "daemon" if state.config.workers == 1 else f"worker of {state.config.workers}",
+        # Roles sending to instances that only time out, as too few are usable (panic).
+        "panic": sorted(fleet.panics),
         "prefill_instances": len(fleet.prefills),
         "decode_instances": len(fleet.decodes),
         "tokenizer": state.tokenizer.path if state.tokenizer else None,  # with KV events
@@ -4773,6 +4789,9 @@ class Backend:
         # and replaced, as each check ends (a retry waits for one: KvLoadFailed).
         self.recheck = asyncio.Event()
         self.checked = asyncio.Event()
+        # Its last failure was a check that got no answer in time (connected, not refused): a
+        # sign of load, maybe. Such an instance takes requests in a panic (Fleet.refresh).
+        self.timed_out = False
         # Checks in a row that failed the same way: the checks back off while it lasts.
         self.same_failures = 0
         # When the last check began and the last request on it succeeded (monotonic): a check
@@ -4819,6 +4838,7 @@ class Backend:
         """A live request could not connect: out at once, and checked again right away; True
         if that took it out of the rotation."""
         self.passes = self.same_failures = 0
+        self.timed_out = False
         self.last_error = error
         self.recheck.set()
         if not self.usable:
@@ -4840,6 +4860,7 @@ class Backend:
             "usable": self.usable,
             "since": datetime.fromtimestamp(self.since, UTC).isoformat(timespec="seconds"),
             "slow": self.slow,
+            "timed_out": self.timed_out,  # its last failed check: no answer in time
             "last_error": self.last_error,
             "load_error": self.load_error,
             "in_flight": self.in_flight,
@@ -4977,6 +4998,7 @@ class Fleet:
         # pair, the seed's rotation. Rebuilt on every change, read without locks.
         self._engines: tuple[PrefillEngine, ...] = ()
         self._decodes: tuple[DecodeInstance, ...] = ()
+        self.panics: set[str] = set()  # the roles in a panic (unless_panic)
         fresh_for = 3 * config.load_interval  # a scrape older than this is not trusted
         balance = config.balance_factor
         self.prefill_router = Router("prefill", config.prefill_load_weight, balance, fresh_for)
@@ -5084,11 +5106,33 @@ class Fleet:
         return len(self._engines)
 
     def refresh(self) -> None:
-        prefills = in_rotation(self.prefills)
+        prefills = self.unless_panic(self.prefills)
         self._engines = tuple(itertools.chain.from_iterable(p.engines for p in prefills))
-        self._decodes = in_rotation(self.decodes)
+        self._decodes = self.unless_panic(self.decodes)
         if any(backend.leaving for backend in (*self.prefills, *self.decodes)):
             self.changed.set()  # one may be let go now
+
+    def unless_panic(self, backends: Sequence[B]) -> tuple[B, ...]:
+        """The role's instances in the rotation, and, in a panic, those out only because their
+        checks timed out: Envoy's panic threshold. When most of a fleet fails its checks at
+        once it is more often loaded (or the checks' path is) than down, and taking it all out
+        would turn a slowdown into an outage."""
+        usable = in_rotation(backends)
+        slow = tuple(b for b in backends if not b.usable and b.timed_out and not b.leaving)
+        panic = bool(slow) and (
+            not usable or len(usable) < self.config.panic_threshold * len(backends)
+        )
+        role = backends[0].role if backends else ""
+        if panic != (role in self.panics):
+            self.panics ^= {role}
+            if panic:
+                names = ", ".join(str(b.url) for b in slow)
+                log.warning(
+                    "%s panic: too few usable; sending to those that are slow: %s", role, names
+                )
+            else:
+                log.warning("%s panic over", role)
+        return usable + slow if panic else usable
 
     def set_engines(self, instance: PrefillInstance, engine_ids: Sequence[str]) -> None:
         engines = []
@@ -5269,6 +5313,9 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
         else:
             backend.same_failures = 0
         state.metrics.check_failures.labels(backend.role, str(backend.url)).inc()
+        if backend.timed_out != failure.no_answer_in_time:
+            backend.timed_out = failure.no_answer_in_time
+            fleet.refresh()  # whether it may take requests in a panic changed
         if failure.no_answer_in_time and backend.usable and backend.last_success > previous_check:
             # Envoy's outlier detection weighs real outcomes: requests that keep succeeding
             # outvote a probe that timed out. A refusal, a 5xx or silence still count.
@@ -5285,7 +5332,7 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
         elif not repeated:
             log.warning("%s %s check failed: %s", backend.role, backend.url, error)
         return
-    backend.same_failures = 0
+    backend.same_failures, backend.timed_out = 0, False
     if backend.slow:
         backend.slow = False
         log.info("%s %s answers its checks in time again", backend.role, backend.url)
@@ -5610,7 +5657,7 @@ class RequestStats:
 STATS_KEY: Final = web.RequestKey("stats", RequestStats)
 
 
-GaugeMode = Literal["livemin", "livesum"]
+GaugeMode = Literal["livemin", "livemax", "livesum"]
 
 # Label values a fresh proxy makes its series for (Metrics.start_series): the statuses PD
 # requests are most often answered with, the reasons a leg fails for (beside http_<status>),
@@ -5711,6 +5758,9 @@ class Metrics:
         "KV event batches from the engines (--kv-events-port), by result: applied, malformed, "
         "missed (never received, not even by replay).", ("result",))
     ready = Metric(Gauge, "ready", "1 while PD requests are served.", mode="livemin")
+    panic = Metric(Gauge, "panic",
+        "1 while a role is in a panic: too few of its instances usable, those that only time "
+        "out take requests again (--panic-threshold).", ("role",), mode="livemax")
     # "backend", not "instance": Prometheus gives that name to the scraped target.
     usable = Metric(Gauge, "instance_usable", "1 while an instance is in the rotation.",
         ("role", "backend"), mode="livemin")
@@ -5780,6 +5830,8 @@ class Metrics:
         state = self.state
         fleet, connections = state.fleet, state.connections
         self.ready.set(float(state.serving))
+        for role in ("prefill", "decode"):
+            self.panic.labels(role).set(float(role in fleet.panics))
         series = set()
         for instance in fleet.prefills:
             self.usable.labels("prefill", str(instance.url)).set(float(instance.usable))
@@ -6658,7 +6710,8 @@ FLAG_GROUPS: Final = (
     ("serving: where the proxy listens, and as what", ("config_file", "host", "port", "workers",
         "loop", "log_level", "log_format", "otlp_traces_endpoint", "shutdown_timeout")),
     ("health: when an instance leaves the rotation and comes back", ("health_interval",
-        "discovery_interval", "health_timeout", "unhealthy_after", "healthy_after")),
+        "discovery_interval", "health_timeout", "unhealthy_after", "healthy_after",
+        "panic_threshold")),
     ("the legs: the proxy's requests to vLLM", ("upstream_api_key", "connect_timeout",
         "keepalive_timeout", "request_timeout", "prefill_timeout", "max_retries",
         "max_connections", "pool_timeout")),

@@ -1106,3 +1106,70 @@ async def test_a_burst_does_not_pile_onto_the_one_idle_decode(start_cluster: Sta
     assert [a.status for a in await asyncio.gather(*burst)] == [200] * 10
     assert len(busy.requests) - 1 >= 3 and len(idle.requests) >= 5
     long_stream.cancel()
+
+
+# --- panic: when too few are usable, those that only time out take requests again
+
+
+async def test_a_fleet_whose_checks_all_time_out_panics_and_serves_on(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every decode out because its /health timed out (a saturated vLLM, or a slow network to
+    it), none refused: taken out, they would make every request a 503. In a panic they take
+    requests again, and /healthcheck and a metric say so; it ends when one passes its check."""
+    caplog.set_level("WARNING", logger="mooncake_proxy")
+    cluster = await start_cluster(
+        decodes=2, health_interval=0.05, discovery_interval=0.05, health_timeout=0.1
+    )
+    fleet = fleet_of(cluster)
+    for decode in cluster.decodes:
+        decode.health_delay = 1.0
+    await eventually(lambda: not any(d.usable for d in fleet.decodes))
+    await eventually(lambda: "decode" in fleet.panics)
+    answers = [await cluster.client.post(COMPLETIONS, json=completion()) for _ in range(4)]
+    assert [a.status for a in answers] == [200] * 4
+    status = await (await cluster.client.get("/healthcheck")).json()
+    assert status["panic"] == ["decode"] and status["ready"] is True
+    assert all(d["timed_out"] and not d["usable"] for d in status["decode"])
+    assert sample(await scrape(cluster), "mooncake_proxy_panic", role="decode") == 1
+    assert any("decode panic" in r.getMessage() for r in caplog.records)
+    cluster.decodes[0].health_delay = 0.0
+    await eventually(lambda: fleet.decodes[0].usable and "decode" not in fleet.panics)
+    assert sample(await scrape(cluster), "mooncake_proxy_panic", role="decode") == 0
+
+
+async def test_no_panic_for_instances_that_refuse(start_cluster: StartCluster) -> None:
+    """A refused connection is an instance that is down, not a slow one: no panic sends to it."""
+    cluster = await start_cluster(health_interval=0.05, discovery_interval=0.05)
+    fleet = fleet_of(cluster)
+    await cluster.kill(cluster.decodes[0])
+    await eventually(lambda: not fleet.decodes[0].usable)
+    answer = await cluster.client.post(COMPLETIONS, json=completion())
+    assert answer.status == 503 and not fleet.panics
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+async def test_the_panic_threshold_is_the_share_of_usable_instances_below_which_it_panics(
+    start_cluster: StartCluster, threshold: float
+) -> None:
+    """Two of three decodes time out: one in three usable is below a threshold of 0.5 (a
+    panic: all three take requests), not below 0 (only the usable one does)."""
+    cluster = await start_cluster(
+        decodes=3,
+        health_interval=0.05,
+        discovery_interval=0.05,
+        health_timeout=0.1,
+        panic_threshold=threshold,
+        decode_policy=mp.Policy.ROUND_ROBIN,
+    )
+    fleet = fleet_of(cluster)
+    for decode in cluster.decodes[1:]:
+        decode.health_delay = 1.0
+    await eventually(lambda: [d.usable for d in fleet.decodes] == [True, False, False])
+    await eventually(lambda: fleet.decodes[2].timed_out)
+    before = [len(d.requests) for d in cluster.decodes]
+    for _ in range(6):
+        assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    took = [len(d.requests) - b for d, b in zip(cluster.decodes, before, strict=True)]
+    assert (took == [2, 2, 2]) if threshold else (took == [6, 0, 0]), took
+    assert ("decode" in fleet.panics) == bool(threshold)
