@@ -5306,31 +5306,7 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
         else:
             await check_health(session, backend, limits)
     except CheckFailed as failure:
-        error = str(failure)
-        repeated = error == backend.last_error
-        if failure.unreachable:
-            backend.same_failures = backend.same_failures + 1 if repeated else 1
-        else:
-            backend.same_failures = 0
-        state.metrics.check_failures.labels(backend.role, str(backend.url)).inc()
-        if backend.timed_out != failure.no_answer_in_time:
-            backend.timed_out = failure.no_answer_in_time
-            fleet.refresh()  # whether it may take requests in a panic changed
-        if failure.no_answer_in_time and backend.usable and backend.last_success > previous_check:
-            # Envoy's outlier detection weighs real outcomes: requests that keep succeeding
-            # outvote a probe that timed out. A refusal, a 5xx or silence still count.
-            if not backend.slow:
-                log.warning(
-                    "%s %s is slow: %s, but its requests succeed; it stays in the rotation",
-                    *(backend.role, backend.url, error),
-                )
-            backend.slow, backend.last_error = True, error
-            return
-        if backend.check_failed(error, config.unhealthy_after):
-            log.warning("%s %s left the rotation: %s", backend.role, backend.url, error)
-            fleet.refresh()
-        elif not repeated:
-            log.warning("%s %s check failed: %s", backend.role, backend.url, error)
+        count_failed_check(state, backend, failure, previous_check)
         return
     backend.same_failures, backend.timed_out = 0, False
     if backend.slow:
@@ -5354,6 +5330,38 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
                 f": {len(backend.engines)} DP rank(s), engine ids {', '.join(backend.engine_ids)}"
             )
         log.info("%s %s is usable%s", backend.role, backend.url, extra)
+
+
+def count_failed_check(
+    state: ProxyState, backend: Backend, failure: CheckFailed, previous_check: float
+) -> None:
+    """A failed check: counted, and the instance out of the rotation once enough failed (not
+    for a check that only timed out while its requests succeed)."""
+    error = str(failure)
+    repeated = error == backend.last_error
+    if failure.unreachable:
+        backend.same_failures = backend.same_failures + 1 if repeated else 1
+    else:
+        backend.same_failures = 0
+    state.metrics.check_failures.labels(backend.role, str(backend.url)).inc()
+    if backend.timed_out != failure.no_answer_in_time:
+        backend.timed_out = failure.no_answer_in_time
+        state.fleet.refresh()  # whether it may take requests in a panic changed
+    if failure.no_answer_in_time and backend.usable and backend.last_success > previous_check:
+        # Envoy's outlier detection weighs real outcomes: requests that keep succeeding
+        # outvote a probe that timed out. A refusal, a 5xx or silence still count.
+        if not backend.slow:
+            log.warning(
+                "%s %s is slow: %s, but its requests succeed; it stays in the rotation",
+                *(backend.role, backend.url, error),
+            )
+        backend.slow, backend.last_error = True, error
+        return
+    if backend.check_failed(error, state.config.unhealthy_after):
+        log.warning("%s %s left the rotation: %s", backend.role, backend.url, error)
+        state.fleet.refresh()
+    elif not repeated:
+        log.warning("%s %s check failed: %s", backend.role, backend.url, error)
 
 
 def check_interval(config: ProxyConfig, backend: Backend) -> float:

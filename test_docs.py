@@ -4,6 +4,7 @@ and deploy/ must agree with, and no link that leads nowhere."""
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 from pathlib import Path
@@ -89,3 +90,14 @@ def test_the_unit_and_the_deploy_page_install_it_the_same_way() -> None:
     ):
         assert step in unit and step in page, step
     assert "cp deploy" not in unit + page
+
+
+def test_every_function_of_the_module_reads_at_once() -> None:
+    """The house's rule (issue 33): no function of the daemon 60 lines long or more."""
+    tree = ast.parse((HERE / "mooncake_proxy.py").read_text())
+    lengths = {
+        f"{node.name} (line {node.lineno})": node.end_lineno - node.lineno + 1
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno
+    }
+    assert not {name: n for name, n in lengths.items() if n >= 60}
