@@ -13,6 +13,7 @@ tokens came from KV that really travelled through Mooncake.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -47,9 +48,9 @@ KV_ABORT_TIMEOUT = 30  # seconds; a broken proxy's stranded requests clear this 
 FAIL_FAST = 10.0  # seconds within which a doomed request must be answered
 
 
-def http_get(url: str) -> tuple[int, str]:
+def http_get(url: str, timeout: float = 5) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
@@ -229,9 +230,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
 # --- helpers
 
 
-def metric(server: Server, name: str, **labels: str) -> float:
+def metric(server: Server, name: str, timeout: float = 5, **labels: str) -> float:
     """The sum of a Prometheus series on a vLLM server, over the lines matching labels."""
-    text = http_get(f"{server.url}/metrics")[1]
+    text = http_get(f"{server.url}/metrics", timeout)[1]
     total = 0.0
     for line in text.splitlines():
         match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
@@ -690,10 +691,21 @@ def test_a_decode_killed_during_a_plain_answer_is_answered_whole_by_another(
         assert wait_for(usable, 30)
         request = threading.Thread(target=send)
         request.start()
-        deadline = time.monotonic() + 20
-        while not running(victim):  # generating: 400 tokens take about a second here
-            assert time.monotonic() < deadline, "the request did not reach decode-2"
-            time.sleep(0.02)
+
+        def on_victim() -> bool:  # the proxy says so at once, whatever the load
+            decodes = healthcheck(proxy.url)["decode"]
+            return any(d["url"] == victim.url and d["in_flight"] for d in decodes)
+
+        assert wait_for(on_victim, 20), "the request did not reach decode-2"
+        # Killed once vLLM counts it running (400 tokens take about a second here). Its
+        # /metrics took over 5 s in CI while it generated on these 2 cores: if it does not
+        # answer at once, the kill comes now, with the request in flight there, which is
+        # what the test is about too (a decode that took the request, pulled or about to).
+        with contextlib.suppress(OSError):
+            deadline = time.monotonic() + 5
+            while not metric(victim, "vllm:num_requests_running", timeout=0.3):
+                assert time.monotonic() < deadline, "decode-2 never ran the request"
+                time.sleep(0.02)
         assert victim.process is not None
         os.killpg(victim.process.pid, signal.SIGKILL)
         request.join(KV_ABORT_TIMEOUT * 3)
