@@ -1119,13 +1119,13 @@ async def test_a_fleet_whose_checks_all_time_out_panics_and_serves_on(
     requests again, and /healthcheck and a metric say so; it ends when one passes its check."""
     caplog.set_level("WARNING", logger="mooncake_proxy")
     cluster = await start_cluster(
-        decodes=2, health_interval=0.05, discovery_interval=0.05, health_timeout=0.1
+        decodes=2, health_interval=0.05, discovery_interval=0.05, health_timeout=0.5
     )
     fleet = fleet_of(cluster)
     for decode in cluster.decodes:
-        decode.health_delay = 1.0
-    await eventually(lambda: not any(d.usable for d in fleet.decodes))
-    await eventually(lambda: "decode" in fleet.panics)
+        decode.health_delay = 2.0
+    await eventually(lambda: not any(d.usable for d in fleet.decodes), 10)
+    await eventually(lambda: "decode" in fleet.panics, 10)
     answers = [await cluster.client.post(COMPLETIONS, json=completion()) for _ in range(4)]
     assert [a.status for a in answers] == [200] * 4
     status = await (await cluster.client.get("/healthcheck")).json()
@@ -1134,7 +1134,7 @@ async def test_a_fleet_whose_checks_all_time_out_panics_and_serves_on(
     assert sample(await scrape(cluster), "mooncake_proxy_panic", role="decode") == 1
     assert any("decode panic" in r.getMessage() for r in caplog.records)
     cluster.decodes[0].health_delay = 0.0
-    await eventually(lambda: fleet.decodes[0].usable and "decode" not in fleet.panics)
+    await eventually(lambda: fleet.decodes[0].usable and "decode" not in fleet.panics, 10)
     assert sample(await scrape(cluster), "mooncake_proxy_panic", role="decode") == 0
 
 
@@ -1143,7 +1143,7 @@ async def test_no_panic_for_instances_that_refuse(start_cluster: StartCluster) -
     cluster = await start_cluster(health_interval=0.05, discovery_interval=0.05)
     fleet = fleet_of(cluster)
     await cluster.kill(cluster.decodes[0])
-    await eventually(lambda: not fleet.decodes[0].usable)
+    await eventually(lambda: not fleet.decodes[0].usable, 10)
     answer = await cluster.client.post(COMPLETIONS, json=completion())
     assert answer.status == 503 and not fleet.panics
 
@@ -1158,15 +1158,15 @@ async def test_the_panic_threshold_is_the_share_of_usable_instances_below_which_
         decodes=3,
         health_interval=0.05,
         discovery_interval=0.05,
-        health_timeout=0.1,
+        health_timeout=0.5,
         panic_threshold=threshold,
         decode_policy=mp.Policy.ROUND_ROBIN,
     )
     fleet = fleet_of(cluster)
     for decode in cluster.decodes[1:]:
-        decode.health_delay = 1.0
-    await eventually(lambda: [d.usable for d in fleet.decodes] == [True, False, False])
-    await eventually(lambda: fleet.decodes[2].timed_out)
+        decode.health_delay = 2.0
+    await eventually(lambda: [d.usable for d in fleet.decodes] == [True, False, False], 10)
+    await eventually(lambda: fleet.decodes[2].timed_out, 10)
     before = [len(d.requests) for d in cluster.decodes]
     for _ in range(6):
         assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
