@@ -1662,7 +1662,7 @@ class Exchange:
     response: RelayResponse = field(default_factory=RelayResponse)
     attempts: int = 0
     failures: list[ProxyError] = field(default_factory=list)  # Unreachable or KvLoadFailed
-    tried: set[Backend] = field(default_factory=set)  # instances found unreachable
+    tried: set[Backend] = field(default_factory=set)  # unreachable, or failed a KV load
 
     @classmethod
     def of(cls, request: web.Request, body: dict[str, Any]) -> Exchange:
@@ -1801,6 +1801,7 @@ class Exchange:
             return False
         if isinstance(failure, KvLoadFailed):  # no instance is out: a transfer failed
             self.fail_over("decode", None, failure)
+            self.tried.update(failure.pair)  # another pair, where there is one
             return True
         if not isinstance(failure, Unreachable) or failure.backend is None:
             return False
@@ -2018,7 +2019,7 @@ class Attempt:
             suspect = self.decode if self.engine is None else self.engine.instance
             failure = upstream_failure("decode", url, leg, body, suspect)
             if leg.status >= 500 and self.engine is not None:  # as vLLM fails a failed KV pull
-                raise KvLoadFailed.of(url, failure.message, self.engine.instance)
+                raise KvLoadFailed.of(url, failure.message, self.engine.instance, self.decode)
             raise failure
         self.decode.last_success = time.monotonic()
         await relay_body(self.exchange, leg, self if self.engine is not None else None)
@@ -2143,15 +2144,16 @@ class KvLoadFailed(ProxyError):
     (Exchange.try_again), and no instance leaves the rotation for it."""
 
     suspect: Backend | None = None
+    pair: tuple[Backend, ...] = ()  # its prefill instance and decode: the retry prefers others
 
     @classmethod
-    def of(cls, url: URL, why: str, suspect: Backend) -> KvLoadFailed:
+    def of(cls, url: URL, why: str, suspect: Backend, decode: Backend) -> KvLoadFailed:
         """The failure, with the prefill instance checked at once: vLLM fails so a decode that
         names the engine id of a prefill that restarted, and the next try should know the new
         one (suspect_checked)."""
         suspect.recheck.set()
         failure = cls(502, f"decode {url} failed before its first token: {why}", reason="kv_load")
-        failure.suspect = suspect
+        failure.suspect, failure.pair = suspect, (suspect, decode)
         return failure
 
     async def suspect_checked(self, within: float) -> None:
@@ -2163,7 +2165,9 @@ class KvLoadFailed(ProxyError):
                     await self.suspect.checked.wait()
 
 
-async def until_first_token(leg: HttpLeg, data: bytes, url: URL, prefill: Backend) -> bytes:
+async def until_first_token(
+    leg: HttpLeg, data: bytes, url: URL, prefill: Backend, decode: Backend
+) -> bytes:
     """A PD stream's bytes up to its first event that carries a token (or all of it, if it
     ended without one); KvLoadFailed if an error event comes first."""
     while (start := stream_start(data)) is None:
@@ -2171,7 +2175,7 @@ async def until_first_token(leg: HttpLeg, data: bytes, url: URL, prefill: Backen
             return data
         data += more
     if isinstance(start, str):
-        raise KvLoadFailed.of(url, start, prefill)
+        raise KvLoadFailed.of(url, start, prefill, decode)
     return data
 
 
@@ -2238,7 +2242,7 @@ async def relay_body(exchange: Exchange, leg: HttpLeg, pair: Attempt | None) -> 
     first = await leg.next_bytes()
     if gaps is not None and pair is not None and pair.engine is not None:
         url = pair.decode.routes[exchange.request.path]
-        first = await until_first_token(leg, first, url, pair.engine.instance)
+        first = await until_first_token(leg, first, url, pair.engine.instance, pair.decode)
     writer = await response.prepare(exchange.request)
     assert writer is not None  # None only for a response already ended
     stats.first_byte = time.monotonic()
@@ -5168,10 +5172,11 @@ class Fleet:
         return [f.held for f in self.feeds.values() if f.live and f.held.block_size > 0]
 
     def take_out(self, backend: Backend, error: str) -> None:
-        """A live request could not reach ``backend``: out of the rotation at once."""
+        """A live request could not reach ``backend``: out of the rotation at once (and out of
+        a panic's: it is no longer only slow)."""
         if backend.connection_refused(error):
             log.warning("%s %s left the rotation: %s", backend.role, backend.url, error)
-            self.refresh()
+        self.refresh()
 
     # Picks claim their target at once, before any await, so that concurrent arrivals see
     # each other's load; every claim is released when its leg ends.
@@ -5180,8 +5185,8 @@ class Fleet:
         self, avoid: Collection[Backend] = (), key: RouteKey | None = None
     ) -> PrefillEngine:
         engines = self._engines
-        if avoid:
-            engines = tuple(e for e in engines if e.instance not in avoid)
+        if avoid:  # passed over while another is left (see claim_decode)
+            engines = tuple(e for e in engines if e.instance not in avoid) or engines
         if not engines:
             raise ProxyError(503, "no usable prefill engine")
         engine = engines[self.prefill_router.pick(engines, self.prefill_policy, key).index]
@@ -5199,7 +5204,10 @@ class Fleet:
     ) -> DecodeInstance:
         decodes = self._decodes
         if avoid:
-            decodes = tuple(d for d in decodes if d not in avoid)
+            # Those tried are passed over while another is left. One that could not be
+            # reached is out of the rotation anyway; one whose KV load failed stays in it
+            # and, the last one left, may be tried again.
+            decodes = tuple(d for d in decodes if d not in avoid) or decodes
         if not decodes:
             raise ProxyError(503, "no usable decode instance")
         return decodes[self.decode_router.pick(decodes, self.decode_policy, key).index]

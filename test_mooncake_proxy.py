@@ -1161,3 +1161,21 @@ async def test_a_full_or_slow_queue_is_answered_429_with_retry_after(
     for reason in ("queue_full", "queue_timeout"):
         assert sample(samples, "mooncake_proxy_errors_total", stage="admission", reason=reason) == 1
     assert sample(samples, "mooncake_proxy_requests_total", route=COMPLETIONS, status="429") == 2
+
+
+async def test_a_failed_kv_pull_is_tried_again_on_another_pair_where_there_is_one(
+    start_cluster: StartCluster,
+) -> None:
+    """A decode whose pulls keep failing (its transfer engine broken) stays in the rotation,
+    as a failed KV load proves nothing down; but the retry goes to the other decode, so three
+    failing pulls in a row cost no request."""
+    cluster = await start_cluster(decodes=2, decode_policy=mp.Policy.ROUND_ROBIN)
+    broken, other = cluster.decodes
+    broken.fail_pulls = 3
+    for _ in range(2):
+        async with asyncio.timeout(FAST):
+            answer = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+            assert answer.status == 200 and b"error" not in await answer.read()
+    assert broken.fail_pulls == 3 - len(broken.requests) and len(broken.requests) <= 2
+    assert len(other.requests) == 2  # each request's retry, or the request itself
+    assert all(d.usable for d in fleet_of(cluster).decodes)
