@@ -4,7 +4,7 @@
 # and, heavier: make integration   the proxy against real vLLM on the CPU with real Mooncake
 #               make bench         the benchmark (make bench-quick: under a minute)
 #               make bench-routing the routing benchmark (about 20 minutes)
-#               make chaos         requests lost while faults hit the cluster (ARGS=--quick: ~70 s)
+#               make chaos         requests lost while faults hit the cluster (ARGS=--quick: 1-2 min)
 #               make reference     docs/reference.md from the parser, after changing a flag
 VENV ?= .venv
 PY := $(VENV)/bin/python

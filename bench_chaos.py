@@ -1,6 +1,6 @@
 """Chaos benchmark: how many requests a client loses while faults hit a simulated cluster.
 
-    python bench_chaos.py --quick     # 60 s of load per target, about 70 s in all
+    python bench_chaos.py --quick     # 55 s of load per target: a minute, two with vllm-router
     python bench_chaos.py             # 5 minutes of load per target
     python bench_chaos.py --strict    # exit 1 on any client-visible failure
 
@@ -52,7 +52,7 @@ from fake_vllm import MODEL, VOCAB, free_port, generate, prompt_of
 
 HERE = Path(__file__).resolve().parent
 PREFILLS, DECODES = 2, 3
-QUICK_SECONDS, FULL_SECONDS = 60.0, 300.0
+QUICK_SECONDS, FULL_SECONDS = 55.0, 300.0
 CONCURRENCY = 12
 # A decode paces its tokens so: a stream lasts 0.1-0.2 s, long enough to be cut mid-way.
 TOKEN_DELAY = 0.004
