@@ -94,6 +94,7 @@ CUT = "answer cut before its end ([DONE] or whole body)"
 WRONG = "wrong, missing or duplicated tokens"
 TIMEOUT = f"client timeout ({REQUEST_TIMEOUT:g} s)"
 NO_ANSWER = "no answer (connection failed)"
+MALFORMED = "a 200 that is no answer (not JSON, no choices)"
 
 
 # --- the simulated cluster: one process per fake vLLM server
@@ -275,6 +276,8 @@ async def send(session: aiohttp.ClientSession, base: str, plan: Planned) -> Outc
                 await read_whole(answer, plan, outcome)
     except TimeoutError:
         outcome.kind, outcome.detail = TIMEOUT, f"after {outcome.tokens} tokens"
+    except (aiohttp.ContentTypeError, ValueError, LookupError, TypeError) as error:
+        outcome.kind, outcome.detail = MALFORMED, repr(error)  # not JSON, or not an answer's
     except aiohttp.ClientError as error:
         outcome.kind, outcome.detail = CUT if headed else NO_ANSWER, repr(error)
     outcome.ended = time.monotonic()
@@ -523,8 +526,9 @@ class Run:
                 out.write(json.dumps(span | what) + "\n")
 
     def causes(self) -> collections.Counter[str | None]:
-        """Failures by the fault that caused them, as far as time tells: the latest begun
-        before the failure ended and over less than AFTERMATH before (None: no fault was)."""
+        """Failures by the fault that caused them, as far as time tells: the latest fault
+        begun before the failure ended and not over by more than AFTERMATH then (None: none
+        was)."""
         causes: collections.Counter[str | None] = collections.Counter()
         for failure in self.failures():
             under = [w for w in self.windows if w.start <= failure.ended <= w.end + AFTERMATH]
