@@ -4,12 +4,13 @@
 # and, heavier: make integration   the proxy against real vLLM on the CPU with real Mooncake
 #               make bench         the benchmark (make bench-quick: under a minute)
 #               make bench-routing the routing benchmark (about 20 minutes)
+#               make chaos         requests lost while faults hit the cluster (ARGS=--quick: 1-2 min)
 #               make reference     docs/reference.md from the parser, after changing a flag
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: demo test integration bench bench-quick bench-routing reference lint check clean
+.PHONY: demo test integration bench bench-quick bench-routing chaos reference lint check clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-precise.txt requirements-tracing.txt
 	python3 -m venv $(VENV)
@@ -33,6 +34,10 @@ bench-routing: $(VENV)/.installed
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
 	$(PY) bench_routing.py --json routing.json --plot routing.png
 
+# By hand, not in CI: it shows what fails, and its figures depend on timing.
+chaos: $(VENV)/.installed
+	$(PY) bench_chaos.py $(ARGS)
+
 integration: $(VENV)/.installed
 	bash integration/run.sh
 
@@ -44,7 +49,8 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --strict mooncake_proxy.py conftest.py testing_support.py test_mooncake_proxy.py \
 		test_config.py test_legs.py test_fleet.py test_routing.py test_kv_events.py test_operations.py \
-		test_docs.py fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py docs/reference.py
+		test_docs.py fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py bench_chaos.py \
+		docs/reference.py
 
 check: lint test
 

@@ -440,6 +440,18 @@ def consecutive_runs(positions: list[int]) -> list[list[int]]:
     return runs
 
 
+# The FakeVllm fields /_fake/inject may set: its failure injection, nothing it observes or
+# needs to serve (its role, engines, sessions).
+INJECTABLE = frozenset(
+    {
+        *("fail_status", "force_finish_reason", "delay", "hang", "token_delay"),
+        *("transfer_delay", "pull_delay", "keepalive_first", "break_after_tokens"),
+        *("die_after_pull", "fail_pulls", "linger_after_done", "health_status", "health_delay"),
+        *("drop_after", "engine_dead", "metrics_status", "extra_waiting"),
+    }
+)
+
+
 @dataclass
 class FakeVllm:
     """One fake vLLM server. ``role`` is "prefill" (kv_producer) or "decode" (kv_consumer)."""
@@ -562,6 +574,7 @@ class FakeVllm:
         app.router.add_post("/_fake/reset", self.handle_reset)
         app.router.add_post("/_fake/warm", self.handle_warm)
         app.router.add_get("/_fake/stats", self.handle_stats)
+        app.router.add_post("/_fake/inject", self.handle_inject)
         app.cleanup_ctx.append(self._session_ctx)
         return app
 
@@ -629,6 +642,17 @@ class FakeVllm:
         """What a test in another process needs to know of this server."""
         stats = {"requests": len(self.requests), "running": self.running}
         return web.json_response(stats | {"engine_ids": self.engine_ids})
+
+    async def handle_inject(self, request: web.Request) -> web.Response:
+        """Set failure-injection fields ({"fail_pulls": 3}) of a fake in another process (one
+        started with --serve), as a test sets them on a fake in its own: the chaos benchmark
+        drives its faults so. Answers the fields as they now are."""
+        changes = await request.json()
+        if not isinstance(changes, dict) or not changes.keys() <= INJECTABLE:
+            return error(400, f"an object of fields among {sorted(INJECTABLE)}")
+        for name, value in changes.items():
+            setattr(self, name, value)
+        return web.json_response({name: getattr(self, name) for name in changes})
 
     async def handle_reset(self, request: web.Request) -> web.Response:
         """Empty caches and counters, between two benchmark runs: as vLLM's

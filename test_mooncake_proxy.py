@@ -533,6 +533,21 @@ async def test_a_fake_decode_that_dies_after_its_pull_took_the_kv_and_answers_no
     assert prefill.transfers_served == 1 and not decode.sent  # pulled, nothing answered
 
 
+async def test_a_fake_takes_its_failures_injected_over_http(
+    aiohttp_client: AiohttpClient,
+) -> None:
+    """/_fake/inject sets failure-injection fields of a fake in another process (the chaos
+    benchmark's); fields that are not failure injection are refused, and nothing is set."""
+    fake = FakeVllm("decode")
+    client = await aiohttp_client(fake.api_app())
+    answer = await client.post("/_fake/inject", json={"fail_pulls": 3, "health_delay": 0.5})
+    assert await answer.json() == {"fail_pulls": 3, "health_delay": 0.5}
+    assert (fake.fail_pulls, fake.health_delay) == (3, 0.5)
+    refused = await client.post("/_fake/inject", json={"fail_pulls": 1, "role": "prefill"})
+    assert refused.status == 400
+    assert (fake.role, fake.fail_pulls) == ("decode", 3)
+
+
 async def test_a_duplicate_transfer_id_collides_in_the_fake_as_in_vllm(
     start_cluster: StartCluster,
 ) -> None:
