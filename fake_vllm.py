@@ -447,6 +447,7 @@ INJECTABLE = frozenset(
         *("fail_status", "force_finish_reason", "delay", "hang", "token_delay"),
         *("transfer_delay", "pull_delay", "keepalive_first", "break_after_tokens"),
         *("die_after_pull", "fail_pulls", "linger_after_done", "health_status", "health_delay"),
+        "die_after_head",
         *("drop_after", "engine_dead", "metrics_status", "extra_waiting"),
     }
 )
@@ -471,6 +472,7 @@ class FakeVllm:
     break_after_tokens: int | None = None  # drop the connection mid-stream
     die_after_pull: bool = False  # decode: drop the connection once the KV arrived (killed)
     fail_pulls: int = 0  # decode: this many KV pulls fail, as Mooncake's can ("returned -1")
+    die_after_head: bool = False  # a whole answer's head goes out, then the process dies
     linger_after_done: float = 0.0  # seconds between a stream's [DONE] and its end
     kv_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
     bootstrap_not_ready: int = 0  # answer /query 503 this many times, then {} once
@@ -1011,6 +1013,13 @@ class FakeVllm:
                 payload["object"] = "chat.completion"
             raw = json.dumps(payload).encode()
             self.sent[request_id] = bytearray(raw)
+            if self.die_after_head:  # killed as it writes its answer: the head is out
+                cut = web.StreamResponse(headers={"Content-Type": "application/json"})
+                cut.content_length = len(raw)
+                await cut.prepare(request)
+                assert request.transport is not None
+                request.transport.abort()
+                raise asyncio.CancelledError
             return web.Response(body=raw, content_type="application/json")
         if response is None:
             response = web.StreamResponse(

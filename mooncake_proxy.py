@@ -1999,6 +1999,11 @@ class Attempt:
         except (LegFailed, TimeoutError) as error:
             url = self.decode.routes[exchange.request.path]
             failure = transport_error("decode", url, error)
+            if isinstance(error, LegFailed) and not exchange.response.prepared:
+                # Lost as it answered, before a byte reached the client (a whole answer's
+                # head came, then the connection went): the pair starts again (try_again).
+                lost = Unreachable(502, failure.message, reason="broken", backend=self.decode)
+                raise lost from None
             exchange.count_failure("decode", failure)
             raise ProxyError(failure.status, failure.message, reason="broken") from None
         except ProxyError as failure:

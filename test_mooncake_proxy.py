@@ -1194,3 +1194,19 @@ async def test_a_failed_kv_pull_is_tried_again_on_another_pair_where_there_is_on
     assert broken.fail_pulls == 3 - len(broken.requests) and len(broken.requests) <= 2
     assert len(other.requests) == 2  # each request's retry, or the request itself
     assert all(d.usable for d in fleet_of(cluster).decodes)
+
+
+async def test_a_decode_lost_as_it_writes_a_whole_answer_is_tried_again(
+    start_cluster: StartCluster,
+) -> None:
+    """A non-streamed answer's head came, then the decode's connection went (killed as it
+    wrote): nothing reached the client, so the pair starts again on the other decode."""
+    cluster = await start_cluster(decodes=2, decode_policy=mp.Policy.ROUND_ROBIN)
+    dying, other = cluster.decodes
+    dying.die_after_head = True
+    async with asyncio.timeout(FAST):
+        answer = await cluster.client.post(COMPLETIONS, json=completion())
+        payload = await answer.json()
+    assert answer.status == 200 and "error" not in payload, payload
+    assert len(dying.requests) == 1 and len(other.requests) == 1
+    assert len(cluster.prefills[0].requests) == 2  # a new pair: a new prefill leg
