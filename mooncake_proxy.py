@@ -1801,7 +1801,7 @@ class Exchange:
             return False
         if isinstance(failure, KvLoadFailed):  # no instance is out: a transfer failed
             self.fail_over("decode", None, failure)
-            self.tried.update(failure.pair)  # another pair, where there is one
+            self.tried.update(failure.pair or ())  # another pair, where there is one
             return True
         if not isinstance(failure, Unreachable) or failure.backend is None:
             return False
@@ -2024,10 +2024,10 @@ class Attempt:
             suspect = self.decode if self.engine is None else self.engine.instance
             failure = upstream_failure("decode", url, leg, body, suspect)
             if leg.status >= 500 and self.engine is not None:  # as vLLM fails a failed KV pull
-                raise KvLoadFailed.of(url, failure.message, self.engine.instance, self.decode)
+                raise KvLoadFailed.of(self, url, failure.message)
             raise failure
         self.decode.last_success = time.monotonic()
-        await relay_body(self.exchange, leg, self if self.engine is not None else None)
+        await relay_body(self, leg, url)
 
     def finish_decode_leg(self) -> None:
         if self.decode_leg is not None:
@@ -2148,31 +2148,31 @@ class KvLoadFailed(ProxyError):
     before a token nothing reached the client, so the pair starts again whole
     (Exchange.try_again), and no instance leaves the rotation for it."""
 
-    suspect: Backend | None = None
-    pair: tuple[Backend, ...] = ()  # its prefill instance and decode: the retry prefers others
+    # Its prefill instance and decode: the retry prefers others (Exchange.try_again).
+    pair: tuple[Backend, Backend] | None = None
 
     @classmethod
-    def of(cls, url: URL, why: str, suspect: Backend, decode: Backend) -> KvLoadFailed:
+    def of(cls, attempt: Attempt, url: URL, why: str) -> KvLoadFailed:
         """The failure, with the prefill instance checked at once: vLLM fails so a decode that
         names the engine id of a prefill that restarted, and the next try should know the new
         one (suspect_checked)."""
-        suspect.recheck.set()
+        assert attempt.engine is not None  # a decode alone pulls no KV
+        prefill = attempt.engine.instance
+        prefill.recheck.set()
         failure = cls(502, f"decode {url} failed before its first token: {why}", reason="kv_load")
-        failure.suspect, failure.pair = suspect, (suspect, decode)
+        failure.pair = prefill, attempt.decode
         return failure
 
     async def suspect_checked(self, within: float) -> None:
         """Until the prefill instance's check (started by ``of``) has ended, for ``within``
         seconds at most: a restarted prefill's new engine ids are then in place."""
-        if self.suspect is not None:
+        if self.pair is not None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(within):
-                    await self.suspect.checked.wait()
+                    await self.pair[0].checked.wait()
 
 
-async def until_first_token(
-    leg: HttpLeg, data: bytes, url: URL, prefill: Backend, decode: Backend
-) -> bytes:
+async def until_first_token(leg: HttpLeg, data: bytes, attempt: Attempt, url: URL) -> bytes:
     """A PD stream's bytes up to its first event that carries a token (or all of it, if it
     ended without one); KvLoadFailed if an error event comes first."""
     while (start := stream_start(data)) is None:
@@ -2180,7 +2180,7 @@ async def until_first_token(
             return data
         data += more
     if isinstance(start, str):
-        raise KvLoadFailed.of(url, start, prefill, decode)
+        raise KvLoadFailed.of(attempt, url, start)
     return data
 
 
@@ -2221,16 +2221,17 @@ def says_nothing(choice: object) -> bool:
     return isinstance(delta, dict) and set(delta) <= {"role", "content"} and not delta["content"]
 
 
-async def relay_body(exchange: Exchange, leg: HttpLeg, pair: Attempt | None) -> None:
-    """Pass an answer on byte for byte: no re-chunking, what each read brought at once. A PD
-    stream (``pair``: one whose decode pulls its KV) is held until its first token: vLLM fails
-    a stream whose KV pull failed with an error event before any token, and until one came
-    the pair can start again.
+async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
+    """Pass the decode's answer (from ``url``) on byte for byte: no re-chunking, what each
+    read brought at once. A PD stream (not a decode alone's) is held until its first token:
+    vLLM fails a stream whose KV pull failed with an error event before any token, and until
+    one came the pair can start again.
 
     The first bytes leave with the client's headers through aiohttp's response; the rest is
     written by the leg's read callback (DecodeRelay), and this task only wakes when the answer
     is over, the client is gone, or the client fell behind and reading must wait for it.
     """
+    exchange = attempt.exchange
     response, stats = exchange.response, exchange.stats
     response.set_status(leg.status, leg.reason.decode("latin-1"))
     content_type = "application/octet-stream"
@@ -2245,9 +2246,8 @@ async def relay_body(exchange: Exchange, leg: HttpLeg, pair: Attempt | None) -> 
     if leg.status == 200 and content_type.startswith(SSE_CONTENT_TYPE):
         gaps = stats.token_gaps = TokenGaps()
     first = await leg.next_bytes()
-    if gaps is not None and pair is not None and pair.engine is not None:
-        url = pair.decode.routes[exchange.request.path]
-        first = await until_first_token(leg, first, url, pair.engine.instance, pair.decode)
+    if gaps is not None and attempt.engine is not None:
+        first = await until_first_token(leg, first, attempt, url)
     writer = await response.prepare(exchange.request)
     assert writer is not None  # None only for a response already ended
     stats.first_byte = time.monotonic()
