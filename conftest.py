@@ -49,6 +49,7 @@ def start_cluster(aiohttp_server: AiohttpServer, aiohttp_client: AiohttpClient) 
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
         each_prefill: tuple[dict[str, Any], ...] = (),
+        each_decode: tuple[dict[str, Any], ...] = (),
         cancel_handlers: bool = True,
         kv_events: bool = False,
         kv_replay: bool = False,
@@ -89,8 +90,9 @@ def start_cluster(aiohttp_server: AiohttpServer, aiohttp_client: AiohttpClient) 
                 )
             )
         decode_fakes, decode_urls = [], []
-        for _ in range(decodes):
-            fake = FakeVllm("decode", kv_timeout=KV_TIMEOUT, **(decode or {}))
+        for index in range(decodes):
+            own = each_decode[index] if index < len(each_decode) else {}
+            fake = FakeVllm("decode", kv_timeout=KV_TIMEOUT, **{**(decode or {}), **own})
             fake.api_url = f"http://127.0.0.1:{free_port()}"
             publish(fake)
             api = await serve(aiohttp_server, fake.api_app(), URL(fake.api_url).port)

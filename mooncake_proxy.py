@@ -93,6 +93,7 @@ try:
     import httptools
     import prometheus_client.values
     from aiohttp import hdrs, web
+    from aiohttp.abc import AbstractStreamWriter
     from aiohttp.http_exceptions import (
         BadHttpMethod,
         BadStatusLine,
@@ -703,6 +704,13 @@ class ProxyConfig:
         "per request, how many times the pair is tried again: a leg that could not connect "
         "or was lost before answering, or a decode that failed before its first token (a "
         "failed KV pull); never after bytes reached the client, never for a 4xx",
+        at_least(0),
+    )
+    migration_limit: int = setting(
+        3,
+        "per streamed request, how many times a stream whose decode failed after its first "
+        "token goes on from the tokens sent on another pair, token for token (docs/flow.md "
+        "says which streams cannot); 0 ends such a stream with an in-band error",
         at_least(0),
     )
     policy: Policy = setting(
@@ -1659,7 +1667,13 @@ class Exchange:
     retries_left: int
     route: RouteKey | None = None  # for prefix_aware routing
     alone: str | None = None  # why it goes to a decode alone (fans_out), if it does
+    # A stream that can go on elsewhere after its first token (migration), or why it cannot.
+    journal: StreamJournal | None = None
+    unmigratable: str | None = None
+    path: str = ""  # what the legs ask for: the client's path; a continuation's completions
     response: RelayResponse = field(default_factory=RelayResponse)
+    writer: AbstractStreamWriter | None = None  # the response's, once prepared
+    relaying: bool = False  # the attempt's tokens reach the client: it can no longer retry
     attempts: int = 0
     failures: list[ProxyError] = field(default_factory=list)  # Unreachable or KvLoadFailed
     tried: set[Backend] = field(default_factory=set)  # unreachable, or failed a KV load
@@ -1688,7 +1702,15 @@ class Exchange:
         size = request.content_length  # None: chunked
         shared = None if size is not None and size < LEG_BODY_COPY_LIMIT else SharedBody.of(body)
         retries = state.config.max_retries
-        return cls(request, state, body, stats, headers, lines, shared, retries, route, alone)
+        exchange = cls(request, state, body, stats, headers, lines, shared, retries, route, alone)
+        exchange.path = request.path
+        if body.get("stream") is True:
+            why = "it goes to a decode alone" if alone else None
+            why = why or unmigratable(body, state.config.migration_limit)
+            if why is None:
+                exchange.journal = StreamJournal(request.path, body)
+            exchange.unmigratable = why
+        return exchange
 
     def payload(self, leg: Mapping[str, Any]) -> LegPayload:
         """``leg`` (a body the rewriting functions made of the client's) as it is sent."""
@@ -1755,7 +1777,8 @@ class Exchange:
             request_id = mint_request_id(self.request.headers.get(REQUEST_ID_HEADER))
             self.stats.request_id = self.headers[REQUEST_ID_HEADER] = request_id
             self.lines = header_lines(self.headers)  # passed once already: cannot fail now
-        self.response.headers[REQUEST_ID_HEADER] = request_id
+        if not self.response.prepared:  # a continuation's stream has its id already
+            self.response.headers[REQUEST_ID_HEADER] = request_id
         if engine is not None:
             self.stats.prefill = f"{engine.url}#{engine.dp_rank}"
         self.stats.decode = str(decode.url)
@@ -1793,11 +1816,14 @@ class Exchange:
         self.state.metrics.retries.labels(stage).inc()
 
     def try_again(self, failure: ProxyError) -> bool:
-        """True to start the pair again: nothing reached the client, and an instance was
-        unreachable or lost the request before answering, or the decode failed before its
-        first token (KvLoadFailed). A decode that took the request may have pulled the KV,
-        which the prefill gives out once, so the pair starts again whole."""
-        if self.response.prepared:
+        """True to start the pair again: nothing of this attempt reached the client, and an
+        instance was unreachable or lost the request before answering, or the decode failed
+        before its first token (KvLoadFailed). A decode that took the request may have pulled
+        the KV, which the prefill gives out once, so the pair starts again whole. A stream cut
+        after tokens goes on elsewhere from them (migrate)."""
+        if isinstance(failure, StreamCut):
+            return self.migrate(failure)
+        if self.relaying:
             return False
         if isinstance(failure, KvLoadFailed):  # no instance is out: a transfer failed
             self.fail_over("decode", None, failure)
@@ -1806,6 +1832,26 @@ class Exchange:
         if not isinstance(failure, Unreachable) or failure.backend is None:
             return False
         self.fail_over(failure.backend.role, failure.backend, failure)
+        return True
+
+    def migrate(self, cut: StreamCut) -> bool:
+        """Go on from the tokens the client has, on another pair, as a completion of the
+        prompt's token ids and those (StreamJournal.continuation); False once
+        --migration-limit continuations were made, or when the decode gave no token ids."""
+        journal, state = self.journal, self.state
+        assert journal is not None  # a stream is cut (StreamCut) only with a journal
+        state.metrics.errors.labels("decode", cut.reason).inc()
+        self.tried.add(cut.decode)
+        if cut.lost:  # its connection went: likely down, as a refused one is
+            state.fleet.take_out(cut.decode, cut.message)
+        if (why := journal.why_not_continued(state.config.migration_limit)) is not None:
+            cut.message = f"{cut.message}; not continued elsewhere: {why}"
+            return False
+        self.body, self.path, self.shared = journal.continuation(), CONTINUATION_PATH, None
+        self.relaying, self.retries_left = False, state.config.max_retries
+        self.failures.append(cut)
+        state.metrics.migrations.labels(cut.reason).inc()
+        log.warning("%s; going on from its last whole token on another pair", cut.message)
         return True
 
     def exhausted(self) -> Unreachable:
@@ -1818,7 +1864,7 @@ class Exchange:
         return Unreachable(last.status, message, reason=last.reason)
 
     def count_failure(self, stage: str, failure: ProxyError) -> None:
-        if not isinstance(failure, Unreachable | KvLoadFailed):  # fail_over counts those
+        if not isinstance(failure, Unreachable | KvLoadFailed | StreamCut):  # counted as tried
             self.state.metrics.errors.labels(stage, failure.reason).inc()
 
     async def fail(self, error: ProxyError) -> web.StreamResponse:
@@ -1948,11 +1994,14 @@ class Attempt:
         exchange = self.exchange
         fleet, upstreams = exchange.state.fleet, exchange.state.upstreams
         if self.engine is None:
-            payload = exchange.payload(alone_body(exchange.body))
+            body = alone_body(exchange.body)
         else:
-            payload = exchange.payload(decode_body(exchange.body, self.engine, self.transfer_id))
+            body = decode_body(exchange.body, self.engine, self.transfer_id)
+        if exchange.journal is not None:  # what the stream would go on from (StreamJournal)
+            body["return_token_ids"] = True
+        payload = exchange.payload(body)
         while True:
-            url = self.decode.routes[exchange.request.path]
+            url = self.decode.routes[exchange.path]
             self.decode_span, headers = self.leg_span("decode", self.decode)
             try:
                 self.decode_leg = leg = await upstreams.send(b"POST", url, headers, payload)
@@ -1997,15 +2046,23 @@ class Attempt:
                 async with asyncio.timeout(limit):
                     await self.decode_leg_through()
         except (LegFailed, TimeoutError) as error:
-            url = self.decode.routes[exchange.request.path]
+            url = self.decode.routes[exchange.path]
             failure = transport_error("decode", url, error)
-            if isinstance(error, LegFailed) and not exchange.response.prepared:
-                # Lost as it answered, before a byte reached the client (a whole answer's
-                # head came, then the connection went): the pair starts again (try_again).
-                lost = Unreachable(502, failure.message, reason="broken", backend=self.decode)
-                raise lost from None
+            if isinstance(error, LegFailed):
+                if not exchange.relaying:
+                    # Lost as it answered, before a byte reached the client (a whole answer's
+                    # head came, then the connection went): the pair starts again (try_again).
+                    lost = Unreachable(502, failure.message, reason="broken", backend=self.decode)
+                    raise lost from None
+                if exchange.journal is not None:
+                    count = exchange.journal.count()
+                    await self.cut_short(f"{failure.message} after {count} tokens", lost=True)
+                    return
             exchange.count_failure("decode", failure)
-            raise ProxyError(failure.status, failure.message, reason="broken") from None
+            message = failure.message
+            if exchange.unmigratable is not None and isinstance(error, LegFailed):
+                message = f"{message}; not continued elsewhere: {exchange.unmigratable}"
+            raise ProxyError(failure.status, message, reason="broken") from None
         except ProxyError as failure:
             exchange.count_failure("decode", failure)
             self.end_decode_span(failure.message)
@@ -2016,7 +2073,7 @@ class Attempt:
 
     async def decode_leg_through(self) -> None:
         leg = await self.open_decode()
-        url = self.decode.routes[self.exchange.request.path]
+        url = self.decode.routes[self.exchange.path]
         if leg.status >= 400:
             body = await leg.whole()
             if leg.status >= 500:
@@ -2028,6 +2085,19 @@ class Attempt:
             raise failure
         self.decode.last_success = time.monotonic()
         await relay_body(self, leg, url)
+
+    async def cut_short(self, why: str, *, lost: bool) -> None:
+        """A stream that may go on elsewhere lost its decode after tokens: StreamCut, for
+        Exchange.migrate; or, if its last token went out already, only its end is owed."""
+        exchange = self.exchange
+        assert exchange.journal is not None
+        if exchange.journal.answered:
+            with contextlib.suppress(ConnectionError):
+                await exchange.response.write(exchange.journal.ending())
+                await exchange.response.write_eof()
+            return
+        self.end_decode_span(why)
+        raise StreamCut(f"request {self.request_id}: {why}", self.decode, lost=lost)
 
     def finish_decode_leg(self) -> None:
         if self.decode_leg is not None:
@@ -2085,7 +2155,7 @@ async def stopped_if_prefill_fails(
             stop()
 
     def instance_down(why: str) -> None:
-        if not exchange.response.prepared:
+        if not exchange.relaying:
             message = f"prefill {instance.url} {why} before its KV was pulled"
             stop(Unreachable(502, message, reason="kv_lost", backend=instance))
 
@@ -2110,7 +2180,7 @@ async def send_prefill(
 ) -> None:
     """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
     state = exchange.state
-    url = engine.instance.routes[exchange.request.path]
+    url = engine.instance.routes[exchange.path]
     where = f"prefill rank {engine.dp_rank}"
     started = time.monotonic()
     leg = None
@@ -2124,7 +2194,7 @@ async def send_prefill(
         if problem:
             raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
         exchange.stats.prefill_answered = time.monotonic()
-        if exchange.route is not None:
+        if exchange.route is not None and exchange.path == exchange.request.path:
             state.fleet.learn_bytes_per_token(exchange.route.length, prompt_tokens)
     except (LegFailed, TimeoutError) as error:
         failure = transport_error(where, url, error, engine.instance)
@@ -2225,14 +2295,54 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
     """Pass the decode's answer (from ``url``) on byte for byte: no re-chunking, what each
     read brought at once. A PD stream (not a decode alone's) is held until its first token:
     vLLM fails a stream whose KV pull failed with an error event before any token, and until
-    one came the pair can start again.
+    one came the pair can start again. A stream that may go on elsewhere (a journal) is
+    relayed by whole events, and goes on elsewhere if its decode fails (Attempt.cut_short).
 
     The first bytes leave with the client's headers through aiohttp's response; the rest is
     written by the leg's read callback (DecodeRelay), and this task only wakes when the answer
     is over, the client is gone, or the client fell behind and reading must wait for it.
     """
     exchange = attempt.exchange
-    response, stats = exchange.response, exchange.stats
+    response, stats, journal = exchange.response, exchange.stats, exchange.journal
+    continued = response.prepared  # a continuation, into the stream its client already has
+    gaps = stats.token_gaps if continued else answer_head(response, leg, stats)
+    first = await leg.next_bytes()
+    if gaps is not None and attempt.engine is not None:
+        first = await until_first_token(leg, first, attempt, url)
+    exchange.relaying = True  # from here the attempt's bytes are the client's
+    if not continued:
+        exchange.writer = await response.prepare(exchange.request)
+        stats.first_byte = time.monotonic()
+        stats.status_sent = response.status
+    assert exchange.writer is not None  # None only for a response already ended
+    relay = DecodeRelay(exchange, gaps) if journal is None else JournalRelay(exchange, gaps)
+    try:
+        if first and (first := relay.events(first)):
+            relay.account(first)
+            await response.write(first)
+        if relay.client.closing:
+            raise ClientGone
+        complete = False
+        if journal is None or journal.error is None:
+            complete = await leg.stream_to(relay, exchange.writer.drain)
+    except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
+        raise ClientGone from None
+    if journal is not None and (why := journal.cut_by(complete)) is not None:
+        await attempt.cut_short(f"decode {url} {why}", lost=False)
+        return
+    if not complete:
+        raise ClientGone
+    if gaps is None and leg.status == 200:
+        stats.first_token = time.monotonic()  # a whole answer: its first token came with it
+    # A client that closed as soon as it read the last bytes had its whole answer.
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
+
+
+def answer_head(
+    response: web.StreamResponse, leg: HttpLeg, stats: RequestStats
+) -> TokenGaps | None:
+    """The client's status and headers, the decode's; token timing (TokenGaps) for a stream."""
     response.set_status(leg.status, leg.reason.decode("latin-1"))
     content_type = "application/octet-stream"
     if leg.content_type is not None:
@@ -2242,30 +2352,10 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
         # A whole answer of known size (not a stream): headers, body and end in one write
         # instead of a chunked body and its terminator.
         response.content_length = leg.content_length
-    gaps = None
     if leg.status == 200 and content_type.startswith(SSE_CONTENT_TYPE):
-        gaps = stats.token_gaps = TokenGaps()
-    first = await leg.next_bytes()
-    if gaps is not None and attempt.engine is not None:
-        first = await until_first_token(leg, first, attempt, url)
-    writer = await response.prepare(exchange.request)
-    assert writer is not None  # None only for a response already ended
-    stats.first_byte = time.monotonic()
-    stats.status_sent = response.status
-    relay = DecodeRelay(exchange, gaps)
-    try:
-        if first:
-            relay.account(first)
-            await response.write(first)
-        if relay.client.closing or not await leg.stream_to(relay, writer.drain):
-            raise ClientGone
-    except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
-        raise ClientGone from None
-    if gaps is None and leg.status == 200:
-        stats.first_token = time.monotonic()  # a whole answer: its first token came with it
-    # A client that closed as soon as it read the last bytes had its whole answer.
-    with contextlib.suppress(ConnectionError):
-        await response.write_eof()
+        stats.token_gaps = TokenGaps()
+        return stats.token_gaps
+    return None
 
 
 class DecodeRelay:
@@ -2292,6 +2382,10 @@ class DecodeRelay:
             self.account(data)
         return behind
 
+    def events(self, data: bytes) -> bytes:
+        """The first bytes, as the client gets them: as they came."""
+        return data
+
     def account(self, data: bytes) -> None:
         """Bytes out, and token timing for a stream: an SSE event ends with a blank line and
         a JSON payload has no raw newline, so counting b"\n\n" finds the events unparsed."""
@@ -2302,6 +2396,272 @@ class DecodeRelay:
             self.gaps.events(events, now)
             if stats.first_token is None:
                 stats.first_token = now
+
+
+class JournalRelay(DecodeRelay):
+    """DecodeRelay for a stream that may go on elsewhere: whole events only, through its
+    journal, so that what the client has is known exactly when the decode fails. It stops
+    the read (as for a client gone) at an error event, which the journal withheld."""
+
+    __slots__ = ("journal", "partial")
+
+    def __init__(self, exchange: Exchange, gaps: TokenGaps | None) -> None:
+        super().__init__(exchange, gaps)
+        assert exchange.journal is not None
+        self.journal, self.partial = exchange.journal, b""
+
+    def __call__(self, pieces: list[bytes]) -> bool | None:
+        data = self.events(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        if not data:  # an empty write would end a chunked body
+            behind: bool | None = None if self.client.closing else False
+        elif (behind := self.client.send(data)) is not None:
+            self.account(data)
+        return None if self.journal.error is not None else behind
+
+    def events(self, data: bytes) -> bytes:
+        if self.partial:
+            data = self.partial + data
+        end = data.rfind(b"\n\n") + 2
+        if end < 2:  # no event ended yet
+            self.partial = data
+            return b""
+        self.partial = data[end:]
+        return self.journal.take(data[:end])
+
+
+class StreamCut(ProxyError):
+    """A stream's decode failed after tokens reached the client (StreamJournal): its
+    connection was lost (``lost``), it sent an error, or its answer ended unfinished."""
+
+    def __init__(self, message: str, decode: DecodeInstance, *, lost: bool) -> None:
+        super().__init__(502, message, reason="broken" if lost else "in_band")
+        self.decode, self.lost = decode, lost
+
+
+# The fields of a request that a continuation cannot give as the decode would have: outputs
+# computed over the prompt (logprobs, echo, suffix), output a grammar constrains or a chat's
+# tool parser reads (/v1/completions would not go on with either), and embeddings as prompt.
+UNMIGRATABLE_FIELDS: Final = (
+    *("logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "prompt_embeds"),
+    *("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+    *("response_format", "tools"),
+)
+
+# A continuation is a completion of token ids, whatever the client's request was.
+CONTINUATION_PATH: Final = "/v1/completions"
+
+# What a continuation does not take from the client's request: what makes or shapes the
+# prompt (the token ids replace it), chat-only fields, and the fields it sets itself.
+NOT_CONTINUED: Final = frozenset(
+    {
+        *("messages", "prompt", "truncate_prompt_tokens", "add_special_tokens"),
+        *("chat_template", "chat_template_kwargs", "add_generation_prompt", "documents"),
+        *("continue_final_message", "mm_processor_kwargs", "tool_choice", "parallel_tool_calls"),
+        *("reasoning_effort", "include_reasoning", "max_completion_tokens", "return_token_ids"),
+        *("stream_options", "kv_transfer_params"),
+    }
+)
+
+
+def unmigratable(body: Mapping[str, Any], limit: int) -> str | None:
+    """Why a stream could not go on token for token on another pair (None: it can)."""
+    if limit == 0:
+        return "--migration-limit is 0"
+    for name in UNMIGRATABLE_FIELDS:
+        value = body.get(name)
+        if value is None or value is False or value == [] or value == {}:
+            continue  # not asked for (logprobs 0 is: the sampled token's)
+        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+            continue
+        if name == "tools" and body.get("tool_choice") == "none":
+            continue
+        return f"it asks for {name}"
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return "it asks for continuous_usage_stats"
+    return None
+
+
+# Where a stream's chunks carry their token ids, once return_token_ids asks for them (vLLM
+# writes chunks with pydantic: compact, in a fixed order, each field once).
+TOKEN_IDS: Final = b',"token_ids":['
+PROMPT_IDS: Final = b'"prompt_token_ids":['
+
+
+class StreamJournal:
+    """What a stream that may go on elsewhere has sent its client, as much as going on needs:
+    the prompt's token ids and the generated ones, as the decode wrote them (JSON digits,
+    parsed only if the stream goes on). The decode is asked for them (return_token_ids), and
+    each list reaches the client as null, as vLLM writes it unasked, unless the client asked.
+
+    A token whose chunk carried no text (vLLM holds back the bytes of a character not yet
+    whole) is given again by the continuation, which starts after the last one that had text:
+    vLLM 0.32 continuing from a prompt that ends inside a character sent the prompt's text.
+    """
+
+    __slots__ = (*("body", "chat", "strip", "usage", "prompt", "generated", "whole", "head"),
+                 *("last", "error", "continued", "migrations"))  # fmt: skip
+
+    def __init__(self, path: str, body: Mapping[str, Any]) -> None:
+        self.body, self.chat = body, path.endswith("/chat/completions")
+        self.strip = not lax_bool(body.get("return_token_ids"))
+        options = body.get("stream_options")
+        self.usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        self.prompt = b""  # the prompt's token ids: b"1,47,656"
+        self.generated = bytearray()  # b"684,280,"
+        self.whole = 0  # len(generated) after the last token whose text was sent
+        self.head = b""  # the first chunk's id, object, created and model: b'{"id":...}'
+        self.last = b""  # the events relayed last: did the answer end?
+        self.error: str | None = None  # an error event the decode sent after tokens
+        self.continued = False  # a continuation's events are relayed (take_continued)
+        self.migrations = 0
+
+    def take(self, data: bytes) -> bytes:
+        """Whole events from the decode, as the client gets them: token ids noted, their lists
+        written as null; an error event and what follows it withheld (self.error)."""
+        if (failed := data.find(b'data: {"error"')) >= 0:
+            self.error = error_event_message(data[failed + 6 : data.find(b"\n\n", failed)])
+            data = data[:failed]
+        if self.continued:
+            return self.take_continued(data)
+        if data:
+            self.last = data
+        if not self.head and (end := data.find(b',"choices"')) >= 0:
+            self.head = data[data.find(b"{") : end] + b"}"
+        pieces: list[bytes] = []
+        start = 0
+        if not self.prompt and (at := data.find(PROMPT_IDS)) >= 0:
+            end = data.find(b"]", at)
+            self.prompt = data[at + len(PROMPT_IDS) : end]
+            if self.strip:
+                pieces += (data[:at], b'"prompt_token_ids":null')
+                start = end + 1
+        at = data.find(TOKEN_IDS, start)
+        while at >= 0 and (end := data.find(b"]", at)) >= 0:
+            if ids := data[at + len(TOKEN_IDS) : end]:
+                self.generated += ids + b","
+                if data.find(b':""', data.rfind(b"data:", 0, at), at) < 0:  # it had text
+                    self.whole = len(self.generated)
+            if self.strip:
+                pieces += (data[start:at], b',"token_ids":null')
+                start = end + 1
+            at = data.find(TOKEN_IDS, end)
+        if not pieces:
+            return data
+        pieces.append(data[start:])
+        return b"".join(pieces)
+
+    def cut_by(self, complete: bool) -> str | None:
+        """Why the stream must go on elsewhere once its decode's answer stopped (``complete``:
+        it ended rather than the relay stopping it), or None."""
+        if self.error is not None:
+            return f"sent an error after {self.count()} tokens: {self.error}"
+        if complete and not self.last.endswith(b"data: [DONE]\n\n"):
+            return f"ended its answer after {self.count()} tokens without [DONE]"
+        return None
+
+    def count(self) -> int:
+        return self.generated.count(b",")
+
+    @property
+    def answered(self) -> bool:
+        """The answer's last token went out (its finish_reason, or the usage after it)."""
+        return b'"finish_reason":"' in self.last or b'"usage":{' in self.last
+
+    def ending(self) -> bytes:
+        """What an answered stream cut before its end still owes: the usage asked for, [DONE]."""
+        if not self.usage or b'"usage":{' in self.last or not self.prompt:
+            return b"data: [DONE]\n\n"
+        prompt, completion = self.prompt.count(b",") + 1, self.count()
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion}
+        chunk = {**json.loads(self.head), "choices": [], "usage": usage}
+        usage["completion_tokens"] = completion
+        return b"data: " + vllm_json(chunk) + b"\n\ndata: [DONE]\n\n"
+
+    def why_not_continued(self, limit: int) -> str | None:
+        if self.migrations >= limit:
+            return f"--migration-limit {limit} reached"
+        if not self.prompt or not self.head:
+            return "the decode did not return the prompt's token ids (return_token_ids)"
+        return None
+
+    def continuation(self) -> dict[str, Any]:
+        """The /v1/completions request that goes on from the last token whose text the
+        client has: the prompt's ids and those, the client's sampling, the tokens left."""
+        del self.generated[self.whole :]
+        generated = json.loads(b"[" + self.generated[:-1] + b"]")
+        body = {key: value for key, value in self.body.items() if key not in NOT_CONTINUED}
+        body["prompt"] = json.loads(b"[" + self.prompt + b"]") + generated
+        cap = self.body.get("max_completion_tokens") if self.chat else None
+        if (cap := self.body.get("max_tokens") if cap is None else cap) is not None:
+            body["max_tokens"] = max(1, lax_int(cap) - len(generated))
+        if (least := lax_int(self.body.get("min_tokens"))) > 0:
+            body["min_tokens"] = max(0, least - len(generated))
+        body["stream"] = True
+        if self.usage:
+            body["stream_options"] = {"include_usage": True}
+        self.continued, self.migrations = True, self.migrations + 1
+        return body
+
+    def take_continued(self, data: bytes) -> bytes:
+        """A continuation's whole events, as the client's stream goes on: its id and created,
+        a chat's chunk shape, usage counting the whole answer (parsed: this is rare)."""
+        if data:
+            self.last = data
+        events = []
+        for event in data.split(b"\n\n")[:-1]:
+            if event.startswith(b"data: {"):
+                event = b"data: " + vllm_json(self.as_client_chunk(json.loads(event[6:])))
+            events.append(event + b"\n\n")
+        return b"".join(events)
+
+    def as_client_chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        choices = chunk.get("choices") or []
+        for choice in choices:
+            if ids := choice.get("token_ids"):
+                self.generated += b"%b," % ",".join(map(str, ids)).encode()
+                if choice.get("text"):
+                    self.whole = len(self.generated)
+                if self.strip:
+                    choice["token_ids"] = None
+            if choice.get("prompt_token_ids") is not None:  # the continuation's own prompt
+                choice["prompt_token_ids"] = None
+        if isinstance(usage := chunk.get("usage"), dict):
+            prompt = self.prompt.count(b",") + 1
+            usage["prompt_tokens"] = prompt
+            usage["completion_tokens"] = usage.get("total_tokens", prompt) - prompt
+        head = json.loads(self.head)
+        if not self.chat:
+            return {**chunk, "id": head["id"], "created": head["created"]}
+        shaped = {**head, "choices": [chat_choice(choice) for choice in choices]}
+        for key in ("usage", "system_fingerprint"):
+            if key in chunk:
+                shaped[key] = chunk[key]
+        return shaped
+
+
+def chat_choice(choice: dict[str, Any]) -> dict[str, Any]:
+    """A completion's streamed choice as a chat's (vLLM 0.32's fields, in its order)."""
+    shaped = {"index": choice.get("index", 0), "delta": {"content": choice.get("text", "")}}
+    shaped["logprobs"] = None
+    shaped["finish_reason"] = finish = choice.get("finish_reason")
+    if finish is not None:
+        shaped["stop_reason"] = choice.get("stop_reason")
+    shaped["token_ids"] = choice.get("token_ids")
+    return shaped
+
+
+def vllm_json(value: object) -> bytes:
+    """JSON as vLLM writes its chunks (pydantic): compact, text as UTF-8."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def error_event_message(payload: bytes) -> str:
+    """The message of an in-band error event's JSON."""
+    with contextlib.suppress(ValueError, AttributeError):
+        message = json.loads(payload)["error"]["message"]
+        return str(message)
+    return payload[:200].decode("utf-8", "replace")
 
 
 def leg_error(task: asyncio.Task[None]) -> BaseException | None:
@@ -2552,7 +2912,7 @@ def is_prompt_batch(prompt: object) -> bool:
 # client's body is the same on both legs, and is encoded once for both (SharedBody).
 LEG_FIELDS: Final = (
     *("stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens"),
-    *("stop", "stop_token_ids", "ignore_eos", "kv_transfer_params"),
+    *("stop", "stop_token_ids", "ignore_eos", "kv_transfer_params", "return_token_ids"),
 )
 
 # A leg's body as it goes on the wire, in pieces written one after the other.
@@ -5687,7 +6047,7 @@ PD_STATUSES: Final = ("200", "400", "404", "429", "499", "500", "502", "503", "5
 
 LEG_ERRORS: Final = {
     "prefill": ("refused", "timeout", "broken", "stopped_early", "kv_lost"),
-    "decode": ("refused", "timeout", "broken", "kv_load"),
+    "decode": ("refused", "timeout", "broken", "kv_load", "in_band"),
     "client": ("client_gone",),
     "admission": ("queue_full", "queue_timeout"),
 }
@@ -5765,6 +6125,10 @@ class Metrics:
         "Time of the prefill leg, sent to answered.")
     retries = Metric(Counter, "retries",
         "Legs tried again elsewhere because their upstream could not be reached.", ("stage",))
+    migrations = Metric(Counter, "migrations",
+        "Streams that went on on another pair after their decode failed mid-stream, by how it "
+        "failed: broken (its connection was lost), in_band (it sent an error or ended short).",
+        ("reason",))
     engine_id_changes = Metric(Counter, "engine_id_changes",
         "Times a prefill instance came back with other engine ids (a restart).", ("backend",))
     check_failures = Metric(Counter, "check_failures",
@@ -5839,6 +6203,8 @@ class Metrics:
                 self.of(self.routing, stage, reason)
         for result in ("applied", "malformed", "missed"):
             self.kv_event_batches.labels(result)
+        for reason in ("broken", "in_band"):
+            self.migrations.labels(reason)
         for field_name in (*SAMPLE_COUNTS, "use_beam_search", "prompt"):
             self.of(self.prefill_skipped, field_name)
 
@@ -6735,7 +7101,7 @@ FLAG_GROUPS: Final = (
         "panic_threshold")),
     ("the legs: the proxy's requests to vLLM", ("upstream_api_key", "connect_timeout",
         "keepalive_timeout", "request_timeout", "prefill_timeout", "max_retries",
-        "max_connections", "pool_timeout")),
+        "migration_limit", "max_connections", "pool_timeout")),
     ("routing: which engine and which decode a request goes to", ("policy", "prefill_policy",
         "decode_policy", "load_interval", "prefix_index_blocks", "prefix_block_bytes",
         "balance_factor", "prefill_load_weight", "decode_load_weight")),

@@ -157,9 +157,12 @@ async def test_legs_carry_the_protocols_bodies_and_headers(start_cluster: StartC
         1,
     )
     assert prefill.body["ignore_eos"] is True
+    # The decode is asked for token ids too: the stream could go on elsewhere from them.
     assert {k: v for k, v in decode.body.items() if k != "kv_transfer_params"} == {
-        k: v for k, v in body.items() if k != "kv_transfer_params"
+        **{k: v for k, v in body.items() if k != "kv_transfer_params"},
+        "return_token_ids": True,
     }
+    assert "return_token_ids" not in prefill.body
     # The first engine of the rotation is rank 0, whatever rank the client asked for.
     assert prefill.headers["X-data-parallel-rank"] == "0"
     assert "X-data-parallel-rank" not in decode.headers
