@@ -63,19 +63,22 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # --- the fake cluster: precomputed answers, as cheap as aiohttp allows
 
 
-def sse_chunks(chat: bool, tokens: int = TOKENS) -> list[bytes]:
+def sse_chunks(chat: bool, tokens: int = TOKENS, ids: bool = False) -> list[bytes]:
+    """A stream's chunks as vLLM 0.32 writes them (compact; ``ids``: with return_token_ids,
+    which the proxy asks for on streams it could migrate)."""
     chunks = []
     for index in range(tokens):
         finish = "length" if index == tokens - 1 else None
+        token_ids = [1000 + index] if ids else None
+        choice: dict[str, Any]
         if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": {"content": " tok"},
-                "finish_reason": finish,
-            }
+            choice = {"index": 0, "delta": {"content": " tok"}, "logprobs": None}
+            choice |= {"finish_reason": finish, "token_ids": token_ids}
             kind = "chat.completion.chunk"
         else:
             choice = {"index": 0, "text": " tok", "logprobs": None, "finish_reason": finish}
+            prompt_ids = list(range(50)) if ids and index == 0 else None
+            choice |= {"stop_reason": None, "prompt_token_ids": prompt_ids, "token_ids": token_ids}
             kind = "text_completion"
         frame = {
             "id": "cmpl-bench",
@@ -84,7 +87,7 @@ def sse_chunks(chat: bool, tokens: int = TOKENS) -> list[bytes]:
             "model": "bench",
             "choices": [choice],
         }
-        chunks.append(b"data: " + json.dumps(frame).encode() + b"\n\n")
+        chunks.append(b"data: " + json.dumps(frame, separators=(",", ":")).encode() + b"\n\n")
     chunks.append(b"data: [DONE]\n\n")
     return chunks
 
@@ -113,9 +116,10 @@ PREFILLED = json.dumps(
 
 def fake_app(role: str) -> web.Application:
     chunks = {
-        (chat, tokens): sse_chunks(chat, tokens)
+        (chat, tokens, ids): sse_chunks(chat, tokens, ids)
         for chat in (False, True)
         for tokens in (TOKENS, LONG_TOKENS)
+        for ids in (False, True)
     }
 
     async def health(request: web.Request) -> web.Response:
@@ -133,7 +137,8 @@ def fake_app(role: str) -> web.Application:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
         tokens = LONG_TOKENS if body.get("max_tokens", 0) >= LONG_TOKENS else TOKENS
-        frames = chunks[request.path.endswith("/chat/completions"), tokens]
+        ids = bool(body.get("return_token_ids"))
+        frames = chunks[request.path.endswith("/chat/completions"), tokens, ids]
         if body.get("bench_idle"):
             # An open stream that sends one token and then waits: the idle-memory scenario.
             await response.write(frames[0])
