@@ -573,14 +573,17 @@ async def load_under_chaos(target: Target, cluster: Cluster, args: argparse.Name
 
 
 async def scrape(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
-    """The proxy's retries, and its failed legs by stage and reason."""
+    """The proxy's retries, its streams gone on elsewhere, its failed legs by stage and reason."""
     async with session.get(base + "/metrics") as answer:
         text = await answer.text()
-    rows: dict[str, float] = {"proxy: legs tried again (retries_total)": 0.0}
+    tried, moved = "proxy: legs tried again (retries_total)", "proxy: streams gone on elsewhere"
+    rows: dict[str, float] = {tried: 0.0, moved: 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "mooncake_proxy_retries_total":
-                rows["proxy: legs tried again (retries_total)"] += sample.value
+                rows[tried] += sample.value
+            elif sample.name == "mooncake_proxy_migrations_total":
+                rows[moved] += sample.value
             elif sample.name == "mooncake_proxy_errors_total" and sample.value:
                 where = f"{sample.labels['stage']}, {sample.labels['reason']}"
                 rows[f"proxy: failed legs ({where})"] = sample.value
