@@ -21,6 +21,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -239,7 +240,9 @@ def test_a_stream_whose_decode_is_killed_mid_stream_ends_as_the_uninterrupted_on
     cluster.all_decodes_up()
     body = body_of(path)
 
+    started = time.monotonic()
     uninterrupted = read_stream(cluster.proxy.url, path, body)
+    took_whole = time.monotonic() - started
     (usage,) = uninterrupted.usages()
     assert usage["completion_tokens"] == MAX_TOKENS
     # The continuation's prompt (prompt and tokens sent) and its answer fit both servers.
@@ -260,7 +263,7 @@ def test_a_stream_whose_decode_is_killed_mid_stream_ends_as_the_uninterrupted_on
         decode.process.wait(10)
         victim.append(decode)
 
-    started = time.monotonic()
+    proxy_logged, started = cluster.proxy.logged(), time.monotonic()
     migrated = read_stream(cluster.proxy.url, path, body, kill_its_decode, KILL_AFTER)
     took = time.monotonic() - started
     assert victim, f"the stream ended after {len(migrated.arrived)} token chunks, before a kill"
@@ -268,10 +271,14 @@ def test_a_stream_whose_decode_is_killed_mid_stream_ends_as_the_uninterrupted_on
     (peer,) = [d for d in cluster.decodes if d is not killed]
     gaps = [b - a for a, b in zip(migrated.arrived, migrated.arrived[1:], strict=False)]
     after = [t for t in migrated.arrived if t > migrated.killed_time]
+    # The client reads behind the decode (the proxy's and the sockets' buffers): how many
+    # tokens the decode had sent when it died, only the proxy's log says (for the figures).
+    sent = re.search(r"after (\d+) tokens", cluster.proxy.said_since(proxy_logged))
     figures = (
         f"migration {path}: killed {killed.name} after {migrated.killed_at} of "
-        f"{len(migrated.token_chunks())} token chunks read; {len(after)} arrived after the "
-        f"kill; stream {took:.2f} s (uninterrupted prompt {usage['prompt_tokens']} tokens); "
+        f"{len(migrated.token_chunks())} token chunks read ({sent[1] if sent else '?'} sent by it "
+        f"per the proxy's log); {len(after)} arrived after the kill; stream {took:.2f} s, "
+        f"uninterrupted {took_whole:.2f} s (prompt {usage['prompt_tokens']} tokens); "
         f"longest gap between chunks {max(gaps, default=0.0):.2f} s"
     )
     print(figures)
