@@ -1,0 +1,306 @@
+"""Migration against real vLLM: a stream whose decode is killed after its first token.
+
+One prefill (kv_producer), two decodes (kv_consumer) and the proxy in front of them. A greedy
+streamed request of a few hundred tokens is sent once uninterrupted, then again; the second
+time the decode serving it is killed (SIGKILL) once a few dozen tokens have reached the
+client. The proxy continues the request on the other decode, as a completion whose prompt is
+the prompt's token ids and the tokens already sent: the client's one stream must end as the
+uninterrupted one did, text, usage and all, with one id and one ``[DONE]``. Greedy decoding is
+deterministic on the CPU build and a continuation from token ids goes on token for token
+(``/work/shared/PROTOCOL.md``, "For exact replay"), so anything else is a defect.
+
+A non-streamed request whose decode is killed is retried whole by the proxy, which
+``test_a_decode_killed_during_a_plain_answer_is_answered_whole_by_another`` in
+``test_real_vllm.py`` already checks against real vLLM; it is not repeated here.
+
+The module's servers start after the other modules' are down (``run.sh`` runs it last).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_real_vllm import (  # the suite's own servers and helpers
+    DECODE_MAX_MODEL_LEN,
+    KV_ABORT_TIMEOUT,
+    MODEL,
+    PROXY,
+    Server,
+    free_port,
+    healthcheck,
+    metric,
+    running,
+    stall_in,
+    unique_prompt,
+    vllm_server,
+    wait_for,
+)
+
+MAX_TOKENS = 300  # a few hundred: about a second of decoding here, the kill comes early in it
+KILL_AFTER = 40  # token chunks the client has read when the decode serving it is killed
+
+
+@dataclass
+class MigrationCluster:
+    prefill: Server
+    decodes: tuple[Server, Server]
+    proxy: Server
+    figures: list[str] = field(default_factory=list)
+
+    def all_decodes_up(self) -> None:
+        """Restarts a decode a previous test killed and waits until the proxy uses it again:
+        every kill must leave a live peer to take the continuation."""
+        for decode in self.decodes:
+            assert decode.process is not None
+            if decode.process.poll() is None:
+                continue
+            decode.start()
+            decode.wait_healthy(300)
+            decode.warm_up()
+        usable = lambda: all(d["usable"] for d in healthcheck(self.proxy.url)["decode"])  # noqa: E731
+        assert wait_for(usable, 60), healthcheck(self.proxy.url)["decode"]
+
+
+@pytest.fixture(scope="module")
+def migration_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MigrationCluster]:
+    root = Path(os.environ["VLLM_ENV_ROOT"])
+    logs = Path(os.environ.get("REAL_VLLM_LOGS") or tmp_path_factory.mktemp("migration-logs"))
+    logs.mkdir(parents=True, exist_ok=True)
+    # The prefill takes the decodes' length: a continuation's prompt is the prompt and the
+    # tokens already sent, and its prefill leg must accept it.
+    prefill = vllm_server(root, logs, "kv_producer", DECODE_MAX_MODEL_LEN, name="migration-prefill")
+    decodes = (
+        vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name="migration-decode-a"),
+        vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name="migration-decode-b"),
+    )
+    port = free_port()
+    argv = [sys.executable, str(PROXY), "--port", str(port)]
+    argv += ["--decode", decodes[0].url, "--decode", decodes[1].url]
+    argv += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+    # Patient with three CPU vLLMs on 2 cores, as the suite's own cluster (test_real_vllm.py
+    # says why); the decodes in turn, so that both serve.
+    argv += ["--connect-timeout", "30", "--health-timeout", "10"]
+    argv += ["--decode-policy", "round_robin"]
+    proxy = Server(
+        "migration-proxy", argv, dict(os.environ), logs / "migration-proxy.log",
+        f"http://127.0.0.1:{port}",
+    )  # fmt: skip
+    servers = (prefill, *decodes, proxy)
+    try:
+        for server in servers:
+            server.start()
+        for server in (prefill, *decodes):
+            server.wait_healthy(300)
+        for server in (prefill, *decodes):
+            server.warm_up()
+        proxy.wait_healthy(60)
+        cluster = MigrationCluster(prefill, decodes, proxy)
+        cluster.all_decodes_up()
+        yield cluster
+        for line in cluster.figures:
+            print(line)
+    finally:
+        for server in reversed(servers):
+            server.stop()
+        print(f"\nserver logs: {logs}")
+
+
+# --- a stream read event by event
+
+
+@dataclass
+class Stream:
+    """What a client read of one streamed answer: its events in order, as parsed JSON, and
+    whether ``data: [DONE]`` came, where, and what came after it."""
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+    done: int = 0  # how many [DONE]s
+    after_done: list[str] = field(default_factory=list)  # frames after the first [DONE]
+    arrived: list[float] = field(default_factory=list)  # when each token chunk arrived
+    killed_at: int = -1  # token chunks read when the decode was killed
+    killed_time: float = 0.0
+    cut: str = ""  # how the connection ended before the stream did, if it did
+
+    def token_chunks(self) -> list[dict[str, Any]]:
+        """Chunks carrying a generated token: a chat's role chunk and the usage chunk are not."""
+        return [e for e in self.events if e.get("choices") and not is_role_chunk(e)]
+
+    def text(self) -> str:
+        pieces = []
+        for event in self.events:
+            for choice in event.get("choices") or []:
+                pieces.append(
+                    choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                )
+        return "".join(pieces)
+
+    def finish_reasons(self) -> list[str]:
+        return [
+            c["finish_reason"]
+            for e in self.events
+            for c in e.get("choices") or []
+            if c.get("finish_reason")
+        ]
+
+    def usages(self) -> list[dict[str, Any]]:
+        return [e["usage"] for e in self.events if e.get("usage")]
+
+
+def counts(usage: dict[str, Any]) -> dict[str, int]:
+    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def is_role_chunk(event: dict[str, Any]) -> bool:
+    return any("role" in (c.get("delta") or {}) for c in event.get("choices") or [])
+
+
+def body_of(path: str) -> dict[str, Any]:
+    """A greedy streamed request that runs its whole length, with usage."""
+    body: dict[str, Any] = {
+        "model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": unique_prompt()}]
+    else:
+        body["prompt"] = unique_prompt()
+    return body
+
+
+def read_stream(
+    base: str,
+    path: str,
+    body: dict[str, Any],
+    on_token: Callable[[], None] | None = None,
+    kill_after: int = -1,
+) -> Stream:
+    """Streams `body` and reads it to its end; `on_token()` is called once `kill_after` token
+    chunks have been read, and the client goes on reading. A connection that ends before the
+    stream's last chunk is recorded in `cut`, not raised, so that what came before is seen."""
+    request = urllib.request.Request(
+        base + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    stream = Stream()
+    with urllib.request.urlopen(request, timeout=KV_ABORT_TIMEOUT * 3) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        try:
+            for raw in response:
+                read_line(stream, raw.decode().rstrip("\r\n"), on_token, kill_after)
+        except (http.client.HTTPException, OSError) as error:
+            stream.cut = repr(error)
+    return stream
+
+
+def read_line(
+    stream: Stream, line: str, on_token: Callable[[], None] | None, kill_after: int
+) -> None:
+    if not line.startswith("data: "):
+        return  # the blank line between frames, a keep-alive comment
+    data = line[len("data: ") :]
+    if stream.done:
+        stream.after_done.append(data)
+    elif data == "[DONE]":
+        stream.done += 1
+    else:
+        event: dict[str, Any] = json.loads(data)
+        stream.events.append(event)
+        if event.get("choices") and not is_role_chunk(event):
+            stream.arrived.append(time.monotonic())
+            if len(stream.arrived) == kill_after and on_token is not None:
+                on_token()
+                stream.killed_at, stream.killed_time = kill_after, time.monotonic()
+
+
+def decode_serving(cluster: MigrationCluster) -> Server:
+    """The decode the proxy has the one request in flight on: it says so at once."""
+    busy = [d["url"] for d in healthcheck(cluster.proxy.url)["decode"] if d["in_flight"]]
+    assert len(busy) == 1, busy
+    (decode,) = [d for d in cluster.decodes if d.url == busy[0]]
+    return decode
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_whose_decode_is_killed_mid_stream_ends_as_the_uninterrupted_one(
+    migration_cluster: MigrationCluster, path: str
+) -> None:
+    cluster = migration_cluster
+    cluster.all_decodes_up()
+    body = body_of(path)
+
+    started = time.monotonic()
+    uninterrupted = read_stream(cluster.proxy.url, path, body)
+    took_whole = time.monotonic() - started
+    (usage,) = uninterrupted.usages()
+    assert usage["completion_tokens"] == MAX_TOKENS
+    # The continuation's prompt (prompt and tokens sent) and its answer fit both servers.
+    assert usage["prompt_tokens"] + MAX_TOKENS <= DECODE_MAX_MODEL_LEN
+    assert not uninterrupted.cut and uninterrupted.done == 1
+    assert uninterrupted.finish_reasons() == ["length"]
+
+    victim: list[Server] = []
+    # Counted from here: the uninterrupted request is done on both decodes' counters too.
+    assert wait_for(lambda: all(running(d) == 0 for d in cluster.decodes), 10)
+    logged = {d.name: d.logged() for d in cluster.decodes}
+    served = {d.name: metric(d, "vllm:request_success_total") for d in cluster.decodes}
+
+    def kill_its_decode() -> None:
+        decode = decode_serving(cluster)
+        assert decode.process is not None and decode.process.poll() is None
+        os.killpg(decode.process.pid, signal.SIGKILL)
+        decode.process.wait(10)
+        victim.append(decode)
+
+    proxy_logged, started = cluster.proxy.logged(), time.monotonic()
+    migrated = read_stream(cluster.proxy.url, path, body, kill_its_decode, KILL_AFTER)
+    took = time.monotonic() - started
+    assert victim, f"the stream ended after {len(migrated.arrived)} token chunks, before a kill"
+    (killed,) = victim
+    (peer,) = [d for d in cluster.decodes if d is not killed]
+    gaps = [b - a for a, b in zip(migrated.arrived, migrated.arrived[1:], strict=False)]
+    after = [t for t in migrated.arrived if t > migrated.killed_time]
+    # The client reads behind the decode (the proxy's and the sockets' buffers): how many
+    # tokens the decode had sent when it died, only the proxy's log says (for the figures).
+    sent = re.search(r"after (\d+) tokens", cluster.proxy.said_since(proxy_logged))
+    figures = (
+        f"migration {path}: killed {killed.name} after {migrated.killed_at} of "
+        f"{len(migrated.token_chunks())} token chunks read ({sent[1] if sent else '?'} sent by it "
+        f"per the proxy's log); {len(after)} arrived after the kill; stream {took:.2f} s, "
+        f"uninterrupted {took_whole:.2f} s (prompt {usage['prompt_tokens']} tokens); "
+        f"longest gap between chunks {max(gaps, default=0.0):.2f} s"
+    )
+    print(figures)
+    cluster.figures.append(figures)
+
+    stalled = {d.name: stall_in(d, logged[d.name]) for d in cluster.decodes}
+    errors = [e for e in migrated.events if "error" in e]
+    assert not errors, (errors, figures, stalled)
+    assert not migrated.cut, (migrated.cut, figures, stalled)
+    assert migrated.done == 1 and not migrated.after_done, (migrated.after_done, figures)
+    assert migrated.text() == uninterrupted.text(), (figures, stalled)
+    # The usage counts the whole answer, and the client's prompt, not the continuation's.
+    assert [counts(u) for u in migrated.usages()] == [counts(usage)], figures
+    assert migrated.finish_reasons() == ["length"]
+    # One answer to the client: one id and one creation time, chunks of its own kind (a chat's
+    # continuation reshaped as chat chunks), and one role chunk for a chat.
+    assert len({e["id"] for e in migrated.events}) == 1
+    assert len({e["created"] for e in migrated.events}) == 1
+    assert {e["object"] for e in migrated.events} == {e["object"] for e in uninterrupted.events}
+    roles = sum(is_role_chunk(e) for e in migrated.events)
+    assert roles == sum(is_role_chunk(e) for e in uninterrupted.events)
+    # The kill came while the request was generating: its peer served the continuation.
+    continued = lambda: metric(peer, "vllm:request_success_total") > served[peer.name]  # noqa: E731
+    assert wait_for(continued, 10), figures
+    assert wait_for(lambda: running(peer) == 0 and running(cluster.prefill) == 0, 10)
