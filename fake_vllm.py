@@ -54,6 +54,15 @@ VOCAB = (
 )
 
 
+def compact(obj: Any) -> bytes:
+    """JSON as vLLM writes its answers and stream chunks (pydantic's model_dump_json): no
+    spaces, non-ASCII as UTF-8. A text UTF-8 cannot carry (a lone surrogate) is escaped."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def error(
     status: int, message: str, param: str | None = None, kind: str | None = None
 ) -> web.Response:
@@ -66,7 +75,7 @@ def error(
             "code": status,
         }
     }
-    return web.json_response(body, status=status)
+    return web.Response(body=compact(body), status=status, content_type="application/json")
 
 
 class BadRequest(Exception):
@@ -707,7 +716,8 @@ class FakeVllm:
             "owned_by": "vllm",
             "max_model_len": self.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [model]})
+        payload = compact({"object": "list", "data": [model]})
+        return web.Response(body=payload, content_type="application/json")
 
     async def handle_query(self, request: web.Request) -> web.Response:
         self.query_count += 1
@@ -1011,7 +1021,7 @@ class FakeVllm:
             payload = {**base, "choices": choices, "usage": usage, "kv_transfer_params": None}
             if chat:
                 payload["object"] = "chat.completion"
-            raw = json.dumps(payload).encode()
+            raw = compact(payload)
             self.sent[request_id] = bytearray(raw)
             if self.die_after_head:  # killed as it writes its answer: the head is out
                 cut = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -1081,7 +1091,7 @@ class FakeVllm:
         return response
 
     async def frame(self, response: web.StreamResponse, request_id: str, obj: Any) -> None:
-        await self.write(response, request_id, f"data: {json.dumps(obj)}\n\n".encode())
+        await self.write(response, request_id, b"data: " + compact(obj) + b"\n\n")
 
 
 # --- a whole simulated cluster, for the demo
