@@ -26,6 +26,7 @@ import json
 import random
 import signal
 import socket
+import struct
 import sys
 import time
 import uuid
@@ -97,6 +98,16 @@ class Generation:
     tokens: list[str]
     finish_reason: str
     prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # of the tokens, one each
+    # The prompt's token ids as the model read them (model_input), 4 bytes each.
+    prompt_input: bytes = b""
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids, as vLLM's ``return_token_ids`` gives them: given with the
+        ids, a request that continues the answer from any of its tokens (prompt = these ids +
+        the token ids so far, max_tokens lowered as much) gets the rest of it, token for token."""
+        return list(struct.unpack(f"<{len(self.prompt_input) // 4}I", self.prompt_input))
 
 
 def prompt_of(path: str, body: dict[str, Any]) -> Any:
@@ -155,33 +166,82 @@ def digest_of(prompt: Any) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()
 
 
+# A generated word's token id: this base plus its index in VOCAB.
+WORD_ID_BASE = 50_000
+TOKEN_ID_LIMIT = 1 << 32  # token ids are read as 4-byte integers
+
+
+def is_token_prompt(prompt: Any) -> bool:
+    """vLLM's token prompt: a (non-empty) list of token ids."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    )
+
+
+def model_input(prompt: Any, tokenizer: Any = None, ids: list[int] | None = None) -> bytes:
+    """The prompt's token ids as the fake model reads them, each a 4-byte little-endian
+    integer: a token prompt's own ids; else ``ids`` or the tokenizer's, given one; else one id
+    per 4 bytes of prompt_text (zero-padded), so that the text itself is the input."""
+    if is_token_prompt(prompt):
+        ids = prompt
+    elif ids is None and tokenizer is not None:
+        ids = token_ids(prompt, tokenizer)
+    if ids is None:
+        text = prompt_text(prompt)
+        return text + bytes(-len(text) % TOKEN_BYTES)
+    if any(not 0 <= t < TOKEN_ID_LIMIT for t in ids):
+        bad = next(t for t in ids if not 0 <= t < TOKEN_ID_LIMIT)
+        raise BadRequest(f"Token id {bad} is out of vocabulary", "prompt")
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
 def generate(
-    prompt: Any, body: dict[str, Any], choice: int = 0, max_model_len: int | None = None
+    prompt: Any,
+    body: dict[str, Any],
+    choice: int = 0,
+    max_model_len: int | None = None,
+    *,
+    tokenizer: Any = None,
+    ids: list[int] | None = None,
 ) -> Generation:
-    """What this fake model answers: a function of the prompt, the sampling limits and which
-    of the request's ``n`` choices it is, only. A prompt past ``max_model_len`` is refused as
-    vLLM refuses it, and the answer is cut to what fits."""
+    """What this fake model answers: a function of the prompt's token ids (model_input; ``ids``
+    if the caller has them), the sampling limits and which of the request's ``n`` choices it
+    is, only. A prompt past ``max_model_len`` is refused as vLLM refuses it, and the answer is
+    cut to what fits.
+
+    It is autoregressive: each token is drawn from a 64-bit hash of the choice, the prompt's
+    ids and the ids generated before it, so a request whose prompt is the prompt's ids plus
+    the first k generated ids, with k fewer max_tokens, generates exactly the remaining ones."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise BadRequest("max_tokens must be a positive integer", "max_tokens")
     min_tokens = body.get("min_tokens", 0)
     if isinstance(min_tokens, int) and min_tokens > max_tokens:
         raise BadRequest("min_tokens must be less than or equal to max_tokens", "min_tokens")
+    read = model_input(prompt, tokenizer, ids)
+    count = len(read) // TOKEN_BYTES
     if max_model_len is not None:
-        max_tokens = fit(prompt_tokens(prompt), max_tokens, max_model_len)
+        max_tokens = fit(count, max_tokens, max_model_len)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else list(stop)
-    rng = random.Random(digest_of(prompt) + (f"/{choice}" if choice else ""))
-    text = json.dumps(prompt)
-    tokens: list[str] = []
+    state = hashlib.blake2b(choice.to_bytes(8, "little"), digest_size=8)
+    state.update(read)
+    eos = not is_token_prompt(prompt) and EOS_MARKER in json.dumps(prompt)
+    generation = Generation([], "length", count, prompt_input=read)
     for index in range(max_tokens):
-        if index == 0 and EOS_MARKER in text and not body.get("ignore_eos"):
-            return Generation(tokens, "stop", prompt_tokens(prompt))
-        word = rng.choice(VOCAB)
-        if word in stop:
-            return Generation(tokens, "stop", prompt_tokens(prompt))
-        tokens.append(f" {word}")
-    return Generation(tokens, "length", prompt_tokens(prompt))
+        if index == 0 and eos and not body.get("ignore_eos"):
+            generation.finish_reason = "stop"
+            break
+        draw = int.from_bytes(state.copy().digest(), "little") % len(VOCAB)
+        if VOCAB[draw] in stop:
+            generation.finish_reason = "stop"
+            break
+        generation.tokens.append(f" {VOCAB[draw]}")
+        generation.token_ids.append(WORD_ID_BASE + draw)
+        state.update((WORD_ID_BASE + draw).to_bytes(4, "little"))
+    return generation
 
 
 def fit(tokens: int, max_tokens: int, max_model_len: int) -> int:
@@ -211,6 +271,10 @@ BLOCK_TOKENS = 16
 
 
 def prompt_tokens(prompt: Any) -> int:
+    """The prompt's tokens without a tokenizer: a token prompt's ids, as vLLM counts them;
+    else one per 4 bytes of prompt_text."""
+    if is_token_prompt(prompt):
+        return len(prompt)
     return -(-len(prompt_text(prompt)) // TOKEN_BYTES)
 
 
@@ -239,6 +303,8 @@ def prompt_blocks(prompt: Any, tokenizer: Any = None) -> PromptBlocks:
     4-byte tokens, or, given a tokenizer, of its token ids as vLLM computes them."""
     if tokenizer is None:
         text, size = prompt_text(prompt), TOKEN_BYTES * BLOCK_TOKENS
+        if is_token_prompt(prompt):  # blocks of its ids, as the model reads them
+            text = model_input(prompt)
         blocks = [text[start : start + size] for start in range(0, len(text) - size + 1, size)]
         return PromptBlocks(prompt_tokens(prompt), chained(blocks))
     ids = token_ids(prompt, tokenizer)
@@ -800,15 +866,16 @@ class FakeVllm:
         prompts, count = prompts_of(request.path, body), sample_count(body)
         for prompt in prompts:
             refuse_unencodable(prompt)
+            if is_token_prompt(prompt):
+                model_input(prompt)  # refuses ids out of the vocabulary
         children = [prompt for prompt in prompts for _ in range(count)]
+        # With a tokenizer, the model reads (and usage counts) the tokenizer's ids.
+        ids = [self.prompt_blocks(p).ids if self.tokenizer is not None else None for p in prompts]
         generations = [
-            generate(prompt, body, choice, self.max_model_len)
-            for prompt in prompts
+            generate(prompt, body, choice, self.max_model_len, ids=prompt_ids)
+            for prompt, prompt_ids in zip(prompts, ids, strict=True)
             for choice in range(count)
         ]
-        if self.tokenizer is not None:  # its usage counts the tokenizer's tokens
-            for child, generation in zip(children, generations, strict=True):
-                generation.prompt_tokens = self.prompt_blocks(child).tokens
         if self.fail_status is not None:
             return error(self.fail_status, f"injected failure {self.fail_status}")
         if self.hang:
