@@ -166,6 +166,8 @@ def digest_of(prompt: Any) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()
 
 
+# What vLLM 0.32 writes in a stream's last chunk.
+SYSTEM_FINGERPRINT = "vllm-0.32.0-fa6e0001"
 # A generated word's token id: this base plus its index in VOCAB.
 WORD_ID_BASE = 50_000
 TOKEN_ID_LIMIT = 1 << 32  # token ids are read as 4-byte integers
@@ -568,6 +570,8 @@ class FakeVllm:
     # Observations.
     requests: list[Recorded] = field(default_factory=list)
     sent: dict[str, bytearray] = field(default_factory=dict)  # request id -> bytes written
+    # request id -> the bytes without return_token_ids (sent_without_token_ids)
+    sent_plain: dict[str, bytearray] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)  # request ids whose client went away
     running: int = 0
     kv_tokens_received: int = 0
@@ -916,12 +920,14 @@ class FakeVllm:
                 headers={"Content-Type": "text/event-stream; charset=utf-8"}
             )
             await response.prepare(request)
-            self.sent[request_id] = bytearray()
+            self.begin_sent(request_id)
             if self.keepalive_first:
                 await self.write(response, request_id, b": keep-alive\n\n")
         if failure is not None:
             assert response is not None
-            return await self.fail_in_band(response, request, body, request_id, failure)
+            return await self.fail_in_band(
+                response, request, body, request_id, failure, generations
+            )
         if worker is not None:
             await asyncio.sleep(self.pull_delay)
             # Every child request pulls the one transfer_id, as in vLLM; Mooncake hands it to
@@ -943,7 +949,9 @@ class FakeVllm:
                 self.pull_failures.append(failure)
                 if response is None:
                     return error(500, "Internal server error")  # vLLM says no more
-                return await self.fail_in_band(response, request, body, request_id, failure)
+                return await self.fail_in_band(
+                    response, request, body, request_id, failure, generations
+                )
         else:
             await asyncio.sleep(self.delay)
         return await self.answer(request, body, request_id, generations, response)
@@ -1042,8 +1050,24 @@ class FakeVllm:
 
     # --- answers
 
-    async def write(self, response: web.StreamResponse, request_id: str, data: bytes) -> None:
+    def begin_sent(self, request_id: str, raw: bytes = b"", plain: bytes | None = None) -> None:
+        """What the answer to ``request_id`` wrote, from nothing (``raw`` for a whole answer;
+        ``plain``: it without return_token_ids, if that differs)."""
+        self.sent[request_id] = bytearray(raw)
+        self.sent_plain[request_id] = bytearray(raw if plain is None else plain)
+
+    def sent_without_token_ids(self, request_id: str) -> bytes:
+        """The bytes the answer to ``request_id`` would have been without ``return_token_ids``
+        (every token id list null, as vLLM writes it then): what a client of a proxy that
+        asks for the ids and blanks them must receive. ``sent``'s bytes for a request without
+        the flag."""
+        return bytes(self.sent_plain[request_id])
+
+    async def write(
+        self, response: web.StreamResponse, request_id: str, data: bytes, plain: bytes | None = None
+    ) -> None:
         self.sent.setdefault(request_id, bytearray()).extend(data)
+        self.sent_plain.setdefault(request_id, bytearray()).extend(data if plain is None else plain)
         await response.write(data)
 
     async def answer(
@@ -1054,9 +1078,12 @@ class FakeVllm:
         generations: list[Generation],
         response: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
-        """The choices as vLLM writes them: one per generation, indexed in order; streamed,
-        chunks of one choice each (a chat's role chunks first), the choices' tokens in turn."""
+        """The choices as vLLM 0.32 writes them: one per generation, indexed in order; streamed,
+        chunks of one choice each (a chat's role chunks first), the choices' tokens in turn.
+        With ``return_token_ids`` each chunk carries its token's id and a choice's first its
+        prompt's (a chat's role chunk); without, the same fields are null."""
         chat = request.path.endswith("/chat/completions")
+        ids = bool(body.get("return_token_ids"))
         created = int(time.time())
         base = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
@@ -1067,10 +1094,10 @@ class FakeVllm:
         count = sample_count(body)
         prompt_tokens = sum(g.prompt_tokens for g in generations[::count])  # once per prompt
         completion_tokens = sum(len(g.tokens) for g in generations)
-        usage = {
+        usage = {  # in vLLM's order
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
         }
         if not body.get("stream"):
             longest = max(len(g.tokens) for g in generations)
@@ -1078,18 +1105,24 @@ class FakeVllm:
             choices = []
             for index, generation in enumerate(generations):
                 text = "".join(generation.tokens)
-                choice: dict[str, Any] = {"index": index, "logprobs": None}
+                choice: dict[str, Any] = {"index": index}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": text}
                 else:
                     choice["text"] = text
-                choice["finish_reason"] = generation.finish_reason
+                choice |= {"logprobs": None, "finish_reason": generation.finish_reason}
+                choice["stop_reason"] = None
+                if not chat:  # a chat's are the answer's, below
+                    choice["prompt_token_ids"] = generation.prompt_token_ids if ids else None
+                choice["token_ids"] = generation.token_ids if ids else None
                 choices.append(choice)
-            payload = {**base, "choices": choices, "usage": usage, "kv_transfer_params": None}
+            payload = {**base, "choices": choices, "usage": usage}
             if chat:
                 payload["object"] = "chat.completion"
+                payload["prompt_token_ids"] = generations[0].prompt_token_ids if ids else None
+            payload["kv_transfer_params"] = None
             raw = compact(payload)
-            self.sent[request_id] = bytearray(raw)
+            self.begin_sent(request_id, raw, compact(without_token_ids(payload)) if ids else None)
             if self.die_after_head:  # killed as it writes its answer: the head is out
                 cut = web.StreamResponse(headers={"Content-Type": "application/json"})
                 cut.content_length = len(raw)
@@ -1103,10 +1136,11 @@ class FakeVllm:
                 headers={"Content-Type": "text/event-stream; charset=utf-8"}
             )
             await response.prepare(request)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if chat:
-            for index in range(len(generations)):
-                first = {"index": index, "delta": {"role": "assistant", "content": ""}}
-                await self.frame(response, request_id, {**base, "choices": [first]})
+            for index, generation in enumerate(generations):
+                chunk = role_chunk(base, index, generation, ids)
+                await self.frame(response, request_id, chunk, ids)
         longest = max(len(g.tokens) for g in generations)
         for position in range(longest):
             if self.break_after_tokens is not None and position == self.break_after_tokens:
@@ -1118,14 +1152,29 @@ class FakeVllm:
                     continue
                 token = generation.tokens[position]
                 last = position == len(generation.tokens) - 1
-                delta: dict[str, Any] = {"delta": {"content": token}} if chat else {"text": token}
                 finish = generation.finish_reason if last else None
-                choice = {"index": index, **delta, "logprobs": None, "finish_reason": finish}
-                await self.frame(response, request_id, {**base, "choices": [choice]})
+                token_ids = [generation.token_ids[position]] if ids else None
+                if chat:
+                    choice = {"index": index, "delta": {"content": token}, "logprobs": None}
+                    choice["finish_reason"] = finish
+                    if last:
+                        choice["stop_reason"] = None
+                else:
+                    choice = {"index": index, "text": token, "logprobs": None}
+                    choice |= {"finish_reason": finish, "stop_reason": None}
+                    first = ids and position == 0
+                    choice["prompt_token_ids"] = generation.prompt_token_ids if first else None
+                choice["token_ids"] = token_ids
+                chunk = {**base, "choices": [choice]}
+                if last and not include_usage:
+                    chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
+                await self.frame(response, request_id, chunk, ids)
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await self.frame(response, request_id, {**base, "choices": [], "usage": usage})
+        if include_usage:
+            chunk = {**base, "choices": [], "usage": usage}
+            chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
+            await self.frame(response, request_id, chunk)
         await self.write(response, request_id, b"data: [DONE]\n\n")
         await asyncio.sleep(self.linger_after_done)
         await response.write_eof()
@@ -1138,27 +1187,57 @@ class FakeVllm:
         body: dict[str, Any],
         request_id: str,
         failure: str,
+        generations: list[Generation],
     ) -> web.StreamResponse:
         """A stream that fails before its first token, as vLLM 0.32's does (seen): a chat's
         role chunk, then an error event and [DONE]."""
         if request.path.endswith("/chat/completions"):
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}}
-            chunk = {
+            base = {
                 "id": f"chatcmpl-{request_id}",
                 "object": "chat.completion.chunk",
                 "created": int(time.time()),
                 "model": body.get("model", MODEL),
-                "choices": [first],
             }
-            await self.frame(response, request_id, chunk)
-        frame = {"error": {"message": failure, "type": "InternalServerError", "code": 500}}
-        await self.frame(response, request_id, frame)
+            ids = bool(body.get("return_token_ids"))
+            await self.frame(response, request_id, role_chunk(base, 0, generations[0], ids), ids)
+        await self.frame(response, request_id, error_event(failure))
         await self.write(response, request_id, b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    async def frame(self, response: web.StreamResponse, request_id: str, obj: Any) -> None:
-        await self.write(response, request_id, b"data: " + compact(obj) + b"\n\n")
+    async def frame(
+        self, response: web.StreamResponse, request_id: str, obj: Any, ids: bool = False
+    ) -> None:
+        """One event; ``ids``: it carries token ids (sent_plain gets it with them null)."""
+        plain = b"data: " + compact(without_token_ids(obj)) + b"\n\n" if ids else None
+        await self.write(response, request_id, b"data: " + compact(obj) + b"\n\n", plain)
+
+
+def role_chunk(base: dict[str, Any], index: int, generation: Generation, ids: bool) -> Any:
+    """A chat stream's first chunk of a choice: the role, and the prompt's token ids."""
+    first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+    first["finish_reason"] = None
+    prompt_ids = generation.prompt_token_ids if ids else None
+    return {**base, "choices": [first], "prompt_token_ids": prompt_ids, "prompt_text": None}
+
+
+def error_event(message: str) -> dict[str, Any]:
+    """An in-band error, as vLLM writes one into a stream that already started."""
+    return {
+        "error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}
+    }
+
+
+TOKEN_ID_KEYS = frozenset({"prompt_token_ids", "token_ids"})
+
+
+def without_token_ids(obj: Any) -> Any:
+    """An answer or chunk as vLLM writes it without return_token_ids: its id lists null."""
+    if isinstance(obj, dict):
+        return {k: None if k in TOKEN_ID_KEYS else without_token_ids(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [without_token_ids(v) for v in obj]
+    return obj
 
 
 # --- a whole simulated cluster, for the demo
