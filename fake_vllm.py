@@ -166,6 +166,8 @@ def digest_of(prompt: Any) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()
 
 
+# What a stream's error event says when error_after_tokens fails it (vLLM's EngineDeadError).
+ENGINE_FAILED = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 # What vLLM 0.32 writes in a stream's last chunk.
 SYSTEM_FINGERPRINT = "vllm-0.32.0-fa6e0001"
 # A generated word's token id: this base plus its index in VOCAB.
@@ -523,6 +525,7 @@ INJECTABLE = frozenset(
     {
         *("fail_status", "force_finish_reason", "delay", "hang", "token_delay"),
         *("transfer_delay", "pull_delay", "keepalive_first", "break_after_tokens"),
+        *("error_after_tokens", "faults_left"),
         *("die_after_pull", "fail_pulls", "linger_after_done", "health_status", "health_delay"),
         "die_after_head",
         *("drop_after", "engine_dead", "metrics_status", "extra_waiting"),
@@ -546,7 +549,11 @@ class FakeVllm:
     transfer_delay: float = 0.0  # decode: seconds a KV transfer takes once the KV is there
     pull_delay: float = 0.0  # decode: seconds before it asks for the KV (its scheduler busy)
     keepalive_first: bool = False  # a streaming decode sends ": keep-alive" before its KV
-    break_after_tokens: int | None = None  # drop the connection mid-stream
+    break_after_tokens: int | None = None  # drop the connection mid-stream, after N tokens
+    # After N tokens, an in-band error event and [DONE], as when vLLM's engine fails.
+    error_after_tokens: int | None = None
+    # How many more mid-stream faults (the two above) happen; None: every time they are due.
+    faults_left: int | None = None
     die_after_pull: bool = False  # decode: drop the connection once the KV arrived (killed)
     fail_pulls: int = 0  # decode: this many KV pulls fail, as Mooncake's can ("returned -1")
     die_after_head: bool = False  # a whole answer's head goes out, then the process dies
@@ -1070,6 +1077,15 @@ class FakeVllm:
         self.sent_plain.setdefault(request_id, bytearray()).extend(data if plain is None else plain)
         await response.write(data)
 
+    def take_fault(self) -> bool:
+        """Whether a mid-stream fault due now happens: always, or while faults_left lasts."""
+        if self.faults_left is None:
+            return True
+        if self.faults_left <= 0:
+            return False
+        self.faults_left -= 1
+        return True
+
     async def answer(
         self,
         request: web.Request,
@@ -1143,9 +1159,15 @@ class FakeVllm:
                 await self.frame(response, request_id, chunk, ids)
         longest = max(len(g.tokens) for g in generations)
         for position in range(longest):
-            if self.break_after_tokens is not None and position == self.break_after_tokens:
+            if position == self.break_after_tokens and self.take_fault():
                 assert request.transport is not None
                 request.transport.abort()
+                return response
+            if position == self.error_after_tokens and self.take_fault():
+                # vLLM's engine failed mid-generation: an error event, [DONE], the end.
+                await self.frame(response, request_id, error_event(ENGINE_FAILED))
+                await self.write(response, request_id, b"data: [DONE]\n\n")
+                await response.write_eof()
                 return response
             for index, generation in enumerate(generations):
                 if position >= len(generation.tokens):

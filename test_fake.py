@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from fake_vllm import (
+    ENGINE_FAILED,
     MODEL,
     SYSTEM_FINGERPRINT,
     VOCAB,
@@ -213,3 +214,29 @@ async def test_sent_without_token_ids_is_the_answer_without_the_flag(
     expected = normal(without).replace(b"-b", b"-a")
     assert normal(fake.fake.sent_without_token_ids("a")) == expected
     assert fake.fake.sent_without_token_ids("b") == without == bytes(fake.fake.sent["b"])
+
+
+async def test_error_after_tokens_fails_the_next_streams_in_band(
+    runners: list[web.AppRunner],
+) -> None:
+    """error_after_tokens: N tokens, vLLM's error event and [DONE]; faults_left: only so many
+    streams fail (set over /_fake/inject, as the chaos benchmark does)."""
+    fake = await start_fake(FakeVllm("decode"), runners)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            fake.url + "/_fake/inject", json={"error_after_tokens": 3, "faults_left": 1}
+        ) as injected,
+    ):
+        assert injected.status == 200
+    body = {"prompt": PROMPT, "max_tokens": 6, "stream": True}
+    raw, events = await post(fake.url, COMPLETIONS, body, "first")
+    assert len(events) == 5 and events[-1] is None
+    assert [e["choices"][0]["finish_reason"] for e in events[:3]] == [None] * 3
+    assert raw.split(b"\n\n")[3] == (
+        b'data: {"error":{"message":"' + ENGINE_FAILED.encode() + b'",'
+        b'"type":"InternalServerError","param":null,"code":500}}'
+    )
+    _, events = await post(fake.url, COMPLETIONS, body, "second")  # no fault left
+    assert len(events) == 7 and tokens_of(events)[2] == "length"
+    assert fake.fake.faults_left == 0
