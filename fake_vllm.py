@@ -9,7 +9,9 @@ So a proxy that skips the prefill, names the wrong engine or rank, or lets the p
 early sees the decode wait, exactly as real vLLM does, and a test sees a failure.
 
 Generation is deterministic: the tokens depend only on the prompt, so a decode's answer from
-transferred KV equals its own local answer to the same request.
+transferred KV equals its own local answer to the same request. It is autoregressive over
+token ids, so a request whose prompt is the prompt's ids plus the ids generated so far (as
+``return_token_ids`` gives them) continues the answer exactly.
 
 ``python fake_vllm.py`` runs the demo: a small simulated cluster, the proxy in front of it
 started as users start it, and one streamed request whose tokens arrive on the terminal.
