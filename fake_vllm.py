@@ -9,7 +9,9 @@ So a proxy that skips the prefill, names the wrong engine or rank, or lets the p
 early sees the decode wait, exactly as real vLLM does, and a test sees a failure.
 
 Generation is deterministic: the tokens depend only on the prompt, so a decode's answer from
-transferred KV equals its own local answer to the same request.
+transferred KV equals its own local answer to the same request. It is autoregressive over
+token ids, so a request whose prompt is the prompt's ids plus the ids generated so far (as
+``return_token_ids`` gives them) continues the answer exactly.
 
 ``python fake_vllm.py`` runs the demo: a small simulated cluster, the proxy in front of it
 started as users start it, and one streamed request whose tokens arrive on the terminal.
@@ -26,6 +28,7 @@ import json
 import random
 import signal
 import socket
+import struct
 import sys
 import time
 import uuid
@@ -54,6 +57,15 @@ VOCAB = (
 )
 
 
+def compact(obj: Any) -> bytes:
+    """JSON as vLLM writes its answers and stream chunks (pydantic's model_dump_json): no
+    spaces, non-ASCII as UTF-8. A text UTF-8 cannot carry (a lone surrogate) is escaped."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def error(
     status: int, message: str, param: str | None = None, kind: str | None = None
 ) -> web.Response:
@@ -66,7 +78,7 @@ def error(
             "code": status,
         }
     }
-    return web.json_response(body, status=status)
+    return web.Response(body=compact(body), status=status, content_type="application/json")
 
 
 class BadRequest(Exception):
@@ -88,6 +100,16 @@ class Generation:
     tokens: list[str]
     finish_reason: str
     prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # of the tokens, one each
+    # The prompt's token ids as the model read them (model_input), 4 bytes each.
+    prompt_input: bytes = b""
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids, as vLLM's ``return_token_ids`` gives them: given with the
+        ids, a request that continues the answer from any of its tokens (prompt = these ids +
+        the token ids so far, max_tokens lowered as much) gets the rest of it, token for token."""
+        return list(struct.unpack(f"<{len(self.prompt_input) // 4}I", self.prompt_input))
 
 
 def prompt_of(path: str, body: dict[str, Any]) -> Any:
@@ -146,33 +168,86 @@ def digest_of(prompt: Any) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()
 
 
+# What a stream's error event says when error_after_tokens fails it (vLLM's EngineDeadError).
+ENGINE_FAILED = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+# What vLLM 0.32 writes in a stream's last chunk.
+SYSTEM_FINGERPRINT = "vllm-0.32.0-fa6e0001"
+# A generated word's token id: this base plus its index in VOCAB.
+WORD_ID_BASE = 50_000
+TOKEN_ID_LIMIT = 1 << 32  # token ids are read as 4-byte integers
+
+
+def is_token_prompt(prompt: Any) -> bool:
+    """vLLM's token prompt: a (non-empty) list of token ids."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    )
+
+
+def model_input(prompt: Any, tokenizer: Any = None, ids: list[int] | None = None) -> bytes:
+    """The prompt's token ids as the fake model reads them, each a 4-byte little-endian
+    integer: a token prompt's own ids; else ``ids`` or the tokenizer's, given one; else one id
+    per 4 bytes of prompt_text (zero-padded), so that the text itself is the input."""
+    if is_token_prompt(prompt):
+        ids = prompt
+    elif ids is None and tokenizer is not None:
+        ids = token_ids(prompt, tokenizer)
+    if ids is None:
+        text = prompt_text(prompt)
+        return text + bytes(-len(text) % TOKEN_BYTES)
+    if any(not 0 <= t < TOKEN_ID_LIMIT for t in ids):
+        bad = next(t for t in ids if not 0 <= t < TOKEN_ID_LIMIT)
+        raise BadRequest(f"Token id {bad} is out of vocabulary", "prompt")
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
 def generate(
-    prompt: Any, body: dict[str, Any], choice: int = 0, max_model_len: int | None = None
+    prompt: Any,
+    body: dict[str, Any],
+    choice: int = 0,
+    max_model_len: int | None = None,
+    *,
+    tokenizer: Any = None,
+    ids: list[int] | None = None,
 ) -> Generation:
-    """What this fake model answers: a function of the prompt, the sampling limits and which
-    of the request's ``n`` choices it is, only. A prompt past ``max_model_len`` is refused as
-    vLLM refuses it, and the answer is cut to what fits."""
+    """What this fake model answers: a function of the prompt's token ids (model_input; ``ids``
+    if the caller has them), the sampling limits and which of the request's ``n`` choices it
+    is, only. A prompt past ``max_model_len`` is refused as vLLM refuses it, and the answer is
+    cut to what fits.
+
+    It is autoregressive: each token is drawn from a 64-bit hash of the choice, the prompt's
+    ids and the ids generated before it, so a request whose prompt is the prompt's ids plus
+    the first k generated ids, with k fewer max_tokens, generates exactly the remaining ones."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise BadRequest("max_tokens must be a positive integer", "max_tokens")
     min_tokens = body.get("min_tokens", 0)
     if isinstance(min_tokens, int) and min_tokens > max_tokens:
         raise BadRequest("min_tokens must be less than or equal to max_tokens", "min_tokens")
+    read = model_input(prompt, tokenizer, ids)
+    count = len(read) // TOKEN_BYTES
     if max_model_len is not None:
-        max_tokens = fit(prompt_tokens(prompt), max_tokens, max_model_len)
+        max_tokens = fit(count, max_tokens, max_model_len)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else list(stop)
-    rng = random.Random(digest_of(prompt) + (f"/{choice}" if choice else ""))
-    text = json.dumps(prompt)
-    tokens: list[str] = []
+    state = hashlib.blake2b(choice.to_bytes(8, "little"), digest_size=8)
+    state.update(read)
+    eos = not is_token_prompt(prompt) and EOS_MARKER in json.dumps(prompt)
+    generation = Generation([], "length", count, prompt_input=read)
     for index in range(max_tokens):
-        if index == 0 and EOS_MARKER in text and not body.get("ignore_eos"):
-            return Generation(tokens, "stop", prompt_tokens(prompt))
-        word = rng.choice(VOCAB)
-        if word in stop:
-            return Generation(tokens, "stop", prompt_tokens(prompt))
-        tokens.append(f" {word}")
-    return Generation(tokens, "length", prompt_tokens(prompt))
+        if index == 0 and eos and not body.get("ignore_eos"):
+            generation.finish_reason = "stop"
+            break
+        draw = int.from_bytes(state.copy().digest(), "little") % len(VOCAB)
+        if VOCAB[draw] in stop:
+            generation.finish_reason = "stop"
+            break
+        generation.tokens.append(f" {VOCAB[draw]}")
+        generation.token_ids.append(WORD_ID_BASE + draw)
+        state.update((WORD_ID_BASE + draw).to_bytes(4, "little"))
+    return generation
 
 
 def fit(tokens: int, max_tokens: int, max_model_len: int) -> int:
@@ -202,6 +277,10 @@ BLOCK_TOKENS = 16
 
 
 def prompt_tokens(prompt: Any) -> int:
+    """The prompt's tokens without a tokenizer: a token prompt's ids, as vLLM counts them;
+    else one per 4 bytes of prompt_text."""
+    if is_token_prompt(prompt):
+        return len(prompt)
     return -(-len(prompt_text(prompt)) // TOKEN_BYTES)
 
 
@@ -230,6 +309,8 @@ def prompt_blocks(prompt: Any, tokenizer: Any = None) -> PromptBlocks:
     4-byte tokens, or, given a tokenizer, of its token ids as vLLM computes them."""
     if tokenizer is None:
         text, size = prompt_text(prompt), TOKEN_BYTES * BLOCK_TOKENS
+        if is_token_prompt(prompt):  # blocks of its ids, as the model reads them
+            text = model_input(prompt)
         blocks = [text[start : start + size] for start in range(0, len(text) - size + 1, size)]
         return PromptBlocks(prompt_tokens(prompt), chained(blocks))
     ids = token_ids(prompt, tokenizer)
@@ -446,6 +527,7 @@ INJECTABLE = frozenset(
     {
         *("fail_status", "force_finish_reason", "delay", "hang", "token_delay"),
         *("transfer_delay", "pull_delay", "keepalive_first", "break_after_tokens"),
+        *("error_after_tokens", "faults_left"),
         *("die_after_pull", "fail_pulls", "linger_after_done", "health_status", "health_delay"),
         "die_after_head",
         *("drop_after", "engine_dead", "metrics_status", "extra_waiting"),
@@ -469,7 +551,11 @@ class FakeVllm:
     transfer_delay: float = 0.0  # decode: seconds a KV transfer takes once the KV is there
     pull_delay: float = 0.0  # decode: seconds before it asks for the KV (its scheduler busy)
     keepalive_first: bool = False  # a streaming decode sends ": keep-alive" before its KV
-    break_after_tokens: int | None = None  # drop the connection mid-stream
+    break_after_tokens: int | None = None  # drop the connection mid-stream, after N tokens
+    # After N tokens, an in-band error event and [DONE], as when vLLM's engine fails.
+    error_after_tokens: int | None = None
+    # How many more mid-stream faults (the two above) happen; None: every time they are due.
+    faults_left: int | None = None
     die_after_pull: bool = False  # decode: drop the connection once the KV arrived (killed)
     fail_pulls: int = 0  # decode: this many KV pulls fail, as Mooncake's can ("returned -1")
     die_after_head: bool = False  # a whole answer's head goes out, then the process dies
@@ -493,6 +579,8 @@ class FakeVllm:
     # Observations.
     requests: list[Recorded] = field(default_factory=list)
     sent: dict[str, bytearray] = field(default_factory=dict)  # request id -> bytes written
+    # request id -> the bytes without return_token_ids (sent_without_token_ids)
+    sent_plain: dict[str, bytearray] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)  # request ids whose client went away
     running: int = 0
     kv_tokens_received: int = 0
@@ -707,7 +795,8 @@ class FakeVllm:
             "owned_by": "vllm",
             "max_model_len": self.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [model]})
+        payload = compact({"object": "list", "data": [model]})
+        return web.Response(body=payload, content_type="application/json")
 
     async def handle_query(self, request: web.Request) -> web.Response:
         self.query_count += 1
@@ -790,15 +879,16 @@ class FakeVllm:
         prompts, count = prompts_of(request.path, body), sample_count(body)
         for prompt in prompts:
             refuse_unencodable(prompt)
+            if is_token_prompt(prompt):
+                model_input(prompt)  # refuses ids out of the vocabulary
         children = [prompt for prompt in prompts for _ in range(count)]
+        # With a tokenizer, the model reads (and usage counts) the tokenizer's ids.
+        ids = [self.prompt_blocks(p).ids if self.tokenizer is not None else None for p in prompts]
         generations = [
-            generate(prompt, body, choice, self.max_model_len)
-            for prompt in prompts
+            generate(prompt, body, choice, self.max_model_len, ids=prompt_ids)
+            for prompt, prompt_ids in zip(prompts, ids, strict=True)
             for choice in range(count)
         ]
-        if self.tokenizer is not None:  # its usage counts the tokenizer's tokens
-            for child, generation in zip(children, generations, strict=True):
-                generation.prompt_tokens = self.prompt_blocks(child).tokens
         if self.fail_status is not None:
             return error(self.fail_status, f"injected failure {self.fail_status}")
         if self.hang:
@@ -839,12 +929,14 @@ class FakeVllm:
                 headers={"Content-Type": "text/event-stream; charset=utf-8"}
             )
             await response.prepare(request)
-            self.sent[request_id] = bytearray()
+            self.begin_sent(request_id)
             if self.keepalive_first:
                 await self.write(response, request_id, b": keep-alive\n\n")
         if failure is not None:
             assert response is not None
-            return await self.fail_in_band(response, request, body, request_id, failure)
+            return await self.fail_in_band(
+                response, request, body, request_id, failure, generations
+            )
         if worker is not None:
             await asyncio.sleep(self.pull_delay)
             # Every child request pulls the one transfer_id, as in vLLM; Mooncake hands it to
@@ -866,7 +958,9 @@ class FakeVllm:
                 self.pull_failures.append(failure)
                 if response is None:
                     return error(500, "Internal server error")  # vLLM says no more
-                return await self.fail_in_band(response, request, body, request_id, failure)
+                return await self.fail_in_band(
+                    response, request, body, request_id, failure, generations
+                )
         else:
             await asyncio.sleep(self.delay)
         return await self.answer(request, body, request_id, generations, response)
@@ -965,9 +1059,34 @@ class FakeVllm:
 
     # --- answers
 
-    async def write(self, response: web.StreamResponse, request_id: str, data: bytes) -> None:
+    def begin_sent(self, request_id: str, raw: bytes = b"", plain: bytes | None = None) -> None:
+        """What the answer to ``request_id`` wrote, from nothing (``raw`` for a whole answer;
+        ``plain``: it without return_token_ids, if that differs)."""
+        self.sent[request_id] = bytearray(raw)
+        self.sent_plain[request_id] = bytearray(raw if plain is None else plain)
+
+    def sent_without_token_ids(self, request_id: str) -> bytes:
+        """The bytes the answer to ``request_id`` would have been without ``return_token_ids``
+        (every token id list null, as vLLM writes it then): what a client of a proxy that
+        asks for the ids and blanks them must receive. ``sent``'s bytes for a request without
+        the flag."""
+        return bytes(self.sent_plain[request_id])
+
+    async def write(
+        self, response: web.StreamResponse, request_id: str, data: bytes, plain: bytes | None = None
+    ) -> None:
         self.sent.setdefault(request_id, bytearray()).extend(data)
+        self.sent_plain.setdefault(request_id, bytearray()).extend(data if plain is None else plain)
         await response.write(data)
+
+    def take_fault(self) -> bool:
+        """Whether a mid-stream fault due now happens: always, or while faults_left lasts."""
+        if self.faults_left is None:
+            return True
+        if self.faults_left <= 0:
+            return False
+        self.faults_left -= 1
+        return True
 
     async def answer(
         self,
@@ -977,9 +1096,12 @@ class FakeVllm:
         generations: list[Generation],
         response: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
-        """The choices as vLLM writes them: one per generation, indexed in order; streamed,
-        chunks of one choice each (a chat's role chunks first), the choices' tokens in turn."""
+        """The choices as vLLM 0.32 writes them: one per generation, indexed in order; streamed,
+        chunks of one choice each (a chat's role chunks first), the choices' tokens in turn.
+        With ``return_token_ids`` each chunk carries its token's id and a choice's first its
+        prompt's (a chat's role chunk); without, the same fields are null."""
         chat = request.path.endswith("/chat/completions")
+        ids = bool(body.get("return_token_ids"))
         created = int(time.time())
         base = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
@@ -990,10 +1112,10 @@ class FakeVllm:
         count = sample_count(body)
         prompt_tokens = sum(g.prompt_tokens for g in generations[::count])  # once per prompt
         completion_tokens = sum(len(g.tokens) for g in generations)
-        usage = {
+        usage = {  # in vLLM's order
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
         }
         if not body.get("stream"):
             longest = max(len(g.tokens) for g in generations)
@@ -1001,18 +1123,24 @@ class FakeVllm:
             choices = []
             for index, generation in enumerate(generations):
                 text = "".join(generation.tokens)
-                choice: dict[str, Any] = {"index": index, "logprobs": None}
+                choice: dict[str, Any] = {"index": index}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": text}
                 else:
                     choice["text"] = text
-                choice["finish_reason"] = generation.finish_reason
+                choice |= {"logprobs": None, "finish_reason": generation.finish_reason}
+                choice["stop_reason"] = None
+                if not chat:  # a chat's are the answer's, below
+                    choice["prompt_token_ids"] = generation.prompt_token_ids if ids else None
+                choice["token_ids"] = generation.token_ids if ids else None
                 choices.append(choice)
-            payload = {**base, "choices": choices, "usage": usage, "kv_transfer_params": None}
+            payload = {**base, "choices": choices, "usage": usage}
             if chat:
                 payload["object"] = "chat.completion"
-            raw = json.dumps(payload).encode()
-            self.sent[request_id] = bytearray(raw)
+                payload["prompt_token_ids"] = generations[0].prompt_token_ids if ids else None
+            payload["kv_transfer_params"] = None
+            raw = compact(payload)
+            self.begin_sent(request_id, raw, compact(without_token_ids(payload)) if ids else None)
             if self.die_after_head:  # killed as it writes its answer: the head is out
                 cut = web.StreamResponse(headers={"Content-Type": "application/json"})
                 cut.content_length = len(raw)
@@ -1026,29 +1154,51 @@ class FakeVllm:
                 headers={"Content-Type": "text/event-stream; charset=utf-8"}
             )
             await response.prepare(request)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if chat:
-            for index in range(len(generations)):
-                first = {"index": index, "delta": {"role": "assistant", "content": ""}}
-                await self.frame(response, request_id, {**base, "choices": [first]})
+            for index, generation in enumerate(generations):
+                chunk = role_chunk(base, index, generation, ids)
+                await self.frame(response, request_id, chunk, ids)
         longest = max(len(g.tokens) for g in generations)
         for position in range(longest):
-            if self.break_after_tokens is not None and position == self.break_after_tokens:
+            if position == self.break_after_tokens and self.take_fault():
                 assert request.transport is not None
                 request.transport.abort()
+                return response
+            if position == self.error_after_tokens and self.take_fault():
+                # vLLM's engine failed mid-generation: an error event, [DONE], the end.
+                await self.frame(response, request_id, error_event(ENGINE_FAILED))
+                await self.write(response, request_id, b"data: [DONE]\n\n")
+                await response.write_eof()
                 return response
             for index, generation in enumerate(generations):
                 if position >= len(generation.tokens):
                     continue
                 token = generation.tokens[position]
                 last = position == len(generation.tokens) - 1
-                delta: dict[str, Any] = {"delta": {"content": token}} if chat else {"text": token}
                 finish = generation.finish_reason if last else None
-                choice = {"index": index, **delta, "logprobs": None, "finish_reason": finish}
-                await self.frame(response, request_id, {**base, "choices": [choice]})
+                token_ids = [generation.token_ids[position]] if ids else None
+                if chat:
+                    choice = {"index": index, "delta": {"content": token}, "logprobs": None}
+                    choice["finish_reason"] = finish
+                    if last:
+                        choice["stop_reason"] = None
+                else:
+                    choice = {"index": index, "text": token, "logprobs": None}
+                    choice |= {"finish_reason": finish, "stop_reason": None}
+                    first = ids and position == 0
+                    choice["prompt_token_ids"] = generation.prompt_token_ids if first else None
+                choice["token_ids"] = token_ids
+                chunk = {**base, "choices": [choice]}
+                if last and not include_usage:
+                    chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
+                await self.frame(response, request_id, chunk, ids)
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await self.frame(response, request_id, {**base, "choices": [], "usage": usage})
+        if include_usage:
+            chunk = {**base, "choices": [], "usage": usage}
+            chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
+            await self.frame(response, request_id, chunk)
         await self.write(response, request_id, b"data: [DONE]\n\n")
         await asyncio.sleep(self.linger_after_done)
         await response.write_eof()
@@ -1061,27 +1211,57 @@ class FakeVllm:
         body: dict[str, Any],
         request_id: str,
         failure: str,
+        generations: list[Generation],
     ) -> web.StreamResponse:
         """A stream that fails before its first token, as vLLM 0.32's does (seen): a chat's
         role chunk, then an error event and [DONE]."""
         if request.path.endswith("/chat/completions"):
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}}
-            chunk = {
+            base = {
                 "id": f"chatcmpl-{request_id}",
                 "object": "chat.completion.chunk",
                 "created": int(time.time()),
                 "model": body.get("model", MODEL),
-                "choices": [first],
             }
-            await self.frame(response, request_id, chunk)
-        frame = {"error": {"message": failure, "type": "InternalServerError", "code": 500}}
-        await self.frame(response, request_id, frame)
+            ids = bool(body.get("return_token_ids"))
+            await self.frame(response, request_id, role_chunk(base, 0, generations[0], ids), ids)
+        await self.frame(response, request_id, error_event(failure))
         await self.write(response, request_id, b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    async def frame(self, response: web.StreamResponse, request_id: str, obj: Any) -> None:
-        await self.write(response, request_id, f"data: {json.dumps(obj)}\n\n".encode())
+    async def frame(
+        self, response: web.StreamResponse, request_id: str, obj: Any, ids: bool = False
+    ) -> None:
+        """One event; ``ids``: it carries token ids (sent_plain gets it with them null)."""
+        plain = b"data: " + compact(without_token_ids(obj)) + b"\n\n" if ids else None
+        await self.write(response, request_id, b"data: " + compact(obj) + b"\n\n", plain)
+
+
+def role_chunk(base: dict[str, Any], index: int, generation: Generation, ids: bool) -> Any:
+    """A chat stream's first chunk of a choice: the role, and the prompt's token ids."""
+    first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+    first["finish_reason"] = None
+    prompt_ids = generation.prompt_token_ids if ids else None
+    return {**base, "choices": [first], "prompt_token_ids": prompt_ids, "prompt_text": None}
+
+
+def error_event(message: str) -> dict[str, Any]:
+    """An in-band error, as vLLM writes one into a stream that already started."""
+    return {
+        "error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}
+    }
+
+
+TOKEN_ID_KEYS = frozenset({"prompt_token_ids", "token_ids"})
+
+
+def without_token_ids(obj: Any) -> Any:
+    """An answer or chunk as vLLM writes it without return_token_ids: its id lists null."""
+    if isinstance(obj, dict):
+        return {k: None if k in TOKEN_ID_KEYS else without_token_ids(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [without_token_ids(v) for v in obj]
+    return obj
 
 
 # --- a whole simulated cluster, for the demo
