@@ -527,7 +527,7 @@ INJECTABLE = frozenset(
     {
         *("fail_status", "force_finish_reason", "delay", "hang", "token_delay"),
         *("transfer_delay", "pull_delay", "keepalive_first", "break_after_tokens"),
-        *("error_after_tokens", "faults_left"),
+        *("error_after_tokens", "faults_left", "fragment_bytes"),
         *("die_after_pull", "fail_pulls", "linger_after_done", "health_status", "health_delay"),
         "die_after_head",
         *("drop_after", "engine_dead", "metrics_status", "extra_waiting"),
@@ -552,6 +552,8 @@ class FakeVllm:
     pull_delay: float = 0.0  # decode: seconds before it asks for the KV (its scheduler busy)
     keepalive_first: bool = False  # a streaming decode sends ": keep-alive" before its KV
     break_after_tokens: int | None = None  # drop the connection mid-stream, after N tokens
+    # (all of them: after the last token, before the usage and [DONE])
+    fragment_bytes: int | None = None  # a stream's bytes leave in pieces of this size
     # After N tokens, an in-band error event and [DONE], as when vLLM's engine fails.
     error_after_tokens: int | None = None
     # How many more mid-stream faults (the two above) happen; None: every time they are due.
@@ -1077,7 +1079,12 @@ class FakeVllm:
     ) -> None:
         self.sent.setdefault(request_id, bytearray()).extend(data)
         self.sent_plain.setdefault(request_id, bytearray()).extend(data if plain is None else plain)
-        await response.write(data)
+        if not self.fragment_bytes:
+            await response.write(data)
+            return
+        for start in range(0, len(data), self.fragment_bytes):  # as TCP may cut them anywhere
+            await response.write(data[start : start + self.fragment_bytes])
+            await asyncio.sleep(0.001)
 
     def take_fault(self) -> bool:
         """Whether a mid-stream fault due now happens: always, or while faults_left lasts."""
@@ -1195,6 +1202,10 @@ class FakeVllm:
                 await self.frame(response, request_id, chunk, ids)
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
+        if self.break_after_tokens == longest and self.take_fault():
+            assert request.transport is not None
+            request.transport.abort()
+            return response
         if include_usage:
             chunk = {**base, "choices": [], "usage": usage}
             chunk["system_fingerprint"] = SYSTEM_FINGERPRINT

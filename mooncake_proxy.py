@@ -2411,6 +2411,8 @@ class JournalRelay(DecodeRelay):
         self.journal, self.partial = exchange.journal, b""
 
     def __call__(self, pieces: list[bytes]) -> bool | None:
+        if self.journal.error is not None:  # what the read after the error brought: not sent
+            return None
         data = self.events(pieces[0] if len(pieces) == 1 else b"".join(pieces))
         if not data:  # an empty write would end a chunked body
             behind: bool | None = None if self.client.closing else False
@@ -2420,13 +2422,13 @@ class JournalRelay(DecodeRelay):
 
     def events(self, data: bytes) -> bytes:
         if self.partial:
-            data = self.partial + data
-        end = data.rfind(b"\n\n") + 2
-        if end < 2:  # no event ended yet
-            self.partial = data
-            return b""
-        self.partial = data[end:]
-        return self.journal.take(data[:end])
+            data, self.partial = self.partial + data, b""
+        if not data.endswith(b"\n\n"):  # the last event is not whole: it waits for its end
+            if (end := data.rfind(b"\n\n") + 2) < 2:
+                self.partial = data
+                return b""
+            data, self.partial = data[:end], data[end:]
+        return self.journal.take(data)
 
 
 class StreamCut(ProxyError):
@@ -2487,20 +2489,20 @@ def unmigratable(body: Mapping[str, Any], limit: int) -> str | None:
 TOKEN_IDS: Final = b',"token_ids":['
 PROMPT_IDS: Final = b'"prompt_token_ids":['
 
+# Reads a journal keeps: a character's bytes span at most 4 tokens, so the last token that
+# carried text is among them (StreamJournal.settle).
+RECENT_READS: Final = 4
+
 
 class StreamJournal:
     """What a stream that may go on elsewhere has sent its client, as much as going on needs:
     the prompt's token ids and the generated ones, as the decode wrote them (JSON digits,
     parsed only if the stream goes on). The decode is asked for them (return_token_ids), and
     each list reaches the client as null, as vLLM writes it unasked, unless the client asked.
-
-    A token whose chunk carried no text (vLLM holds back the bytes of a character not yet
-    whole) is given again by the continuation, which starts after the last one that had text:
-    vLLM 0.32 continuing from a prompt that ends inside a character sent the prompt's text.
     """
 
-    __slots__ = (*("body", "chat", "strip", "usage", "prompt", "generated", "whole", "head"),
-                 *("last", "error", "continued", "migrations"))  # fmt: skip
+    __slots__ = (*("body", "chat", "strip", "usage", "prompt", "generated", "head", "recent"),
+                 *("error", "continued", "migrations"))  # fmt: skip
 
     def __init__(self, path: str, body: Mapping[str, Any]) -> None:
         self.body, self.chat = body, path.endswith("/chat/completions")
@@ -2509,47 +2511,66 @@ class StreamJournal:
         self.usage = isinstance(options, dict) and bool(options.get("include_usage"))
         self.prompt = b""  # the prompt's token ids: b"1,47,656"
         self.generated = bytearray()  # b"684,280,"
-        self.whole = 0  # len(generated) after the last token whose text was sent
         self.head = b""  # the first chunk's id, object, created and model: b'{"id":...}'
-        self.last = b""  # the events relayed last: did the answer end?
+        # The last reads relayed, as the decode wrote them: where its answer stood when it
+        # stopped (settle), without a parse per read.
+        self.recent: collections.deque[bytes] = collections.deque(maxlen=RECENT_READS)
         self.error: str | None = None  # an error event the decode sent after tokens
         self.continued = False  # a continuation's events are relayed (take_continued)
         self.migrations = 0
 
     def take(self, data: bytes) -> bytes:
         """Whole events from the decode, as the client gets them: token ids noted, their lists
-        written as null; an error event and what follows it withheld (self.error)."""
+        written as null; an error event and what follows it withheld (self.error). This runs
+        for every read of every stream that may go on: no parse, a split and a join."""
+        parts = data.split(TOKEN_IDS)
+        # An error comes after the tokens, in the last part: searched there only.
+        if b'data: {"error"' in parts[-1] or not self.prompt or self.continued:
+            return self.take_rarely(data)
+        self.recent.append(data)
+        return self.noted(data, parts)
+
+    def take_rarely(self, data: bytes) -> bytes:
+        """take, for the first events (the prompt's ids), an error, or a continuation's."""
         if (failed := data.find(b'data: {"error"')) >= 0:
             self.error = error_event_message(data[failed + 6 : data.find(b"\n\n", failed)])
             data = data[:failed]
+        self.recent.append(data)
         if self.continued:
             return self.take_continued(data)
-        if data:
-            self.last = data
+        if not self.prompt:
+            data = self.take_prompt(data)
+        return self.noted(data, data.split(TOKEN_IDS))
+
+    def noted(self, data: bytes, parts: list[bytes]) -> bytes:
+        """``data`` (split at its token id lists into ``parts``) with each list noted, and
+        written as null unless the client asked for them."""
+        if len(parts) == 1:
+            return data
+        generated = self.generated
+        for index in range(1, len(parts)):
+            part = parts[index]
+            if (end := part.find(b"]")) > 0:
+                generated += part[:end]
+                generated.append(0x2C)  # b","
+            parts[index] = part[end + 1 :]
+        return b',"token_ids":null'.join(parts) if self.strip else data
+
+    def take_prompt(self, data: bytes) -> bytes:
+        """The first events: the chunk's head (for a continuation's chunks) and the prompt's
+        token ids, which reach the client as null."""
         if not self.head and (end := data.find(b',"choices"')) >= 0:
             self.head = data[data.find(b"{") : end] + b"}"
-        pieces: list[bytes] = []
-        start = 0
-        if not self.prompt and (at := data.find(PROMPT_IDS)) >= 0:
-            end = data.find(b"]", at)
-            self.prompt = data[at + len(PROMPT_IDS) : end]
-            if self.strip:
-                pieces += (data[:at], b'"prompt_token_ids":null')
-                start = end + 1
-        at = data.find(TOKEN_IDS, start)
-        while at >= 0 and (end := data.find(b"]", at)) >= 0:
-            if ids := data[at + len(TOKEN_IDS) : end]:
-                self.generated += ids + b","
-                if data.find(b':""', data.rfind(b"data:", 0, at), at) < 0:  # it had text
-                    self.whole = len(self.generated)
-            if self.strip:
-                pieces += (data[start:at], b',"token_ids":null')
-                start = end + 1
-            at = data.find(TOKEN_IDS, end)
-        if not pieces:
+        if (at := data.find(PROMPT_IDS)) < 0 or (end := data.find(b"]", at)) < 0:
             return data
-        pieces.append(data[start:])
-        return b"".join(pieces)
+        self.prompt = data[at + len(PROMPT_IDS) : end]
+        if not self.strip:
+            return data
+        return b'%b"prompt_token_ids":null%b' % (data[:at], data[end + 1 :])
+
+    @property
+    def last(self) -> bytes:
+        return self.recent[-1] if self.recent else b""
 
     def cut_by(self, complete: bool) -> str | None:
         """Why the stream must go on elsewhere once its decode's answer stopped (``complete``:
@@ -2588,7 +2609,7 @@ class StreamJournal:
     def continuation(self) -> dict[str, Any]:
         """The /v1/completions request that goes on from the last token whose text the
         client has: the prompt's ids and those, the client's sampling, the tokens left."""
-        del self.generated[self.whole :]
+        self.settle()
         generated = json.loads(b"[" + self.generated[:-1] + b"]")
         body = {key: value for key, value in self.body.items() if key not in NOT_CONTINUED}
         body["prompt"] = json.loads(b"[" + self.prompt + b"]") + generated
@@ -2600,14 +2621,36 @@ class StreamJournal:
         body["stream"] = True
         if self.usage:
             body["stream_options"] = {"include_usage": True}
-        self.continued, self.migrations = True, self.migrations + 1
+        self.continued, self.migrations, self.error = True, self.migrations + 1, None
+        self.recent.clear()
         return body
+
+    def settle(self) -> None:
+        """Forget the last tokens whose chunks carried no text, for the continuation to give
+        them again: vLLM holds back the bytes of a character that is not whole yet, and 0.32
+        continuing from a prompt that ends inside one sent the prompt's text (seen)."""
+        textless = 0
+        for data in reversed(self.recent):
+            for event in reversed(data.split(b"\n\n")):
+                if not event.startswith(b"data: {"):
+                    continue
+                for choice in json.loads(event[6:]).get("choices") or ():
+                    delta = choice.get("delta")
+                    if choice.get("text") or (isinstance(delta, dict) and delta.get("content")):
+                        return self.forget(textless)
+                    textless += len(choice.get("token_ids") or ())
+        self.forget(textless)  # none had text lately: from before them all
+
+    def forget(self, tokens: int) -> None:
+        """Drop the last ``tokens`` generated ids."""
+        end = len(self.generated) - 1  # the last id's comma
+        for _ in range(tokens):
+            end = self.generated.rfind(b",", 0, end)
+        del self.generated[end + 1 :]
 
     def take_continued(self, data: bytes) -> bytes:
         """A continuation's whole events, as the client's stream goes on: its id and created,
         a chat's chunk shape, usage counting the whole answer (parsed: this is rare)."""
-        if data:
-            self.last = data
         events = []
         for event in data.split(b"\n\n")[:-1]:
             if event.startswith(b"data: {"):
@@ -2620,8 +2663,6 @@ class StreamJournal:
         for choice in choices:
             if ids := choice.get("token_ids"):
                 self.generated += b"%b," % ",".join(map(str, ids)).encode()
-                if choice.get("text"):
-                    self.whole = len(self.generated)
                 if self.strip:
                     choice["token_ids"] = None
             if choice.get("prompt_token_ids") is not None:  # the continuation's own prompt

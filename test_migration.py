@@ -1,0 +1,272 @@
+"""A stream whose decode fails after its first token goes on from the tokens the client has,
+on another pair (migration): the client sees one stream, token for token the uninterrupted
+one. The fakes generate as a function of the prompt's token ids, so a continuation from the
+prompt and the tokens sent gives the rest exactly, as greedy vLLM does (PROTOCOL.md)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+import mooncake_proxy as mp
+from fake_vllm import generate, prompt_of
+from testing_support import (
+    CHAT,
+    COMPLETIONS,
+    FAST,
+    Cluster,
+    StartCluster,
+    assert_openai_error,
+    chat,
+    completion,
+    eventually,
+    fleet_of,
+    sample,
+    scrape,
+    sse_events,
+)
+
+PATHS = [COMPLETIONS, CHAT]
+
+
+def request_body(path: str, **extra: Any) -> dict[str, Any]:
+    return chat(**extra) if path == CHAT else completion(**extra)
+
+
+async def cut_stream(start_cluster: StartCluster, fault: dict[str, Any], **config: Any) -> Cluster:
+    """Two decodes, the first of which the first request goes to, faulty for one stream."""
+    return await start_cluster(
+        decodes=2,
+        each_decode=({**fault, "faults_left": 1}, {}),
+        decode_policy=mp.Policy.ROUND_ROBIN,
+        **config,
+    )
+
+
+async def stream_of(cluster: Cluster, path: str, body: dict[str, Any]) -> list[Any]:
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(path, json=body)
+        assert response.status == 200, await response.text()
+        return sse_events(await response.read())
+
+
+def text_of(path: str, events: list[Any]) -> str:
+    parts = []
+    for event in events:
+        if event != "[DONE]" and event.get("choices"):
+            choice = event["choices"][0]
+            parts.append(choice["delta"].get("content", "") if path == CHAT else choice["text"])
+    return "".join(parts)
+
+
+def assert_one_stream(events: list[Any]) -> None:
+    """One id and one created throughout, no error, one [DONE] at the end."""
+    chunks = [e for e in events if e != "[DONE]"]
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    assert not any("error" in chunk for chunk in chunks)
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert len({chunk["created"] for chunk in chunks}) == 1
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("usage", [False, True])
+async def test_a_stream_whose_decode_is_lost_goes_on_token_for_token(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture, path: str, usage: bool
+) -> None:
+    cluster = await cut_stream(start_cluster, {"break_after_tokens": 5})
+    body = request_body(path, stream=True, max_tokens=16, ignore_eos=True)
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    events = await stream_of(cluster, path, body)
+    assert_one_stream(events)
+    expected = generate(prompt_of(path, body), body)
+    assert text_of(path, events) == "".join(expected.tokens)
+    chunks = [e for e in events if e != "[DONE]"]
+    object_kind = "chat.completion.chunk" if path == CHAT else "text_completion"
+    assert {chunk["object"] for chunk in chunks} == {object_kind}
+    # The client did not ask for token ids: none reach it, as from vLLM unasked.
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            assert choice.get("token_ids") is None and choice.get("prompt_token_ids") is None
+    if usage:
+        (last,) = [chunk for chunk in chunks if chunk.get("usage")]
+        assert last["usage"]["completion_tokens"] == len(expected.tokens)
+        assert last["usage"]["prompt_tokens"] == expected.prompt_tokens
+    # The continuation: a completion of the prompt's ids and the 5 tokens sent, on the other
+    # decode, with 11 tokens left.
+    (continued,) = cluster.decodes[1].requests
+    assert continued.path == COMPLETIONS
+    assert continued.body["prompt"] == expected.prompt_token_ids + expected.token_ids[:5]
+    assert continued.body["max_tokens"] == 11 and continued.body["return_token_ids"] is True
+    assert "messages" not in continued.body and continued.body["stream"] is True
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_migrations_total", reason="broken") == 1
+    assert sample(samples, "mooncake_proxy_errors_total", stage="decode", reason="broken") == 1
+    # Its connection went: the lost decode left the rotation (checked again at once, it came
+    # back: the fake lives on).
+    assert "left the rotation" in caplog.text
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_an_error_sent_mid_stream_goes_on_elsewhere(
+    start_cluster: StartCluster, path: str
+) -> None:
+    """vLLM ends a stream whose engine failed with an error event: it is withheld, and the
+    stream goes on; the decode that said so stays in the rotation (only this request avoids
+    it)."""
+    cluster = await cut_stream(start_cluster, {"error_after_tokens": 3})
+    body = request_body(path, stream=True, max_tokens=10, ignore_eos=True)
+    events = await stream_of(cluster, path, body)
+    assert_one_stream(events)
+    assert text_of(path, events) == "".join(generate(prompt_of(path, body), body).tokens)
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_migrations_total", reason="in_band") == 1
+    assert fleet_of(cluster).decodes[0].usable
+    assert len(cluster.decodes[1].requests) == 1
+
+
+async def test_token_ids_the_client_asked_for_are_the_whole_answers(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await cut_stream(start_cluster, {"break_after_tokens": 4})
+    body = completion(stream=True, max_tokens=12, ignore_eos=True, return_token_ids=True)
+    events = await stream_of(cluster, COMPLETIONS, body)
+    assert_one_stream(events)
+    expected = generate(prompt_of(COMPLETIONS, body), body)
+    chunks = [e for e in events if e != "[DONE]" and e["choices"]]
+    ids = [i for chunk in chunks for i in chunk["choices"][0]["token_ids"]]
+    assert ids == expected.token_ids
+    # The prompt's ids once, in the first chunk, as vLLM sends them.
+    prompts = [c["choices"][0]["prompt_token_ids"] for c in chunks]
+    assert prompts[0] == expected.prompt_token_ids and not any(prompts[1:])
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({"logprobs": 0}, "it asks for logprobs"),
+        ({"guided_regex": "[a-z ]+"}, "it asks for guided_regex"),
+        ({"n": 2, "temperature": 1.0}, "it goes to a decode alone"),
+        ({"migration_limit": 0}, "--migration-limit is 0"),
+    ],
+)
+async def test_a_stream_that_cannot_go_on_ends_saying_why(
+    start_cluster: StartCluster, extra: dict[str, Any], why: str
+) -> None:
+    extra = dict(extra)  # the parameters are shared by both loops' runs
+    limit = extra.pop("migration_limit", 3)
+    cluster = await start_cluster(
+        decodes=2, decode={"break_after_tokens": 3}, migration_limit=limit
+    )
+    events = await stream_of(cluster, COMPLETIONS, completion(stream=True, **extra))
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 502)
+    assert f"not continued elsewhere: {why}" in events[-2]["error"]["message"]
+    assert sum(len(decode.requests) for decode in cluster.decodes) == 1
+
+
+async def test_migrations_stop_at_the_limit(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(
+        decodes=3, decode={"break_after_tokens": 2}, migration_limit=2, health_interval=60
+    )
+    body = completion(stream=True, max_tokens=16, ignore_eos=True)
+    events = await stream_of(cluster, COMPLETIONS, body)
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 502)
+    assert "--migration-limit 2 reached" in events[-2]["error"]["message"]
+    # Each decode cut its part after 2 tokens, 6 in all, none repeated.
+    expected = generate(prompt_of(COMPLETIONS, body), body)
+    assert text_of(COMPLETIONS, events[:-2]) == "".join(expected.tokens[:6])
+    assert [len(decode.requests) for decode in cluster.decodes] == [1, 1, 1]
+
+
+async def test_a_continuation_whose_kv_pull_fails_is_tried_again(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(
+        decodes=2,
+        each_decode=({"break_after_tokens": 3, "faults_left": 1}, {"fail_pulls": 1}),
+        decode_policy=mp.Policy.ROUND_ROBIN,
+    )
+    body = chat(stream=True, max_tokens=9, ignore_eos=True)
+    events = await stream_of(cluster, CHAT, body)
+    assert_one_stream(events)
+    assert text_of(CHAT, events) == "".join(generate(prompt_of(CHAT, body), body).tokens)
+    # The continuation's first try failed its pull; it was tried again, on either decode.
+    continuations = [r for d in cluster.decodes for r in d.requests if r.path == COMPLETIONS]
+    assert len(continuations) == 2 and cluster.decodes[1].fail_pulls == 0
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_errors_total", stage="decode", reason="kv_load") == 1
+
+
+async def test_an_uninterrupted_stream_reaches_the_client_as_vllm_sends_it_unasked(
+    start_cluster: StartCluster,
+) -> None:
+    """The decode is asked for token ids; the client gets the bytes vLLM writes without them."""
+    cluster = await start_cluster()
+    for path in PATHS:
+        body = request_body(path, stream=True, stream_options={"include_usage": True})
+        async with asyncio.timeout(FAST):
+            response = await cluster.client.post(path, json=body)
+            raw = await response.read()
+        (decode,) = cluster.decodes
+        request_id = response.headers["X-Request-Id"]
+        assert decode.requests[-1].body["return_token_ids"] is True
+        assert raw == decode.sent_without_token_ids(request_id)
+        assert b'"token_ids":[' in bytes(decode.sent[request_id])
+
+
+async def test_a_client_gone_mid_stream_is_not_migrated(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(decodes=2, decode={"token_delay": 0.05})
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(
+            COMPLETIONS, json=completion(stream=True, max_tokens=50)
+        )
+        await response.content.readline()
+        response.close()
+    await eventually(lambda: sum(decode.running for decode in cluster.decodes) == 0)
+    assert sum(len(decode.requests) for decode in cluster.decodes) == 1
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_migrations_total", reason="broken") == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_stream_cut_after_its_last_token_gets_its_end(
+    start_cluster: StartCluster, path: str
+) -> None:
+    """Cut between its finish_reason and [DONE]: nothing is left to generate; the proxy sends
+    the usage it asked for, counting the whole answer, and [DONE]."""
+    cluster = await start_cluster(decodes=2, decode={"break_after_tokens": 6})
+    body = request_body(path, stream=True, max_tokens=6, ignore_eos=True)
+    body["stream_options"] = {"include_usage": True}
+    events = await stream_of(cluster, path, body)
+    assert_one_stream(events)
+    expected = generate(prompt_of(path, body), body)
+    assert text_of(path, events) == "".join(expected.tokens)
+    usage = events[-2]["usage"]
+    assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] == expected.prompt_tokens
+    assert usage["total_tokens"] == 6 + expected.prompt_tokens
+    assert sum(len(decode.requests) for decode in cluster.decodes) == 1
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_events_cut_anywhere_between_reads_go_on_exactly(
+    start_cluster: StartCluster, path: str
+) -> None:
+    """The decode's bytes arrive in pieces that split events (as TCP may): the client gets
+    whole events only, as vLLM writes them, and a cut goes on from the last whole one."""
+    cluster = await cut_stream(start_cluster, {"break_after_tokens": 4, "fragment_bytes": 7})
+    for fake in cluster.decodes:
+        fake.fragment_bytes = 7
+    body = request_body(path, stream=True, max_tokens=9, ignore_eos=True)
+    events = await stream_of(cluster, path, body)
+    assert_one_stream(events)
+    assert text_of(path, events) == "".join(generate(prompt_of(path, body), body).tokens)
+    # An uninterrupted one, in pieces too, is byte for byte what vLLM sends unasked.
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(path, json=body)
+        raw = await response.read()
+    (decode,) = [fake for fake in cluster.decodes if response.headers["X-Request-Id"] in fake.sent]
+    assert raw == decode.sent_without_token_ids(response.headers["X-Request-Id"])
