@@ -554,6 +554,9 @@ class FakeVllm:
     break_after_tokens: int | None = None  # drop the connection mid-stream, after N tokens
     # (all of them: after the last token, before the usage and [DONE])
     fragment_bytes: int | None = None  # a stream's bytes leave in pieces of this size
+    # Chunks carry no token ids even when asked, as vLLM's chat with a reasoning parser and
+    # include_reasoning false sends them (its prompt's ids still come).
+    hide_token_ids: bool = False
     # After N tokens, an in-band error event and [DONE], as when vLLM's engine fails.
     error_after_tokens: int | None = None
     # How many more mid-stream faults (the two above) happen; None: every time they are due.
@@ -1184,7 +1187,8 @@ class FakeVllm:
                 token = generation.tokens[position]
                 last = position == len(generation.tokens) - 1
                 finish = generation.finish_reason if last else None
-                token_ids = [generation.token_ids[position]] if ids else None
+                shown = ids and not self.hide_token_ids
+                token_ids = [generation.token_ids[position]] if shown else None
                 if chat:
                     choice = {"index": index, "delta": {"content": token}, "logprobs": None}
                     choice["finish_reason"] = finish

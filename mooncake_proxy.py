@@ -2602,9 +2602,21 @@ class StreamJournal:
     def why_not_continued(self, limit: int) -> str | None:
         if self.migrations >= limit:
             return f"--migration-limit {limit} reached"
-        if not self.prompt or not self.head:
-            return "the decode did not return the prompt's token ids (return_token_ids)"
+        if not self.prompt or not self.head or self.ids_withheld():
+            return "the decode did not return the token ids (return_token_ids)"
         return None
+
+    def ids_withheld(self) -> bool:
+        """Tokens sent without their ids, lately: vLLM hides them from a chat whose reasoning
+        its parser hides (include_reasoning false), and going on would repeat them."""
+        for data in self.recent:
+            for event in data.split(b"\n\n"):
+                if not event.startswith(b"data: {"):
+                    continue
+                for choice in json.loads(event[6:]).get("choices") or ():
+                    if has_text(choice) and not choice.get("token_ids"):
+                        return True
+        return False
 
     def continuation(self) -> dict[str, Any]:
         """The /v1/completions request that goes on from the last token whose text the
@@ -2635,8 +2647,7 @@ class StreamJournal:
                 if not event.startswith(b"data: {"):
                     continue
                 for choice in json.loads(event[6:]).get("choices") or ():
-                    delta = choice.get("delta")
-                    if choice.get("text") or (isinstance(delta, dict) and delta.get("content")):
+                    if has_text(choice):
                         return self.forget(textless)
                     textless += len(choice.get("token_ids") or ())
         self.forget(textless)  # none had text lately: from before them all
@@ -2679,6 +2690,12 @@ class StreamJournal:
             if key in chunk:
                 shaped[key] = chunk[key]
         return shaped
+
+
+def has_text(choice: dict[str, Any]) -> bool:
+    """A streamed choice (a completion's or a chat's) carries text."""
+    delta = choice.get("delta")
+    return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
 
 
 def chat_choice(choice: dict[str, Any]) -> dict[str, Any]:

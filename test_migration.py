@@ -270,3 +270,16 @@ async def test_events_cut_anywhere_between_reads_go_on_exactly(
         raw = await response.read()
     (decode,) = [fake for fake in cluster.decodes if response.headers["X-Request-Id"] in fake.sent]
     assert raw == decode.sent_without_token_ids(response.headers["X-Request-Id"])
+
+
+async def test_a_stream_whose_token_ids_are_withheld_is_not_moved(
+    start_cluster: StartCluster,
+) -> None:
+    """vLLM hides the token ids of a chat whose reasoning it hides: going on without them would
+    repeat the answer, so the stream ends saying why."""
+    cluster = await cut_stream(start_cluster, {"break_after_tokens": 3, "hide_token_ids": True})
+    events = await stream_of(cluster, CHAT, chat(stream=True, max_tokens=8))
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 502)
+    assert "did not return the token ids" in events[-2]["error"]["message"]
+    assert len(cluster.decodes[1].requests) == 0
