@@ -20,7 +20,7 @@ function of the request alone), and every request classified: ok, an error statu
 with an in-band error event, an answer cut before its end, wrong tokens, or a client timeout.
 The report is a table (per fault kind how often it was applied and how many failed requests
 overlapped it; the failures by kind; the proxy's retries and failed legs from its /metrics;
-TTFT and total time of the good answers) and a verdict against issue 34's target: no
+TTFT and total time of the good answers) and a verdict against the target: no
 client-visible failure while one healthy prefill/decode pair remains. vllm-router runs the same
 schedule on a fresh cluster when its binary is installed.
 """
@@ -631,15 +631,14 @@ def times(seconds: list[float]) -> str:
 
 
 def verdict(run: Run) -> str:
-    """Against issue 34's target, counting every failure, mid-stream cuts included."""
+    """Against the target, counting every failure, mid-stream cuts included."""
     failures, total = run.failures(), len(run.outcomes)
     if not failures:
         return f"{run.target}: MET: 0 client-visible failures in {total} requests"
     mid = sum(o.tokens > 0 for o in failures)
     return (
         f"{run.target}: NOT MET: {len(failures)} client-visible failures in {total} requests: "
-        f"{mid} after their first token (moving a started stream to another decode is not "
-        f"built yet) and {len(failures) - mid} before it"
+        f"{mid} after their first token and {len(failures) - mid} before it"
     )
 
 
