@@ -21,7 +21,8 @@ The module, in chapters (each opens with a banner saying what it holds and what 
      3. Errors and state          ProxyError (status + OpenAI type), ProxyState, STATE_KEY
      4. HTTP handlers             the routes and middlewares; a request starts here
      5. The PD flow               run_pd_request: the protocol's steps; Exchange and Attempt
-                                  (tries, failover), the prefill beside the decode, the relay
+                                  (tries, failover), the prefill beside the decode, the relay;
+                                  a stream going on elsewhere (StreamJournal, migration)
      6. Request bodies, admission what each leg is sent; decode-alone requests; the limits
      7. The legs, client conns    HttpLeg/UpstreamPool (our HTTP client); the client's side
      8. Routing                   RouteKey, prefix index, load view, Router (tuned numbers first)
@@ -1579,7 +1580,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 # ================================================================================================
 # 5. The PD flow
 # Holds one request as the protocol's steps (run_pd_request), its attempts (Exchange, Attempt),
-# what a failure means (prefill_outcome, upstream_failure) and the relay of the decode's bytes.
+# what a failure means (prefill_outcome, upstream_failure), the relay of the decode's bytes, and
+# a stream that goes on on another pair when its decode fails mid-stream (StreamJournal).
 # Uses: 1-3, 6-7 (the bodies and the legs), 8 (routing), 11 (metrics).
 # ================================================================================================
 
@@ -1598,7 +1600,7 @@ async def run_pd_request(request: web.Request, body: dict[str, Any]) -> web.Stre
                 await attempt.relay_decode()  # 4, 5; and 7 while a decode is refused
             return exchange.response
         except ProxyError as failure:
-            if exchange.try_again(failure):  # 7: a new pair, a new transfer_id
+            if exchange.try_again(failure):  # 7: a new pair, a new transfer_id; or migration
                 continue
             return await exchange.fail(failure)  # 6: its own answer, or in band once streaming
         except ClientGone:
