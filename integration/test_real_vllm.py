@@ -349,6 +349,34 @@ def test_chat_equals_local_generation(cluster: RealCluster, stream: bool, limit:
     assert transferred == local_prompt_tokens == prompt_tokens
 
 
+def raw_stream(base: str, path: str, body: dict[str, Any]) -> bytes:
+    """A streamed answer's bytes, with what differs between two requests (``id``, ``created``)
+    blanked."""
+    request = urllib.request.Request(
+        base + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        raw: bytes = answer.read()
+    return re.sub(rb'"created":\d+', b'"created":0', re.sub(rb'"id":"[^"]*"', b'"id":""', raw))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_reaches_the_client_as_vllm_writes_it(cluster: RealCluster, path: str) -> None:
+    """The proxy asks the decode for token ids (a stream could go on elsewhere from them) and
+    writes each list as null: the client's bytes are those vLLM writes to a client that did
+    not ask, but for the request's id and time."""
+    prompt = unique_prompt()
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    if path.endswith("/chat/completions"):
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    proxied = raw_stream(cluster.proxy.url, path, body)
+    assert proxied == raw_stream(cluster.decode.url, path, body)
+    assert b'"token_ids":null' in proxied and b'"token_ids":[' not in proxied
+
+
 def test_a_prompt_longer_than_one_kv_block(cluster: RealCluster) -> None:
     prompt = unique_prompt(words=250)
     before = kv_tokens(cluster)
