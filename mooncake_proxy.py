@@ -1846,10 +1846,15 @@ class Exchange:
         self.tried.add(cut.decode)
         if cut.lost:  # its connection went: likely down, as a refused one is
             state.fleet.take_out(cut.decode, cut.message)
-        if (why := journal.why_not_continued(state.config.migration_limit)) is not None:
+        try:
+            why = journal.why_not_continued(state.config.migration_limit)
+            body = journal.continuation() if why is None else None
+        except (ValueError, AttributeError) as error:  # not what vLLM writes: not ours to guess
+            why, body = f"its last chunks could not be read ({error})", None
+        if body is None:
             cut.message = f"{cut.message}; not continued elsewhere: {why}"
             return False
-        self.body, self.path, self.shared = journal.continuation(), CONTINUATION_PATH, None
+        self.body, self.path, self.shared = body, CONTINUATION_PATH, None
         self.relaying, self.retries_left = False, state.config.max_retries
         self.failures.append(cut)
         state.metrics.migrations.labels(cut.reason).inc()
@@ -2667,7 +2672,8 @@ class StreamJournal:
         events = []
         for event in data.split(b"\n\n")[:-1]:
             if event.startswith(b"data: {"):
-                event = b"data: " + vllm_json(self.as_client_chunk(json.loads(event[6:])))
+                with contextlib.suppress(ValueError, AttributeError):  # else passed on as it came
+                    event = b"data: " + vllm_json(self.as_client_chunk(json.loads(event[6:])))
             events.append(event + b"\n\n")
         return b"".join(events)
 
