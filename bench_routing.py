@@ -2,6 +2,7 @@
 
     python bench_routing.py --quick                  # a smoke run: two workloads, a minute
     python bench_routing.py --plot routing.png       # the full table (make bench-routing)
+    python bench_routing.py --scale                  # 8 to 1,024 engines, in process, ~3 min
 
 A simulated cluster on loopback: 4 prefill instances with 2 DP ranks each (8 engines) and 4
 decodes, all ``fake_vllm.FakeVllm``: each engine keeps an LRU prefix cache of a fixed number
@@ -24,6 +25,12 @@ Mooncake's FAST'25 synthetic trace (each hash id a 512-token block in the trace,
 here to a 128-byte block of text; ``--trace``, default
 ~/.cache/mooncake-proxy/traces/synthetic_trace.jsonl: left out with a note when missing), and
 one hot prefix (sglang issue 21199's trap).
+
+``--scale`` runs nothing of that: it simulates fleets of 8 to 1,024 prefill engines in process
+(no sockets, no servers) and measures the current router there, per fleet size: the decision
+time of each stage (p50, p99), the prompt's hashing apart, its prefix indexes' memory, and its
+hit rate on shared-prefix groups against an oracle (scale_run says how each is counted); one
+table, and a verdict against issue 35's targets at 512 engines.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
+import platform
 import random
 import shutil
 import signal
@@ -485,8 +494,9 @@ def decision_costs() -> list[tuple[str, float]]:
     return rows
 
 
-def costs_fleet() -> mp.Fleet:
-    """The benchmark's cluster as a proxy's fleet, every instance usable, no sockets."""
+def costs_fleet(instances: int = INSTANCES, dp: int = DP, decodes: int = DECODES) -> mp.Fleet:
+    """The benchmark's cluster (or another size of it) as a proxy's fleet, every instance
+    usable, no sockets."""
     from yarl import URL
 
     import mooncake_proxy as mp
@@ -494,13 +504,13 @@ def costs_fleet() -> mp.Fleet:
     config = mp.ProxyConfig(
         prefills=tuple(
             mp.PrefillSpec(URL(f"http://10.0.0.{i}:8100"), URL(f"http://10.0.0.{i}:8998"))
-            for i in range(1, INSTANCES + 1)
+            for i in range(1, instances + 1)
         ),
-        decodes=tuple(URL(f"http://10.0.1.{i}:8200") for i in range(1, DECODES + 1)),
+        decodes=tuple(URL(f"http://10.0.1.{i}:8200") for i in range(1, decodes + 1)),
     )
     fleet = mp.Fleet(config)
     for instance in fleet.prefills:
-        fleet.set_engines(instance, [f"{instance.url}_dp{r}" for r in range(DP)])
+        fleet.set_engines(instance, [f"{instance.url}_dp{r}" for r in range(dp)])
         instance.usable = True
     for decode in fleet.decodes:
         decode.usable = True
@@ -638,6 +648,269 @@ def join_cost() -> float:
         for event in decode(payload)[1]:
             view.apply(event)
     return (time.perf_counter() - started) * 1e6
+
+
+# --- --scale: what one decision costs as the fleet grows (in process, the current router)
+
+# Prefill instances x DP ranks: 8 to 1,024 engines; decodes one per 8 engines.
+SCALE_SIZES = ((1, 8), (4, 8), (8, 16), (8, 64), (16, 64))
+SCALE_PROMPT = 8192  # bytes a prompt: 16 of the router's 512-byte blocks
+SCALE_SHARED = 7168  # of them, its group's prefix (14 blocks); the rest is its own
+SCALE_PER_GROUP = 3  # requests per prefix group: the first a first sight, the rest hits
+SCALE_GROUPS_PER_ENGINE = 2
+SCALE_MIN_DECISIONS = 2000  # at the small sizes, more groups: a p99 of enough decisions
+# Issue 35's targets, per stage, for an 8 KiB prompt at 512 engines.
+TARGET_ENGINES, TARGET_P50_US, TARGET_P99_US = 512, 50.0, 150.0
+
+
+@dataclass
+class ScaleRow:
+    instances: int
+    dp: int
+    engines: int  # prefill engines: instances x DP ranks
+    decodes: int
+    groups: int
+    decisions: int
+    hash_p50_us: float  # route_key: the prompt read and hashed into its block chain
+    hash_p99_us: float
+    prefill_p50_us: float  # fleet.claim_prefill
+    prefill_p99_us: float
+    decode_p50_us: float  # fleet.claim_decode
+    decode_p99_us: float
+    index_bytes: int  # every prefill engine's and decode's PrefixIndex, after the run
+    index_blocks: int
+    hit_rate: float  # blocks the chosen prefill engine was believed to hold / blocks
+    oracle: float
+    seconds: float  # the decision loop's wall time
+
+
+def scale_text(seed: str, size: int) -> str:
+    """``size`` bytes of ASCII, the same for the same seed (filler's words are too slow for
+    thousands of 8 KiB prompts)."""
+    return random.Random(seed).randbytes(size // 2 + 1).hex()[:size]
+
+
+def scale_workload(groups: int, per_group: int) -> list[tuple[int, dict[str, Any]]]:
+    """Shared-prefix groups, shuffled: (group, completion body), each prompt SCALE_PROMPT
+    bytes, the first SCALE_SHARED of them its group's."""
+    prefixes = [scale_text(f"scale group {g}", SCALE_SHARED) for g in range(groups)]
+    order = [(g, i) for g in range(groups) for i in range(per_group)]
+    random.Random(35).shuffle(order)
+    own = SCALE_PROMPT - SCALE_SHARED
+    return [(g, completion(prefixes[g] + scale_text(f"scale {g} {i}", own))) for g, i in order]
+
+
+def scale_run(instances: int, dp: int, quick: bool) -> ScaleRow:
+    """One fleet size: every request of the workload hashed, then routed by both stages of
+    the current router (each claim timed on its own, then released, as decision_costs
+    does), against an oracle; then the indexes' memory.
+
+    The oracle sends each prefix group to the engine that already holds it and forgets
+    nothing: a prompt finds as many of its leading blocks as any earlier request of its group
+    sent (so its first request finds none, each next one its group's prefix, never its own
+    suffix); counted here as the leading blocks of its chain found among every block sent
+    before (chains of different groups differ from their first block). The router's hit rate
+    is what it believed the chosen prefill engine held (Choice.matched): its own index, which
+    evicts nothing in these runs, so an engine with the cache to keep what it was sent would
+    hold just that."""
+    import gc
+    import tracemalloc
+
+    import mooncake_proxy as mp
+
+    engines = instances * dp
+    decodes = max(1, engines // 8)
+    minimum = SCALE_MIN_DECISIONS // 4 if quick else SCALE_MIN_DECISIONS
+    groups = max(SCALE_GROUPS_PER_ENGINE * engines, -(-minimum // SCALE_PER_GROUP))
+    requests = scale_workload(groups, SCALE_PER_GROUP)
+    fleet = costs_fleet(instances, dp, decodes)
+    matched: list[float] = []
+
+    def observe(stage: str, choice: mp.Choice, key: mp.RouteKey | None) -> None:
+        matched.append(choice.matched)
+
+    fleet.prefill_router.observe = observe
+    hashing, prefill, decode = [], [], []
+    sent: list[tuple[dict[str, Any], mp.Target, mp.Target]] = []
+    oracle_held: set[int] = set()
+    oracle_matched = blocks = 0
+    clock = time.perf_counter
+    gc.collect()
+    started = clock()
+    for _, body in requests:
+        t0 = clock()
+        key = mp.route_key(COMPLETIONS, body, None)
+        t1 = clock()
+        engine = fleet.claim_prefill((), key)
+        t2 = clock()
+        target = fleet.claim_decode((), key)
+        t3 = clock()
+        fleet.release_prefill(engine)
+        fleet.release_decode(target)
+        hashing.append(t1 - t0)
+        prefill.append(t2 - t1)
+        decode.append(t3 - t2)
+        sent.append((body, engine, target))
+        oracle_matched += mp.leading(key.chain, oracle_held)
+        oracle_held.update(key.chain)
+        blocks += len(key.chain)
+    seconds = clock() - started
+    targets: list[mp.Target] = [e for i in fleet.prefills for e in i.engines]
+    targets += fleet.decodes
+    # The indexes again, under tracemalloc (it would slow the timed loop): the same chains
+    # to the same targets, hashed anew so that the ints they keep are counted too.
+    del fleet, oracle_held
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    indexes = {id(t): mp.PrefixIndex(t.index.capacity) for t in targets}
+    for body, *chosen in sent:
+        chain = mp.route_key(COMPLETIONS, body, None).chain
+        for one in chosen:
+            indexes[id(one)].add(chain)
+    for index in indexes.values():
+        index.forget_sends_before(math.inf)  # the last seconds' sends: not the index's size
+    index_bytes = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    index_blocks = sum(len(index.blocks) for index in indexes.values())
+    assert index_blocks == sum(len(t.index.blocks) for t in targets)  # the run's, rebuilt
+    us = 1e6
+    return ScaleRow(
+        instances=instances,
+        dp=dp,
+        engines=engines,
+        decodes=decodes,
+        groups=groups,
+        decisions=len(requests),
+        hash_p50_us=percentile(hashing, 0.5) * us,
+        hash_p99_us=percentile(hashing, 0.99) * us,
+        prefill_p50_us=percentile(prefill, 0.5) * us,
+        prefill_p99_us=percentile(prefill, 0.99) * us,
+        decode_p50_us=percentile(decode, 0.5) * us,
+        decode_p99_us=percentile(decode, 0.99) * us,
+        index_bytes=index_bytes,
+        index_blocks=index_blocks,
+        hit_rate=sum(matched) / blocks,
+        oracle=oracle_matched / blocks,
+        seconds=seconds,
+    )
+
+
+def scale_table(rows: Sequence[ScaleRow]) -> str:
+    lines = [
+        "| prefill engines (instances × DP) | decodes | decisions (groups) | hashing p50 / p99 "
+        "| prefill p50 / p99 | decode p50 / p99 | index memory, all targets (per target) "
+        "| hit rate | oracle | vs oracle |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.engines:,} ({r.instances} × {r.dp}) | {r.decodes} "
+            f"| {r.decisions:,} ({r.groups:,}) | {r.hash_p50_us:.0f} / {r.hash_p99_us:.0f} µs "
+            f"| {r.prefill_p50_us:,.0f} / {r.prefill_p99_us:,.0f} µs "
+            f"| {r.decode_p50_us:,.0f} / {r.decode_p99_us:,.0f} µs "
+            f"| {r.index_bytes / 1e6:.1f} MB ({r.index_bytes / (r.engines + r.decodes) / 1e3:.0f} "
+            f"kB) | {r.hit_rate:.3f} | {r.oracle:.3f} | {r.hit_rate / r.oracle:.2f}× |"
+        )
+    return "\n".join(lines)
+
+
+def scale_verdict(rows: Sequence[ScaleRow]) -> str:
+    at = [r for r in rows if r.engines == TARGET_ENGINES]
+    if not at:
+        return f"verdict: no run at {TARGET_ENGINES} engines, the targets' size"
+    r = at[0]
+    figures = [
+        (f"{stage} p{q}", value, target)
+        for stage, p50, p99 in (
+            ("prefill", r.prefill_p50_us, r.prefill_p99_us),
+            ("decode", r.decode_p50_us, r.decode_p99_us),
+        )
+        for q, value, target in ((50, p50, TARGET_P50_US), (99, p99, TARGET_P99_US))
+    ]
+    missed = [(name, value / target) for name, value, target in figures if value > target]
+    said = ", ".join(f"{name} {value:,.0f} µs (≤ {target:.0f})" for name, value, target in figures)
+    if not missed:
+        return f"verdict at {TARGET_ENGINES} engines: targets met: {said}"
+    over = ", ".join(f"{name} {times:.1f}×" for name, times in missed)
+    return f"verdict at {TARGET_ENGINES} engines: targets NOT met: {said}; over by {over}"
+
+
+def scale_plot(rows: Sequence[ScaleRow], path: str) -> None:
+    if (plt := pyplot()) is None:
+        return
+    sizes = [r.engines for r in rows]
+    figure, (times, hits) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, values, style in (
+        ("prefill p50", [r.prefill_p50_us for r in rows], "o-"),
+        ("prefill p99", [r.prefill_p99_us for r in rows], "o--"),
+        ("decode p50", [r.decode_p50_us for r in rows], "s-"),
+        ("decode p99", [r.decode_p99_us for r in rows], "s--"),
+        ("hashing the prompt p50", [r.hash_p50_us for r in rows], "^:"),
+    ):
+        times.plot(sizes, values, style, label=label)
+    for target, label in ((TARGET_P50_US, "target p50"), (TARGET_P99_US, "target p99")):
+        times.axhline(target, color="grey", linestyle="-." if target < 100 else ":", lw=1)
+        times.annotate(label, (sizes[0], target), fontsize=7, color="grey", va="bottom")
+    times.set_title("decision time per stage (µs, in process)")
+    hits.plot(sizes, [r.hit_rate for r in rows], "o-", label="current router (believed)")
+    hits.plot(sizes, [r.oracle for r in rows], "k_", markersize=20, label="oracle")
+    hits.set_ylim(0, 1)
+    hits.set_title("prefill hit rate, shared-prefix groups")
+    for axis in (times, hits):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sizes, [str(s) for s in sizes])
+        axis.set_xlabel("prefill engines")
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7)
+    times.set_yscale("log")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    print(f"plot: {path}")
+
+
+def scale(args: argparse.Namespace) -> int:
+    """--scale: the table, the verdict, and --json / --plot."""
+    sizes = SCALE_SIZES[:3] if args.quick else SCALE_SIZES
+    print(
+        "Simulated in process: no sockets, no servers, no health checks, no scrapes; the current "
+        "router (Fleet.claim_prefill and claim_decode, prefix_aware) on 8 KiB prompts from "
+        f"shared-prefix groups ({SCALE_SHARED // 1024} KiB prefix, {SCALE_PER_GROUP} requests a "
+        f"group, {SCALE_GROUPS_PER_ENGINE} groups per engine or more, shuffled); each claim "
+        "released before the next request.",
+        flush=True,
+    )
+    rows = []
+    for instances, dp in sizes:
+        row = scale_run(instances, dp, args.quick)
+        print(
+            f"{row.engines:>5} engines, {row.decodes:>3} decodes: {row.decisions:,} decisions in "
+            f"{row.seconds:.1f} s; prefill p50 {row.prefill_p50_us:,.0f} µs, decode p50 "
+            f"{row.decode_p50_us:,.0f} µs, hit rate {row.hit_rate:.3f} (oracle {row.oracle:.3f})",
+            flush=True,
+        )
+        rows.append(row)
+    print("\n" + scale_table(rows) + "\n")
+    verdict = scale_verdict(rows)
+    print(verdict)
+    if args.json:
+        document = {
+            "simulated": "in process: no sockets, no servers",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+            "python": platform.python_version(),
+            "targets": {
+                "engines": TARGET_ENGINES,
+                "p50_us": TARGET_P50_US,
+                "p99_us": TARGET_P99_US,
+            },
+            "rows": [asdict(r) for r in rows],
+            "verdict": verdict,
+        }
+        Path(args.json).write_text(json.dumps(document, indent=2))
+    if args.plot:
+        scale_plot(rows, args.plot)
+    return 0
 
 
 BLOCK = 16  # the fakes' KV block, in tokens
@@ -820,9 +1093,17 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=1, help="run every row this many times; medians kept"
     )
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="instead: the decision's cost, index memory and hit rate from 8 to 1,024 engines, "
+        "simulated in process (with --quick: up to 128)",
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     args = parser.parse_args()
+    if args.scale:
+        return scale(args)
     os.environ.pop("NOTIFY_SOCKET", None)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_dir = None
