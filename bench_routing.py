@@ -656,9 +656,9 @@ def join_cost() -> float:
 SCALE_SIZES = ((1, 8), (4, 8), (8, 16), (8, 64), (16, 64))
 SCALE_PROMPT = 8192  # bytes a prompt: 16 of the router's 512-byte blocks
 SCALE_SHARED = 7168  # of them, its group's prefix (14 blocks); the rest is its own
-SCALE_PER_GROUP = 3  # requests per prefix group: the first a first sight, the rest hits
+SCALE_PER_GROUP = 4  # requests per prefix group: the first a first sight, the rest hits
 SCALE_GROUPS_PER_ENGINE = 2
-SCALE_MIN_DECISIONS = 2000  # at the small sizes, more groups: a p99 of enough decisions
+SCALE_MIN_DECISIONS = 4000  # at the small sizes, more groups: a p99 of enough decisions
 # Issue 35's targets, per stage, for an 8 KiB prompt at 512 engines.
 TARGET_ENGINES, TARGET_P50_US, TARGET_P99_US = 512, 50.0, 150.0
 
@@ -842,11 +842,11 @@ def scale_plot(rows: Sequence[ScaleRow], path: str) -> None:
     sizes = [r.engines for r in rows]
     figure, (times, hits) = plt.subplots(1, 2, figsize=(11, 4))
     for label, values, style in (
-        ("prefill p50", [r.prefill_p50_us for r in rows], "o-"),
-        ("prefill p99", [r.prefill_p99_us for r in rows], "o--"),
-        ("decode p50", [r.decode_p50_us for r in rows], "s-"),
-        ("decode p99", [r.decode_p99_us for r in rows], "s--"),
-        ("hashing the prompt p50", [r.hash_p50_us for r in rows], "^:"),
+        ("prefill p50", [r.prefill_p50_us for r in rows], "C0o-"),
+        ("prefill p99", [r.prefill_p99_us for r in rows], "C0o--"),
+        ("decode p50", [r.decode_p50_us for r in rows], "C1s-"),
+        ("decode p99", [r.decode_p99_us for r in rows], "C1s--"),
+        ("hashing the prompt p50", [r.hash_p50_us for r in rows], "C2^:"),
     ):
         times.plot(sizes, values, style, label=label)
     for target, label in ((TARGET_P50_US, "target p50"), (TARGET_P99_US, "target p99")):
