@@ -3,6 +3,7 @@
     python bench_routing.py --quick                  # a smoke run: two workloads, a minute
     python bench_routing.py --plot routing.png       # the full table (make bench-routing)
     python bench_routing.py --scale                  # 8 to 1,024 engines, in process, ~3 min
+    python bench_routing.py --scale-events           # following KV events, 8 to 512 engines
 
 A simulated cluster on loopback: 4 prefill instances with 2 DP ranks each (8 engines) and 4
 decodes, all ``fake_vllm.FakeVllm``: each engine keeps an LRU prefix cache of a fixed number
@@ -31,12 +32,19 @@ one hot prefix (sglang issue 21199's trap).
 time of each stage (p50, p99), the prompt's hashing apart, its prefix indexes' memory, and its
 hit rate on shared-prefix groups against an oracle (scale_run says how each is counted); one
 table, and a verdict against the targets at 512 engines (50 us p50, 150 us p99 per stage).
+
+``--scale-events`` measures what following vLLM's KV cache events costs one process: a KvFeed
+per prefill engine (8, 64, 512), each view holding 20,000 blocks, fed vLLM 0.32's msgpack
+batches through the proxy's own decode and take_kv_batch (events_run says what is timed); one
+table, and a verdict against 512 engines at 1,500 block events a second each within a quarter
+of a core. Under a minute.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -51,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -914,6 +922,319 @@ def scale(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- --scale-events: what following vLLM's KV cache events costs one process (in process)
+
+EVENTS_SIZES = (8, 64, 512)  # prefill engines followed by one process
+# Blocks each engine's view holds throughout a run: 320,000 tokens, 40 GiB of KV for an 8B model
+# at 128 KiB a token (Llama 3 8B in bf16), which an 80 GB GPU holds beside its weights.
+EVENTS_VIEW_BLOCKS = 20_000
+EVENTS_CHAIN = 50  # blocks a prompt (800 tokens) in the views' first contents
+# One batch as vLLM publishes a step's events (fake_vllm's EngineSim.kv_events): a BlockRemoved
+# for each block evicted to make room, then a BlockStored for each request's run of new blocks.
+EVENTS_RUN, EVENTS_RUNS = 16, 2  # two requests, 256 new tokens each
+EVENTS_BATCH = EVENTS_RUN * EVENTS_RUNS  # blocks stored a batch, and as many evicted
+EVENTS_TIMED = 1 << 18  # block events timed per pass and fleet size
+EVENTS_VOCAB = 128_256  # token ids are drawn below it (Llama 3's vocabulary)
+# A prefill engine storing 750 new 16-token blocks a second (12,000 prompt tokens) and evicting
+# as many: the low side of an estimate of a GPU's pace (one to two thousand blocks stored and
+# evicted a second), not measured. The cost is linear in it. With EVENTS_BATCH, 23 batches a
+# second an engine.
+EVENTS_RATE = 1_500  # block events a second per prefill engine
+EVENTS_TARGET_ENGINES, EVENTS_TARGET_CORE = 512, 0.25
+
+
+@dataclass
+class EventsRow:
+    engines: int
+    view_blocks: int  # per engine, throughout
+    view_bytes: int  # one engine's view (HeldBlocks) at view_blocks, by tracemalloc
+    stored_us: float  # per BlockStored block: msgpack decode + take_kv_batch, stored-only batches
+    removed_us: float  # per BlockRemoved block, removed-only batches
+    mixed_us: float  # per block event in vLLM's batches (half evicted, half stored)
+    decode_us: float  # of mixed_us, msgspec's decode
+    apply_us: float  # of mixed_us, take_kv_batch
+    gc_seconds: float  # a full garbage collection, and the young ones that then see every view
+    batches: int  # timed, all passes
+    seconds: float  # the timed passes' wall time
+
+    @property
+    def per_core(self) -> float:
+        """Block events one core follows a second, in vLLM's batches."""
+        return 1e6 / self.mixed_us
+
+    @property
+    def core_share(self) -> float:
+        """The share of a core one process spends following its engines at EVENTS_RATE."""
+        return self.engines * EVENTS_RATE * self.mixed_us / 1e6
+
+
+def stored_event(hashes: list[int], parent: int | None, tokens: list[int]) -> dict[str, Any]:
+    """A BlockStored as vLLM 0.32 sends one: a map with its type, 64-bit int hashes (the default
+    of VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), extra_keys None for each plain block."""
+    return {
+        "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+        "token_ids": tokens, "block_size": BLOCK, "lora_id": None, "medium": "GPU",
+        "lora_name": None, "extra_keys": [None] * len(hashes), "group_idx": 0,
+    }  # fmt: skip
+
+
+def removed_event(block_hash: int) -> dict[str, Any]:
+    """One evicted block, as vLLM's block pool reports each."""
+    return {"type": "BlockRemoved", "block_hashes": [block_hash], "medium": "GPU", "group_idx": 0}
+
+
+def events_payload(events: list[dict[str, Any]]) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode([time.time(), events, 0])  # [ts, events, dp_rank]
+
+
+def events_history(rng: random.Random, kinds: Sequence[str]) -> tuple[list[bytes], list[bytes]]:
+    """One engine's events, msgpack-encoded, the same for every engine of a run: the batches
+    that fill its view with EVENTS_VIEW_BLOCKS blocks (prompts of EVENTS_CHAIN blocks), then a
+    batch for each of ``kinds``: "stored" (EVENTS_RUNS runs of new blocks), "removed" (as many
+    evicted, the oldest first) or "step" (vLLM's: both). Every block removed is held, every
+    new run's parent too (the view's first block, never evicted), so no event takes a short
+    way out."""
+    fill, fifo = [], []
+    for _ in range(0, EVENTS_VIEW_BLOCKS, EVENTS_CHAIN):
+        hashes = [rng.getrandbits(64) for _ in range(EVENTS_CHAIN)]
+        tokens = rng.choices(range(EVENTS_VOCAB), k=EVENTS_CHAIN * BLOCK)
+        fill.append(events_payload([stored_event(hashes, None, tokens)]))
+        fifo += hashes
+    root = fifo[0]
+    held = collections.deque(fifo[1:])
+    batches = []
+    for kind in kinds:
+        events = []
+        if kind != "stored":
+            events += [removed_event(held.popleft()) for _ in range(EVENTS_BATCH)]
+        if kind != "removed":
+            for _ in range(EVENTS_RUNS):
+                hashes = [rng.getrandbits(64) for _ in range(EVENTS_RUN)]
+                tokens = rng.choices(range(EVENTS_VOCAB), k=EVENTS_RUN * BLOCK)
+                events.append(stored_event(hashes, root, tokens))
+                held += hashes
+        batches.append(events_payload(events))
+    return fill, batches
+
+
+def events_state() -> mp.ProxyState:
+    """A process's state, for take_kv_batch to count batches in its metrics; no sockets."""
+    from yarl import URL
+
+    import mooncake_proxy as mp
+
+    spec = mp.PrefillSpec(URL("http://10.0.0.1:8100"), URL("http://10.0.0.1:8998"))
+    return mp.ProxyState(mp.ProxyConfig(prefills=(spec,), decodes=(URL("http://10.0.1.1:8200"),)))
+
+
+def events_view_bytes(state: mp.ProxyState, fill: Sequence[bytes]) -> int:
+    """One engine's view at EVENTS_VIEW_BLOCKS, filled through the proxy's path, by
+    tracemalloc: what it keeps, the decoded hashes included."""
+    import gc
+    import tracemalloc
+
+    import msgspec
+
+    import mooncake_proxy as mp
+
+    decode = msgspec.msgpack.Decoder().decode
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    feed = mp.KvFeed("tcp://10.0.0.1:5557", None)
+    for seq, payload in enumerate(fill):
+        mp.take_kv_batch(state, feed, seq, decode(payload))
+    kept = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert len(feed.held) == EVENTS_VIEW_BLOCKS
+    return kept
+
+
+@contextlib.contextmanager
+def gc_timed(spent: list[float]) -> Iterator[None]:
+    """The time of each garbage collection meanwhile, appended to ``spent``."""
+    import gc
+
+    started: list[float] = []
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            spent.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(note)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(note)
+
+
+def events_run(engines: int, state: mp.ProxyState, seed: int) -> EventsRow:
+    """One fleet size: a KvFeed per engine, each view filled to EVENTS_VIEW_BLOCKS, then the
+    timed passes, the engines taken in turn batch by batch as their streams interleave: stored
+    and removed batches alternating (each kind timed apart), then vLLM's steps (decoding and
+    applying timed apart). Each pass is EVENTS_TIMED block events over all engines; the views
+    end as full as they started. What is timed is the proxy's path once a batch's bytes are
+    in (follow_kv_feed's decode and take_kv_batch), not receiving them from ZMQ.
+
+    Before them, untimed but for the garbage collector: a full collection (gc.collect) leaves
+    the views' dicts untracked, as their values are tuples of ints; each one's next stored
+    block tracks it again, and the young collections that follow traverse it whole. A warm-up
+    batch per engine and gc.collect(1) take that once, so that the passes see the steady
+    state; a real process pays it after each full collection. gc_seconds: the collections'
+    time, the full one's and those of the warm-up."""
+    import gc
+
+    import msgspec
+
+    import mooncake_proxy as mp
+
+    per_engine = max(2, EVENTS_TIMED // engines // EVENTS_BATCH)  # batches a pass, even
+    per_engine -= per_engine % 2
+    kinds = ["stored", "removed"] * (1 + per_engine // 2) + ["step"] * (per_engine // 2)
+    fill, batches = events_history(random.Random(seed), kinds)
+    decode = msgspec.msgpack.Decoder().decode  # as watch_kv_events makes it
+    feeds = [mp.KvFeed(f"tcp://10.0.{n // 64}.{n % 64}:5557", None) for n in range(engines)]
+    for seq, payload in enumerate(fill):
+        for feed in feeds:
+            mp.take_kv_batch(state, feed, seq, decode(payload))
+    pauses: list[float] = []
+    with gc_timed(pauses):
+        gc.collect()
+        for feed in feeds:  # the warm-up: a stored block tracks each view's dict again
+            mp.take_kv_batch(state, feed, len(fill), decode(batches[0]))
+        gc.collect(1)
+    for feed in feeds:
+        mp.take_kv_batch(state, feed, len(fill) + 1, decode(batches[1]))
+    clock = time.perf_counter
+    spent = dict.fromkeys(("stored", "removed", "decode", "apply"), 0.0)
+    timed = enumerate(zip(kinds[2:], batches[2:], strict=True), len(fill) + 2)
+    started = clock()
+    for seq, (kind, payload) in timed:
+        if kind == "step":
+            for feed in feeds:
+                t0 = clock()
+                batch = decode(payload)
+                t1 = clock()
+                mp.take_kv_batch(state, feed, seq, batch)
+                t2 = clock()
+                spent["decode"] += t1 - t0
+                spent["apply"] += t2 - t1
+        else:
+            for feed in feeds:
+                t0 = clock()
+                mp.take_kv_batch(state, feed, seq, decode(payload))
+                spent[kind] += clock() - t0
+    seconds = clock() - started
+    for feed in feeds:  # every event took the proxy's full path: none missed, none refused
+        assert feed.gaps == 0 and feed.problem is None and feed.held.unplaced == 0
+        assert len(feed.held) == EVENTS_VIEW_BLOCKS
+    per_kind = engines * per_engine // 2 * EVENTS_BATCH  # block events of each kind, timed
+    us = 1e6
+    return EventsRow(
+        engines=engines,
+        view_blocks=EVENTS_VIEW_BLOCKS,
+        view_bytes=0,
+        stored_us=spent["stored"] / per_kind * us,
+        removed_us=spent["removed"] / per_kind * us,
+        mixed_us=(spent["decode"] + spent["apply"]) / (2 * per_kind) * us,
+        decode_us=spent["decode"] / (2 * per_kind) * us,
+        apply_us=spent["apply"] / (2 * per_kind) * us,
+        gc_seconds=sum(pauses),
+        batches=engines * (len(kinds) - 2),
+        seconds=seconds,
+    )
+
+
+def events_table(rows: Sequence[EventsRow]) -> str:
+    lines = [
+        "| prefill engines | views' memory (per engine) | stored | removed "
+        "| vLLM's batches (decode + apply) | block events / s per core "
+        f"| share of a core at {EVENTS_RATE:,} / s per engine "
+        "| a full GC and the young ones after it |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.engines:,} | {r.view_bytes * r.engines / 1e9:.2f} GB "
+            f"({r.view_bytes / 1e6:.1f} MB) | {r.stored_us:.2f} µs | {r.removed_us:.2f} µs "
+            f"| {r.mixed_us:.2f} µs ({r.decode_us:.2f} + {r.apply_us:.2f}) "
+            f"| {r.per_core:,.0f} | {r.core_share:.2f} | {r.gc_seconds:.2f} s |"
+        )
+    return "\n".join(lines)
+
+
+def events_verdict(rows: Sequence[EventsRow]) -> str:
+    at = [r for r in rows if r.engines == EVENTS_TARGET_ENGINES]
+    if not at:
+        return f"verdict: no run at {EVENTS_TARGET_ENGINES} engines, the target's size"
+    r = at[0]
+    said = (
+        f"{r.engines} engines at {EVENTS_RATE:,} block events a second each take "
+        f"{r.core_share:.2f} of a core per process (target ≤ {EVENTS_TARGET_CORE}); every "
+        "--workers process and every replica follows every engine, so N workers and R "
+        f"replicas spend N × R × {r.core_share:.2f} cores in all"
+    )
+    if r.core_share <= EVENTS_TARGET_CORE:
+        return f"verdict: target met: {said}"
+    needed = EVENTS_TARGET_CORE * 1e6 / (r.engines * EVENTS_RATE)
+    apply_share = r.engines * EVENTS_RATE * r.apply_us / 1e6
+    return (
+        f"verdict: target NOT met, {r.core_share / EVENTS_TARGET_CORE:.1f}× over: {said}. It "
+        f"needs {needed:.2f} µs a block event, not {r.mixed_us:.2f}; decoding is "
+        f"{r.decode_us:.2f} µs of it, take_kv_batch {r.apply_us:.2f} (with decoding free: "
+        f"{apply_share:.2f} of a core)"
+    )
+
+
+def scale_events(args: argparse.Namespace) -> int:
+    """--scale-events: the table, the verdict, and --json."""
+    sizes = EVENTS_SIZES[:2] if args.quick else EVENTS_SIZES
+    print(
+        f"Simulated in process, no sockets: one KvFeed per prefill engine, each view holding "
+        f"{EVENTS_VIEW_BLOCKS:,} 16-token blocks throughout; vLLM 0.32's msgpack batches "
+        f"({EVENTS_BATCH} blocks evicted a step, one event each, and {EVENTS_RUNS} runs of "
+        f"{EVENTS_RUN} new blocks) decoded by msgspec and applied by take_kv_batch, the "
+        "engines taken in turn; ZMQ's receiving is not counted.",
+        flush=True,
+    )
+    state = events_state()
+    rows = []
+    for n, engines in enumerate(sizes):
+        row = events_run(engines, state, seed=n)
+        print(
+            f"{engines:>4} engines: {row.batches:,} batches in {row.seconds:.1f} s; "
+            f"{row.mixed_us:.2f} µs a block event, {row.core_share:.2f} of a core at "
+            f"{EVENTS_RATE:,} a second each",
+            flush=True,
+        )
+        rows.append(row)
+    fill, _ = events_history(random.Random(99), ())
+    view_bytes = events_view_bytes(state, fill)
+    rows = [dataclasses.replace(r, view_bytes=view_bytes) for r in rows]
+    print("\n" + events_table(rows) + "\n")
+    verdict = events_verdict(rows)
+    print(verdict)
+    if args.json:
+        document = {
+            "simulated": "in process: no sockets; decode + take_kv_batch per batch",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+            "python": platform.python_version(),
+            "rate_per_engine": EVENTS_RATE,
+            "target": {"engines": EVENTS_TARGET_ENGINES, "core_share": EVENTS_TARGET_CORE},
+            "rows": [
+                asdict(r) | {"per_core": r.per_core, "core_share": r.core_share} for r in rows
+            ],
+            "verdict": verdict,
+        }
+        Path(args.json).write_text(json.dumps(document, indent=2))
+    return 0
+
+
 BLOCK = 16  # the fakes' KV block, in tokens
 
 
@@ -1100,11 +1421,19 @@ def main() -> int:
         help="instead: the decision's cost, index memory and hit rate from 8 to 1,024 engines, "
         "simulated in process (with --quick: up to 128)",
     )
+    parser.add_argument(
+        "--scale-events",
+        action="store_true",
+        help="instead: what following vLLM's KV cache events costs one process for 8, 64 and "
+        "512 engines, in process (with --quick: up to 64)",
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     args = parser.parse_args()
     if args.scale:
         return scale(args)
+    if args.scale_events:
+        return scale_events(args)
     os.environ.pop("NOTIFY_SOCKET", None)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_dir = None
