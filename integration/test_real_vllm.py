@@ -707,7 +707,8 @@ def test_a_decode_killed_during_a_plain_answer_is_answered_whole_by_another(
             outcome["text"], _ = completion_text(cluster.client(proxy.url), False, **params)
         except openai.OpenAIError as error:
             outcome["error"] = error
-        outcome["took"] = time.monotonic() - started
+        outcome["ended"] = time.monotonic()
+        outcome["took"] = outcome["ended"] - started
 
     try:
         victim.start()
@@ -736,12 +737,16 @@ def test_a_decode_killed_during_a_plain_answer_is_answered_whole_by_another(
                 time.sleep(0.02)
         assert victim.process is not None
         os.killpg(victim.process.pid, signal.SIGKILL)
+        killed = time.monotonic()
         request.join(KV_ABORT_TIMEOUT * 3)
     finally:
         proxy.stop()
         victim.stop()
     assert "error" not in outcome, outcome
-    assert outcome["took"] < KV_ABORT_TIMEOUT, outcome["took"]
+    # From the kill, not from the request: on these loaded cores the kill once came 28 s after
+    # the request (the victim's /health timed out meanwhile), and the answer 4 s after the kill;
+    # what this test proves is the time the proxy takes once the decode is gone.
+    assert outcome["ended"] - killed < KV_ABORT_TIMEOUT, (outcome["ended"] - killed, outcome)
     local, _ = completion_text(cluster.client(cluster.decode.url), False, **params)
     assert outcome["text"] == local
 
