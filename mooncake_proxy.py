@@ -2616,14 +2616,14 @@ class StreamJournal:
     def ids_withheld(self) -> bool:
         """Tokens sent without their ids, lately: vLLM hides them from a chat whose reasoning
         its parser hides (include_reasoning false), and going on would repeat them."""
-        for data in self.recent:
-            for event in data.split(b"\n\n"):
-                if not event.startswith(b"data: {"):
-                    continue
-                for choice in json.loads(event[6:]).get("choices") or ():
-                    if has_text(choice) and not choice.get("token_ids"):
-                        return True
-        return False
+        return any(has_text(c) and not c.get("token_ids") for c in self.recent_choices())
+
+    def recent_choices(self) -> Iterator[dict[str, Any]]:
+        """The choices of the last reads' events, the latest first (parsed: only on a cut)."""
+        for data in reversed(self.recent):
+            for event in reversed(data.split(b"\n\n")):
+                if event.startswith(b"data: {"):
+                    yield from json.loads(event[6:]).get("choices") or ()
 
     def continuation(self) -> dict[str, Any]:
         """The /v1/completions request that goes on from the last token whose text the
@@ -2649,15 +2649,11 @@ class StreamJournal:
         them again: vLLM holds back the bytes of a character that is not whole yet, and 0.32
         continuing from a prompt that ends inside one sent the prompt's text (seen)."""
         textless = 0
-        for data in reversed(self.recent):
-            for event in reversed(data.split(b"\n\n")):
-                if not event.startswith(b"data: {"):
-                    continue
-                for choice in json.loads(event[6:]).get("choices") or ():
-                    if has_text(choice):
-                        return self.forget(textless)
-                    textless += len(choice.get("token_ids") or ())
-        self.forget(textless)  # none had text lately: from before them all
+        for choice in self.recent_choices():
+            if has_text(choice):
+                break
+            textless += len(choice.get("token_ids") or ())
+        self.forget(textless)  # if none had text lately: from before them all
 
     def forget(self, tokens: int) -> None:
         """Drop the last ``tokens`` generated ids."""
