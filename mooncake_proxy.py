@@ -80,6 +80,7 @@ from collections.abc import (
     Collection,
     Container,
     Coroutine,
+    Iterable,
     Iterator,
     Mapping,
     Sequence,
@@ -3864,6 +3865,7 @@ async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
 #   RECENT_SECONDS 10, RECENT_SLACK 4, RECENT_BALANCE 1.5    the share of recent requests
 #   QUEUE_SLACK 2               a prompt's queue where it is held
 #   PLACE_CHOICES 3, PLACE_MARGIN 0.9                        where a new prefix goes
+#   HOLDER_CHOICES 8, RING_POINTS 16        what a decision weighs, at any fleet size
 #   OTHERS_SEND 1.3, PENDING_SECONDS 2, TURNS_KEPT 4096, EARLIER_TURNS 8
 #   KV_FULL 0.98                a cache this full is passed over (vLLM would preempt)
 #   MEAN_UNCACHED_EVENTS 32, INDEX_EVICT_BATCH 1/8           bookkeeping, not behaviour
@@ -3912,6 +3914,16 @@ QUEUE_SLACK: Final = 2.0
 PLACE_CHOICES: Final = 3
 
 PLACE_MARGIN: Final = 0.9
+
+# Of a prompt's holders, at most this many are weighed of those that hold its first block and
+# as many of those that hold the most of it (the first of each in its hash order): a prefix
+# that every engine holds, a system prompt, would otherwise be weighed on every engine.
+HOLDER_CHOICES: Final = 8
+
+# Points each target has on the hash ring (Roster.walk): with 16, the share of new prefixes
+# the luckiest of 512 engines ranks first for is about twice the mean, where the bounded
+# loads take over.
+RING_POINTS: Final = 16
 
 # Other senders (replicas, workers) are seen where the engines' counts of recent requests are
 # this much above this process's own.
@@ -4266,6 +4278,9 @@ class PrefixIndex:
         self.clock = 0
         # (monotonic time, clock before) of each send of the last PENDING_SECONDS.
         self.sends: collections.deque[tuple[float, int]] = collections.deque()
+        # Routing's reverse index (Roster.held), where this index's blocks carry its bit.
+        self.holders: dict[int, int] | None = None
+        self.bit = 0
 
     def match(self, chain: Sequence[int]) -> int:
         """How many of the chain's leading blocks are held."""
@@ -4277,9 +4292,35 @@ class PrefixIndex:
         self.sends.append((now, self.clock))
         start, self.clock = self.clock, self.clock + len(chain)
         self.blocks.update(zip(chain, range(self.clock, start, -1), strict=True))
+        if (holders := self.holders) is not None:
+            bit = self.bit
+            for block in chain:
+                holders[block] = holders.get(block, 0) | bit
         if len(self.blocks) > self.capacity * (1 + INDEX_EVICT_BATCH):
             newest = heapq.nlargest(self.capacity, self.blocks.items(), key=operator.itemgetter(1))
-            self.blocks = dict(newest)
+            kept = dict(newest)
+            self.unhold(self.blocks.keys() - kept.keys())
+            self.blocks = kept
+
+    def attach(self, holders: dict[int, int] | None, bit: int) -> None:
+        """Carry ``bit`` in ``holders`` for every block held, from now on (and no longer in
+        the reverse index it carried one in before)."""
+        self.unhold(self.blocks)
+        self.holders, self.bit = holders, bit
+        if holders is not None:
+            for block in self.blocks:
+                holders[block] = holders.get(block, 0) | bit
+
+    def unhold(self, blocks: Iterable[int]) -> None:
+        """Take this index's bit off ``blocks`` in the reverse index."""
+        if (holders := self.holders) is None:
+            return
+        others = ~self.bit
+        for block in blocks:
+            if mask := holders.get(block, 0) & others:
+                holders[block] = mask
+            else:
+                holders.pop(block, None)
 
     def match_sent_lately(self, chain: Sequence[int]) -> int:
         """How many of the chain's leading blocks this process sent in the last
@@ -4292,6 +4333,7 @@ class PrefixIndex:
             self.sends.popleft()
 
     def clear(self) -> None:
+        self.unhold(self.blocks)
         self.blocks.clear()
         self.sends.clear()
 
@@ -4465,39 +4507,6 @@ class Target:
         return status
 
 
-def recent_requests(targets: Sequence[Target], now: float, fresh_for: float) -> list[float]:
-    """Each target's recent requests, as its engine counted them where every target's scrape
-    says (so that replicas and workers, each sending a part, bound the same whole), else as
-    this process sent them."""
-    if all(t.counts_everyone(now, fresh_for) for t in targets):
-        return [t.everyones_recent(now) for t in targets]
-    return [t.recent_share(now) for t in targets]
-
-
-def own_turns_capped(
-    targets: Sequence[Target], recent: list[float], key: RouteKey, now: float
-) -> list[float]:
-    """The recent requests of each target with, where a chat's earlier turns went there, no
-    more of them than the mean target's share. A conversation's turns come one after another
-    and cannot be spread, so one busy chat alone on a cluster is no pile-up (counted whole,
-    it went elsewhere every few turns, writing its whole history into another cache each
-    time); counted as the mean, several on one engine still are.
-
-    Where replicas or workers share the traffic, this process sent its part of the
-    conversation's turns, and the counts are everyone's: its part is scaled up by the ratio
-    of everyone's requests to its own."""
-    if not key.earlier_turns:
-        return recent
-    mean = sum(recent) / len(recent)
-    ours = sum(t.recent_share(now) for t in targets)
-    senders = max(sum(recent) / ours, 1.0) if ours > 0 else 1.0
-    conversation = [
-        min(t.conversation_share(key, now) * senders, n)
-        for t, n in zip(targets, recent, strict=True)
-    ]
-    return [n - mine + min(mine, mean) for n, mine in zip(recent, conversation, strict=True)]
-
-
 def mix64(value: int) -> int:
     """splitmix64's finaliser: every input bit moves every output bit."""
     value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
@@ -4505,22 +4514,203 @@ def mix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
-def within_bound(loads: Sequence[float], balance: float, slack: float = 0.0) -> list[bool]:
-    """Which targets, given this request too, stay within ``balance`` times the mean load
-    (HAProxy's hash-balance-factor), or within the mean plus ``slack`` while that is more."""
-    mean = (sum(loads) + 1) / len(loads)
-    limit = math.ceil(max(balance * mean, mean + slack))
-    return [load + 1 <= limit for load in loads]
+def ring_points(seed: int) -> list[int]:
+    """A target's points on the hash ring, from its name's hash: the same in every process."""
+    return [mix64(seed << 8 | n) for n in range(RING_POINTS)]
 
 
-def bounded_first(order: Sequence[int], loads: Sequence[float], balance: float) -> int:
-    """Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam): the first
-    target in the key's order whose load stays within the bound; the least loaded if none."""
-    room = within_bound(loads, balance)
-    for i in order:
-        if room[i]:
-            return i
-    return min(order, key=loads.__getitem__)
+def slots_in(mask: int) -> Iterator[int]:
+    """The slots whose bits are set, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def deepest_holders(chain: Sequence[int], holders: Mapping[int, int], members: int) -> int:
+    """The members that hold the most of the chain's leading blocks (a binary search, as in
+    leading: what a target holds of a chain is a prefix of it)."""
+    low, high = 0, len(chain)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if holders.get(chain[middle - 1], 0) & members:
+            low = middle
+        else:
+            high = middle - 1
+    return holders.get(chain[low - 1], 0) & members if low else 0
+
+
+def limit(total: float, count: int, balance: float, slack: float = 0.0) -> float:
+    """The most a target may carry, given one more: ``balance`` times the mean (HAProxy's
+    hash-balance-factor), or the mean plus ``slack`` while that is more."""
+    mean = (total + 1) / count
+    return math.ceil(max(balance * mean, mean + slack))
+
+
+class Roster:
+    """One stage's targets as a decision reads them without visiting each: a slot per target
+    (its bit in the reverse indexes), the hash ring, which targets hold each block (this
+    process's sends, and the engines' KV events), and running totals of their loads and
+    recent requests. A decision then weighs the prompt's holders and the first few targets
+    of its hash order, whatever the fleet's size.
+
+    The totals count this process's claims as they happen; what the engines' scrapes say
+    (other senders' requests) is summed again after each round of scrapes (rescan)."""
+
+    def __init__(self) -> None:
+        self.slot_of: dict[Target, int] = {}
+        self.by_slot: list[Target | None] = []
+        self.free: list[int] = []
+        # The ring: RING_POINTS points per target, sorted, and each point's slot. Every known
+        # target is on it, usable or not, so that every proxy process walks the same ring.
+        self.points: list[int] = []
+        self.point_slots: list[int] = []
+        self.ring_stale = True
+        self.held: dict[int, int] = {}  # PrefixIndex block -> its holders' bits
+        self.reported: dict[int, int] = {}  # HeldBlocks chain -> its holders' bits (KV events)
+        self.block_size = 0  # the KV events' block size, where any target hears them
+        # The targets the last decision was given (a Fleet's tuple), and their bits.
+        self.targets: Sequence[Target] = ()
+        self.position: dict[Target, int] = {}
+        self.members = 0
+        self.in_flight = 0
+        self.recent = Decayed()  # this process's recent requests on them all
+        self.others = 0.0  # other senders' requests on them, as of the last scrapes
+        self.counted = False  # every target's scrape gives its engine's request counter
+        self.counted_recent = Decayed()  # sum of LoadView.recent - ours_recent, decayed
+        self.queued = 0.0  # sum of LoadView.running + waiting
+        self.turn_at: dict[int, Target] = {}  # a chat's turn -> where it went (sent_turn)
+
+    def sync(self, targets: Sequence[Target], now: float, fresh_for: float) -> None:
+        """Take ``targets`` as the stage's usable ones; those not seen before are adopted."""
+        self.targets = targets
+        self.position = {target: i for i, target in enumerate(targets)}
+        members = 0
+        for target in targets:
+            members |= self.bit(target)
+        self.members = members
+        self.rescan(now, fresh_for)
+
+    def bit(self, target: Target) -> int:
+        if (slot := self.slot_of.get(target)) is None:
+            slot = self.free.pop() if self.free else len(self.by_slot)
+            if slot == len(self.by_slot):
+                self.by_slot.append(None)
+            self.by_slot[slot], self.slot_of[target] = target, slot
+            target.index.attach(self.held, 1 << slot)
+            if target.feed is not None:
+                target.feed.held.attach(self.reported, 1 << slot)
+            self.ring_stale = True
+        return 1 << slot
+
+    def keep_only(self, targets: Collection[Target]) -> None:
+        """Forget the targets not among ``targets`` (every one the fleet still has, usable or
+        not): an engine that restarted is a new target, and the old one holds nothing."""
+        for target in [t for t in self.slot_of if t not in targets]:
+            slot = self.slot_of.pop(target)
+            target.index.attach(None, 0)
+            feed = target.feed
+            if (
+                feed is not None
+                and feed.held.holders is self.reported
+                and feed.held.bit == 1 << slot
+            ):
+                feed.held.attach(None, 0)
+            self.by_slot[slot] = None
+            self.free.append(slot)
+            self.ring_stale = True
+            self.members &= ~(1 << slot)
+
+    def rescan(self, now: float, fresh_for: float) -> None:
+        """Sum the targets' counts again: what the scrapes said, and this process's own (which
+        the claims keep current between scrapes, and which this sets right)."""
+        targets = self.targets
+        self.in_flight = sum(t.in_flight for t in targets)
+        self.recent = Decayed(sum(t.recent_share(now) for t in targets), now)
+        self.others = sum(t.load.others(now, fresh_for) for t in targets)
+        self.counted = bool(targets) and all(t.counts_everyone(now, fresh_for) for t in targets)
+        views = [t.load for t in targets]
+        decayed = sum(
+            (v.recent - v.ours_recent) * math.exp((v.scraped_at - now) / RECENT_SECONDS)
+            for v in views
+            if self.counted
+        )
+        self.counted_recent = Decayed(decayed, now)
+        self.queued = sum(v.running + v.waiting for v in views)
+        sizes = (t.feed.held.block_size for t in targets if t.hears_events and t.feed)
+        self.block_size = next(sizes, 0)
+
+    def recent_total(self, now: float) -> float:
+        """The sum of every target's recent requests (Target.recent_here)."""
+        ours = self.recent.now(now)
+        return self.counted_recent.now(now) + self.queued + ours if self.counted else ours
+
+    def walk(self, point: int) -> Iterator[Target]:
+        """The usable targets in the ring's order from ``point``, each once."""
+        if self.ring_stale:
+            ring = sorted(
+                (point, slot)
+                for target, slot in self.slot_of.items()
+                for point in ring_points(target.seed)
+            )
+            self.points = [p for p, _ in ring]
+            self.point_slots = [slot for _, slot in ring]
+            self.ring_stale = False
+        start = bisect.bisect_left(self.points, point)
+        slots, by_slot, members = self.point_slots, self.by_slot, self.members
+        seen = 0
+        for i in itertools.chain(range(start, len(slots)), range(start)):
+            slot = slots[i]
+            bit = 1 << slot
+            if members & bit and not seen & bit:
+                seen |= bit
+                yield cast(Target, by_slot[slot])
+
+    def holders(self, key: RouteKey) -> tuple[int, int]:
+        """The usable targets believed to hold the prompt's first block, and those believed to
+        hold the most of it: as this process sent it, and as KV events say."""
+        chain, members, held = key.chain, self.members, self.held
+        first = held.get(chain[0], 0) & members if chain else 0
+        tokens: list[int] = []
+        if self.reported and key.tokens is not None and self.block_size:
+            tokens = key.token_chain(self.block_size)
+            first |= self.reported.get(tokens[0], 0) & members if tokens else 0
+        if first.bit_count() <= HOLDER_CHOICES:
+            return first, first
+        most = deepest_holders(chain, held, members)
+        if tokens:
+            most |= deepest_holders(tokens, self.reported, members)
+        return first, most
+
+    def claimed(self, target: Target, uncached: float) -> None:
+        target.claimed(uncached)
+        if target in self.position:
+            self.in_flight += 1
+
+    def released(self, target: Target) -> None:
+        target.released()
+        if target in self.position:
+            self.in_flight -= 1
+
+    def sent(self, target: Target, key: RouteKey, now: float, uncached: float) -> None:
+        """What prefix_aware remembers of a request sent: its blocks, and its turn."""
+        target.index.add(key.chain)
+        target.count_recent(now, uncached)
+        if target in self.position:
+            self.recent.add(now, 1)
+        if key.turn:
+            target.sent_turn(key, now)
+            for turn in key.earlier_turns:
+                if self.turn_at.get(turn) is target:
+                    del self.turn_at[turn]
+            self.turn_at.pop(key.turn, None)
+            self.turn_at[key.turn] = target
+            if len(self.turn_at) > TURNS_KEPT * max(len(self.targets), 1):
+                del self.turn_at[next(iter(self.turn_at))]
+
+    def conversation(self, key: RouteKey) -> set[Target]:
+        """Where this process sent the chat's earlier turns."""
+        return {t for turn in key.earlier_turns if (t := self.turn_at.get(turn)) is not None}
 
 
 @dataclass
@@ -4530,13 +4720,57 @@ class Choice:
     matched: float  # blocks of the prompt the target is believed to hold
 
 
+@dataclass(slots=True)
+class Bounds:
+    """One decision's bounds (Router.bounds): the most recent requests and the longest queue
+    a target may have to be weighed, and the queue it may have to take a new prefix."""
+
+    now: float
+    fresh_for: float
+    everyone: bool  # recent requests as the engines counted them (Roster.counted)
+    recent_limit: float
+    queue_limit: float
+    room_limit: float
+    conversation: dict[Target, float]  # a chat's own turns over the mean, not counted
+    roomy_only: bool = True  # KV caches past KV_FULL are passed over
+    bounded: bool = True  # the recent and queue bounds apply
+
+    def load(self, target: Target) -> float:
+        return target.in_flight + target.load.others(self.now, self.fresh_for)
+
+    def admits(self, target: Target) -> bool:
+        if self.roomy_only and target.load.kv_usage >= KV_FULL:
+            return False
+        if not self.bounded:
+            return True
+        now = self.now
+        recent = target.everyones_recent(now) if self.everyone else target.recent_share(now)
+        recent -= self.conversation.get(target, 0.0)
+        return recent + 1 <= self.recent_limit and self.load(target) + 1 <= self.queue_limit
+
+    def has_room(self, target: Target) -> bool:
+        return self.load(target) + 1 <= self.room_limit
+
+    def relax(self) -> bool:
+        """Where no target is admitted: first without the bounds, then without KV_FULL."""
+        if self.bounded:
+            self.bounded = False
+        elif self.roomy_only:
+            self.roomy_only = False
+        else:
+            return False
+        return True
+
+
 class Router:
     """Picks one stage's target: prefix_aware (the cost below), least_loaded or round_robin.
 
     prefix_aware: a prompt none of the targets holds goes where a bounded-load consistent
     hash of its first block (or its session key) ranks first, or to the one of its first
     three written least lately (place), so every proxy process sends a new prefix to the
-    same few engines. Otherwise the target with the least
+    same few engines. Otherwise, of the targets that hold the prompt's first block (at most
+    HOLDER_CHOICES of them, and as many of those that hold the most of it) and the first of
+    its hash order, the one with the least
         cost = load_weight x queued work + blocks of this prompt it lacks x (1 + turnover)
     wins, the queued work being the blocks this process's requests there still have to
     compute, plus other senders' requests (from the scrape) at the mean such work: a prompt
@@ -4546,6 +4780,9 @@ class Router:
     evicts one in use. Targets over their share of recent requests (RECENT_SECONDS; a chat's
     own earlier turns count at most the mean), or whose queue is past its bound
     (QUEUE_SLACK), are left out first.
+
+    The Roster keeps what that reads of the whole stage, so a decision costs the same on 8
+    engines or 1,024 (bench_routing.py --scale).
     """
 
     def __init__(self, stage: str, load_weight: float, balance: float, fresh_for: float) -> None:
@@ -4554,6 +4791,7 @@ class Router:
         self.balance = balance
         self.fresh_for = fresh_for
         self.turn = itertools.count()
+        self.roster = Roster()
         # Blocks a request has to compute, on average: what one more queued request weighs.
         self.mean_uncached = 1.0
         # Told of every decision (the metrics set it).
@@ -4565,45 +4803,20 @@ class Router:
         target = targets[choice.index]
         blocks = len(key.chain) if key is not None else 0
         uncached = max(blocks - choice.matched, 1)  # a request costs a block at the least
-        target.claimed(uncached)
+        self.roster.claimed(target, uncached)
         if key is not None and policy is Policy.PREFIX_AWARE:  # what only prefix_aware reads
-            target.index.add(key.chain)
-            now = time.monotonic()
-            target.count_recent(now, uncached)
-            target.sent_turn(key, now)
+            self.roster.sent(target, key, time.monotonic(), uncached)
             self.mean_uncached += (uncached - self.mean_uncached) / MEAN_UNCACHED_EVENTS
         if self.observe is not None:
             self.observe(self.stage, choice, key)
         return choice
 
-    def place(
-        self,
-        targets: Sequence[Target],
-        order: list[int],
-        loads: list[float],
-        now: float,
-        others_send: bool,
-    ) -> int:
-        """Where a prefix no target holds goes: of the first PLACE_CHOICES targets in its hash
-        order that have room under the load bound, the one whose cache was written least
-        lately (write_share). Where other senders are seen, whose writes reach this process
-        late if at all, only if clearly less than the first's (under PLACE_MARGIN of it), so
-        that processes which count the writes apart still mostly agree: the candidates are
-        the same in all of them.
+    def release(self, target: Target) -> None:
+        self.roster.released(target)
 
-        Not the first of the hash order alone: a family of prompts whose shared head was
-        evicted comes back to the same engine each time, two busy families that hash alike
-        share one cache, and it turns over faster than the rest, evicting their next
-        relatives' heads. Nor back to the engine that evicted the prefix (as KV events say):
-        the same stickiness."""
-        room = within_bound(loads, self.balance)
-        choices = [i for i in order if room[i]][:PLACE_CHOICES]
-        if not choices:  # none has room: bounded_first's fallback, without asking again
-            return min(order, key=loads.__getitem__)
-        shares = {i: targets[i].write_share(now) for i in choices}
-        least = min(choices, key=shares.__getitem__)
-        margin = PLACE_MARGIN if others_send else 1.0
-        return least if shares[least] < margin * shares[choices[0]] else choices[0]
+    def rescan(self) -> None:
+        """After a round of scrapes: the other senders' load, summed again."""
+        self.roster.rescan(time.monotonic(), self.fresh_for)
 
     def choose(self, targets: Sequence[Target], policy: Policy, key: RouteKey | None) -> Choice:
         if policy is not Policy.PREFIX_AWARE:
@@ -4623,40 +4836,139 @@ class Router:
         matched = target.holds(key)
         return Choice(0, "affinity", matched) if matched else Choice(0, "cold", 0)
 
+    def bounds(self, key: RouteKey | None, now: float) -> Bounds:
+        roster = self.roster
+        count = len(roster.targets)
+        loads = roster.in_flight + roster.others
+        recent = roster.recent_total(now)
+        conversation = self.own_turns_over_mean(key, recent, now) if key is not None else {}
+        recent -= sum(conversation.values())
+        return Bounds(
+            now=now,
+            fresh_for=self.fresh_for,
+            everyone=roster.counted,
+            recent_limit=limit(recent, count, max(self.balance, RECENT_BALANCE), RECENT_SLACK),
+            queue_limit=limit(loads, count, self.balance, QUEUE_SLACK),
+            room_limit=limit(loads, count, self.balance),
+            conversation=conversation,
+        )
+
+    def own_turns_over_mean(self, key: RouteKey, recent: float, now: float) -> dict[Target, float]:
+        """Where a chat's earlier turns went, its requests there over the mean target's share:
+        not counted against that target's bound. A conversation's turns come one after
+        another and cannot be spread, so one busy chat alone on a cluster is no pile-up
+        (counted whole, it went elsewhere every few turns, writing its whole history into
+        another cache each time); counted as the mean, several on one engine still are.
+
+        Where replicas or workers share the traffic, this process sent its part of the
+        conversation's turns, and the counts are everyone's: its part is scaled up by the
+        ratio of everyone's requests to its own."""
+        roster = self.roster
+        if not key.earlier_turns or not (where := roster.conversation(key)):
+            return {}
+        mean = recent / len(roster.targets)
+        ours = roster.recent.now(now)
+        senders = max(recent / ours, 1.0) if ours > 0 else 1.0
+        over = {}
+        for target in where:
+            if target not in roster.position:
+                continue
+            everyone = roster.counted
+            here = target.everyones_recent(now) if everyone else target.recent_share(now)
+            mine = min(target.conversation_share(key, now) * senders, here)
+            if mine > mean:
+                over[target] = mine - mean
+        return over
+
     def weigh(self, targets: Sequence[Target], key: RouteKey | None) -> Choice:
+        roster = self.roster
         now = time.monotonic()
-        others = [t.load.others(now, self.fresh_for) for t in targets]
-        loads = [t.in_flight + others[i] for i, t in enumerate(targets)]
-        roomy = [i for i, t in enumerate(targets) if t.load.kv_usage < KV_FULL]
-        roomy = roomy or list(range(len(targets)))
-        if key is None:
-            return Choice(min(roomy, key=loads.__getitem__), "fallback", 0)
-        if key.session:  # an explicit key: only the instantaneous load moves it
-            order = sorted(roomy, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
-            return Choice(bounded_first(order, loads, self.balance), "session", 0)
-        everyones = recent_requests(targets, now, self.fresh_for)
-        recent = own_turns_capped(targets, everyones, key, now)
-        shares = within_bound(recent, max(self.balance, RECENT_BALANCE), RECENT_SLACK)
-        queues = within_bound(loads, self.balance, QUEUE_SLACK)
-        candidates = [i for i in roomy if shares[i] and queues[i]] or roomy
-        order = sorted(candidates, key=lambda i: mix64(key.placement << 32 ^ targets[i].seed))
-        matches = {i: targets[i].holds(key) for i in order}
-        if (best := max(matches.values())) == 0:
+        if targets is not roster.targets:
+            roster.sync(targets, now, self.fresh_for)
+        bounds = self.bounds(key, now)
+        if key is None or key.session:
+            bounds.bounded = False  # only the instantaneous load moves these
+        if key is None:  # the least loaded of a few, from a point that turns
+            near = self.admitted(mix64(next(self.turn)), bounds, PLACE_CHOICES)
+            return Choice(roster.position[min(near, key=bounds.load)], "fallback", 0)
+        point = mix64(key.placement)
+        if key.session:  # an explicit key: the first of its hash order with room
+            self.admitted(point, bounds, 1)
+            target = self.with_room(point, bounds, 1)[0]
+            return Choice(roster.position[target], "session", 0)
+        near = self.admitted(point, bounds, PLACE_CHOICES)
+        first, most = roster.holders(key)
+        holders = self.among(first, point, bounds) + self.among(most, point, bounds)
+        matches = {t: m for t in holders if (m := t.holds(key)) > 0}
+        if not matches:
             # Where the bounds left out every target that holds it, the prompt spilled.
-            left_out = (targets[i].holds(key) for i in roomy if i not in matches)
-            reason = "spill" if any(left_out) else "cold"
-            others_send = sum(everyones) > OTHERS_SEND * sum(t.recent_share(now) for t in targets)
-            return Choice(self.place(targets, order, loads, now, others_send), reason, 0)
-        work = [
-            self.load_weight * (t.pending_blocks + others[i] * self.mean_uncached)
-            for i, t in enumerate(targets)
-        ]
-        # A block computed where the cache turns over fast evicts one that was in use lately,
-        # which its prompt's next request computes again: it costs up to twice.
-        lacking = {i: (len(key.chain) - matches[i]) * (1 + targets[i].turnover(now)) for i in order}
-        rank = {i: place for place, i in enumerate(order)}
-        pick = min(order, key=lambda i: (work[i] + lacking[i], rank[i]))
-        return Choice(pick, "affinity" if matches[pick] == best else "spill", matches[pick])
+            reason = "spill" if first else "cold"
+            target = self.place(point, bounds)
+            return Choice(roster.position[target], reason, 0)
+        best = max(matches.values())
+        for target in near:
+            matches.setdefault(target, target.holds(key))
+
+        def cost(target: Target) -> tuple[float, int]:
+            others = target.load.others(now, self.fresh_for)
+            work = self.load_weight * (target.pending_blocks + others * self.mean_uncached)
+            # A block computed where the cache turns over fast evicts one that was in use
+            # lately, which its prompt's next request computes again: it costs up to twice.
+            lacking = (len(key.chain) - matches[target]) * (1 + target.turnover(now))
+            return work + lacking, mix64(key.placement << 32 ^ target.seed)
+
+        pick = min(matches, key=cost)
+        reason = "affinity" if matches[pick] == best else "spill"
+        return Choice(roster.position[pick], reason, matches[pick])
+
+    def among(self, holders: int, point: int, bounds: Bounds) -> list[Target]:
+        """Of the holders (a mask of slots), at most HOLDER_CHOICES that the bounds admit: the
+        first of them in the hash order where there are more."""
+        roster = self.roster
+        if holders.bit_count() <= HOLDER_CHOICES:
+            found = (cast(Target, roster.by_slot[slot]) for slot in slots_in(holders))
+        else:
+            found = (t for t in roster.walk(point) if holders & 1 << roster.slot_of[t])
+        return list(itertools.islice(filter(bounds.admits, found), HOLDER_CHOICES))
+
+    def admitted(self, point: int, bounds: Bounds, count: int) -> list[Target]:
+        """The first ``count`` targets in the hash order from ``point`` that the bounds admit;
+        where none is, the bounds are relaxed (Bounds.relax) until one is."""
+        while True:
+            chosen = list(itertools.islice(filter(bounds.admits, self.roster.walk(point)), count))
+            if chosen or not bounds.relax():
+                return chosen
+
+    def with_room(self, point: int, bounds: Bounds, count: int) -> list[Target]:
+        """The first ``count`` admitted targets in the hash order from ``point`` with room
+        under the load bound (consistent hashing with bounded loads: Mirrokni, Thorup and
+        Zadimoghaddam); where none has, the least loaded admitted."""
+        walk = self.roster.walk(point)
+        roomy = (t for t in walk if bounds.admits(t) and bounds.has_room(t))
+        if chosen := list(itertools.islice(roomy, count)):
+            return chosen
+        return [min(filter(bounds.admits, self.roster.walk(point)), key=bounds.load)]
+
+    def place(self, point: int, bounds: Bounds) -> Target:
+        """Where a prefix no target holds goes: of the first PLACE_CHOICES targets in its hash
+        order that have room under the load bound, the one whose cache was written least
+        lately (write_share). Where other senders are seen, whose writes reach this process
+        late if at all, only if clearly less than the first's (under PLACE_MARGIN of it), so
+        that processes which count the writes apart still mostly agree: the candidates are
+        the same in all of them.
+
+        Not the first of the hash order alone: a family of prompts whose shared head was
+        evicted comes back to the same engine each time, two busy families that hash alike
+        share one cache, and it turns over faster than the rest, evicting their next
+        relatives' heads. Nor back to the engine that evicted the prefix (as KV events say):
+        the same stickiness."""
+        now, roster = bounds.now, self.roster
+        choices = self.with_room(point, bounds, PLACE_CHOICES)
+        shares = {t: t.write_share(now) for t in choices}
+        least = min(choices, key=shares.__getitem__)
+        others_send = roster.recent_total(now) > OTHERS_SEND * roster.recent.now(now)
+        margin = PLACE_MARGIN if others_send else 1.0
+        return least if shares[least] < margin * shares[choices[0]] else choices[0]
 
 
 # ================================================================================================
@@ -4824,6 +5136,9 @@ class HeldBlocks:
         self.block_size = 0
         self.unplaced = 0  # blocks whose parent this process never heard of
         self.stored_total = 0  # blocks it ever newly held: what turned its cache over
+        # Routing's reverse index (Roster.reported), where this view's chains carry its bit.
+        self.holders: dict[int, int] | None = None
+        self.bit = 0
 
     def __len__(self) -> int:
         return len(self.known)
@@ -4891,7 +5206,9 @@ class HeldBlocks:
             if block_hash not in self.known:
                 self.known[block_hash] = (chain, position)
                 self.stored_total += 1
-                self.chains[chain] = self.chains.get(chain, 0) + 1
+                if (count := self.chains.get(chain, 0)) == 0 and self.holders is not None:
+                    self.holders[chain] = self.holders.get(chain, 0) | self.bit
+                self.chains[chain] = count + 1
             position += 1
 
     def removed(self, hashes: Sequence[object]) -> None:
@@ -4902,8 +5219,29 @@ class HeldBlocks:
                 self.chains[where[0]] = count
             else:
                 del self.chains[where[0]]
+                self.unhold((where[0],))
+
+    def attach(self, holders: dict[int, int] | None, bit: int) -> None:
+        """Carry ``bit`` in ``holders`` for every chain held, from now on (and no longer in
+        the reverse index it carried one in before)."""
+        self.unhold(self.chains)
+        self.holders, self.bit = holders, bit
+        if holders is not None:
+            for chain in self.chains:
+                holders[chain] = holders.get(chain, 0) | bit
+
+    def unhold(self, chains: Iterable[int]) -> None:
+        if (holders := self.holders) is None:
+            return
+        others = ~self.bit
+        for chain in chains:
+            if mask := holders.get(chain, 0) & others:
+                holders[chain] = mask
+            else:
+                holders.pop(chain, None)
 
     def clear(self) -> None:
+        self.unhold(self.chains)
         self.chains.clear()
         self.known.clear()
 
@@ -5540,6 +5878,9 @@ class Fleet:
         prefills = self.unless_panic(self.prefills)
         self._engines = tuple(itertools.chain.from_iterable(p.engines for p in prefills))
         self._decodes = self.unless_panic(self.decodes)
+        # Targets no longer in the fleet (an engine that restarted is a new one) leave routing.
+        self.prefill_router.roster.keep_only({e for p in self.prefills for e in p.engines})
+        self.decode_router.roster.keep_only(set(self.decodes))
         if any(backend.leaving for backend in (*self.prefills, *self.decodes)):
             self.changed.set()  # one may be let go now
 
@@ -5621,7 +5962,7 @@ class Fleet:
         return engine
 
     def release_prefill(self, engine: PrefillEngine) -> None:
-        engine.released()
+        self.prefill_router.release(engine)
         engine.instance.in_flight -= 1
         if engine.instance.leaving:
             self.changed.set()
@@ -5640,7 +5981,7 @@ class Fleet:
         return decodes[self.decode_router.pick(decodes, self.decode_policy, key).index]
 
     def release_decode(self, decode: DecodeInstance) -> None:
-        decode.released()
+        self.decode_router.release(decode)
         if decode.leaving:
             self.changed.set()
 
@@ -5923,6 +6264,8 @@ async def watch_load(app: web.Application) -> None:
         ):
             if isinstance(outcome, Exception):  # a bug must not end the scrapes
                 log.error("scraping load failed: %r", outcome)
+        fleet.prefill_router.rescan()
+        fleet.decode_router.rescan()
         await asyncio.sleep(max(0.0, state.config.load_interval - (time.monotonic() - started)))
 
 

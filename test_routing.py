@@ -5,6 +5,7 @@ Routing on vLLM's own KV cache events is in test_kv_events.py."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import dataclasses
 import functools
@@ -87,10 +88,19 @@ def test_the_prefix_index_forgets_tails_first_and_matches_prefixes() -> None:
 
 
 def test_bounded_consistent_hashing_takes_the_first_target_with_room() -> None:
-    assert mp.bounded_first([2, 0, 1], [0, 0, 0], 1.25) == 2
-    # Limit ceil(1.25 x (5 + 1) / 3) = 3: target 2 is over it, 0 is next in the key's order.
-    assert mp.bounded_first([2, 0, 1], [0, 0, 5], 1.25) == 0
-    assert mp.bounded_first([0, 1], [9, 8], 1.0) == 1  # all over: the least loaded
+    """A session's prompt goes to the first target of its hash order (Roster.walk) whose load,
+    given it, stays within the bound."""
+    router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(3)]
+    key = mp.route_key(COMPLETIONS, completion(), "session 7")
+    first = targets[router.choose(targets, mp.Policy.PREFIX_AWARE, key).index]
+    order = list(router.roster.walk(mp.mix64(key.placement)))
+    assert order[0] is first and sorted(order, key=targets.index) == targets
+    # Limit ceil(1.25 x (5 + 1) / 3) = 3: the first is over it, the next in the order takes it.
+    first.in_flight = 5
+    router.rescan()
+    assert targets[router.choose(targets, mp.Policy.PREFIX_AWARE, key).index] is order[1]
+    assert mp.limit(5, 3, 1.25) == 3 and mp.limit(0, 3, 1.25, slack=2) == 3
 
 
 @pytest.mark.parametrize(("holder_share", "kept"), [(16, True), (24, False)])
@@ -159,12 +169,10 @@ def chat_turns(count: int) -> list[mp.RouteKey]:
     return turns
 
 
-def sent(target: mp.Target, turns: Sequence[mp.RouteKey], now: float) -> None:
+def sent(router: mp.Router, target: mp.Target, turns: Sequence[mp.RouteKey], now: float) -> None:
     """What the router's pick records of each turn sent to ``target``."""
     for key in turns:
-        target.index.add(key.chain)
-        target.count_recent(now, 1)
-        target.sent_turn(key, now)
+        router.roster.sent(target, key, now, 1)
 
 
 @pytest.mark.parametrize(
@@ -181,7 +189,7 @@ def test_a_chats_own_turns_are_no_pile_up_but_other_chats_there_are(
     targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
     turns = chat_turns(9)
     now = time.monotonic()
-    sent(targets[0], turns[:-1], now)
+    sent(router, targets[0], turns[:-1], now)
     targets[0].recent.add(now, others_there)
     for target in targets[1:]:
         target.recent = mp.Decayed(others_elsewhere, now)
@@ -204,7 +212,7 @@ def test_a_chats_turns_through_two_replicas_in_turn_are_no_pile_up(
     targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
     turns = chat_turns(9)
     now = time.monotonic()
-    sent(targets[0], turns[:-1:2], now)
+    sent(router, targets[0], turns[:-1:2], now)
     targets[0].recent.add(now, others_there / 2)
     for target in targets:  # what a fresh scrape says each engine finished lately
         ours = target.recent_share(now)
@@ -371,8 +379,14 @@ def hash_order(cluster: Cluster, prompt: str) -> tuple[tuple[int, int], ...]:
     as every proxy process ranks them."""
     placement = mp.route_key(COMPLETIONS, completion(prompt=prompt), None).placement
     fleet = cluster.client.app[mp.STATE_KEY].fleet
-    engines = {(i, e.dp_rank): e.seed for i, p in enumerate(fleet.prefills) for e in p.engines}
-    return tuple(sorted(engines, key=lambda e: mp.mix64(placement << 32 ^ engines[e])))
+    ring = sorted(
+        (point, (i, e.dp_rank))
+        for i, p in enumerate(fleet.prefills)
+        for e in p.engines
+        for point in mp.ring_points(e.seed)
+    )
+    start = bisect.bisect_left(ring, (mp.mix64(placement),))
+    return tuple(dict.fromkeys(engine for _, engine in ring[start:] + ring[:start]))
 
 
 async def test_new_prefixes_that_hash_alike_spread_over_three_engines_by_their_writes(
