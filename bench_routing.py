@@ -2,7 +2,7 @@
 
     python bench_routing.py --quick                  # a smoke run: two workloads, a minute
     python bench_routing.py --plot routing.png       # the full table (make bench-routing)
-    python bench_routing.py --scale                  # 8 to 1,024 engines, in process, ~3 min
+    python bench_routing.py --scale                  # 8 to 1,024 engines, in process, ~15 s
     python bench_routing.py --scale-events           # following KV events, 8 to 512 engines
 
 A simulated cluster on loopback: 4 prefill instances with 2 DP ranks each (8 engines) and 4
@@ -686,7 +686,9 @@ class ScaleRow:
     prefill_p99_us: float
     decode_p50_us: float  # fleet.claim_decode
     decode_p99_us: float
-    index_bytes: int  # every prefill engine's and decode's PrefixIndex, after the run
+    # Every prefill engine's and decode's PrefixIndex after the run, and the stages' reverse
+    # indexes (Roster.held: block -> its holders).
+    index_bytes: int
     index_blocks: int
     hit_rate: float  # blocks the chosen prefill engine was believed to hold / blocks
     oracle: float
@@ -773,6 +775,9 @@ def scale_run(instances: int, dp: int, quick: bool) -> ScaleRow:
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     indexes = {id(t): mp.PrefixIndex(t.index.capacity) for t in targets}
+    reverse: list[dict[int, int]] = [{}, {}]  # the stages' Roster.held: prefill, decode
+    for n, t in enumerate(targets):
+        indexes[id(t)].attach(reverse[isinstance(t, mp.DecodeInstance)], 1 << n)
     for body, *chosen in sent:
         chain = mp.route_key(COMPLETIONS, body, None).chain
         for one in chosen:

@@ -4598,9 +4598,10 @@ class Roster:
                 self.by_slot.append(None)
             self.by_slot[slot], self.slot_of[target] = target, slot
             target.index.attach(self.held, 1 << slot)
-            if target.feed is not None:
-                target.feed.held.attach(self.reported, 1 << slot)
             self.ring_stale = True
+        held = target.feed.held if target.feed is not None else None
+        if held is not None and (held.holders is not self.reported or held.bit != 1 << slot):
+            held.attach(self.reported, 1 << slot)  # a new feed (a reload), or a new engine's
         return 1 << slot
 
     def keep_only(self, targets: Collection[Target]) -> None:

@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -101,6 +102,110 @@ def test_bounded_consistent_hashing_takes_the_first_target_with_room() -> None:
     router.rescan()
     assert targets[router.choose(targets, mp.Policy.PREFIX_AWARE, key).index] is order[1]
     assert mp.limit(5, 3, 1.25) == 3 and mp.limit(0, 3, 1.25, slack=2) == 3
+
+
+def test_the_reverse_index_is_the_union_of_the_targets_indexes() -> None:
+    """Roster.held, block -> its holders' bits, through sends, evictions, a restart's clear,
+    and a target that leaves the fleet: always exactly what the targets' indexes hold."""
+    rng = random.Random(35)
+    router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=40) for i in range(6)]
+    roster = router.roster
+    roster.sync(targets, time.monotonic(), 10.0)
+
+    def union() -> dict[int, int]:
+        expected: dict[int, int] = {}
+        for target in roster.slot_of:
+            for block in target.index.blocks:
+                expected[block] = expected.get(block, 0) | 1 << roster.slot_of[target]
+        return expected
+
+    for step in range(400):
+        chain = [hash((rng.randrange(30), n)) for n in range(rng.randint(1, 12))]
+        rng.choice(targets).index.add(chain)  # 40 blocks each at most: they evict
+        if step % 97 == 0:
+            rng.choice(targets).index.clear()
+        assert roster.held == union()
+    assert any(t.index.blocks for t in targets) and len(roster.held) > 40
+    gone = targets.pop(2)
+    roster.keep_only(set(targets))
+    assert roster.held == union() and gone.index.holders is None
+    newcomer = mp.Target("engine 6", capacity=40)
+    newcomer.index.add([1, 2, 3])
+    targets.append(newcomer)
+    roster.sync(targets, time.monotonic(), 10.0)  # adopted: its blocks in, in the slot freed
+    assert roster.held == union() and roster.slot_of[newcomer] == 2
+
+
+def every_engine_weighed(router: mp.Router, targets: Sequence[mp.Target], key: mp.RouteKey) -> int:
+    """The choice as the router made it before the Roster (593dc66), asking every target in
+    turn, for a prompt that some target holds: the reference the Roster is held to."""
+    now = time.monotonic()
+    others = [t.load.others(now, router.fresh_for) for t in targets]
+    loads = [t.in_flight + others[i] for i, t in enumerate(targets)]
+    roomy = [i for i, t in enumerate(targets) if t.load.kv_usage < mp.KV_FULL] or list(
+        range(len(targets))
+    )
+    recent = [t.recent_share(now) for t in targets]
+    mean = sum(recent) / len(recent)
+    mine = [min(t.conversation_share(key, now), n) for t, n in zip(targets, recent, strict=True)]
+    recent = [n - m + min(m, mean) for n, m in zip(recent, mine, strict=True)]
+
+    def within(values: list[float], balance: float, slack: float) -> list[bool]:
+        bound = mp.limit(sum(values), len(values), balance, slack)
+        return [value + 1 <= bound for value in values]
+
+    shares = within(recent, max(router.balance, mp.RECENT_BALANCE), mp.RECENT_SLACK)
+    queues = within(loads, router.balance, mp.QUEUE_SLACK)
+    candidates = [i for i in roomy if shares[i] and queues[i]] or roomy
+    matches = {i: targets[i].holds(key) for i in candidates}
+
+    def cost(i: int) -> tuple[float, int]:
+        t = targets[i]
+        work = router.load_weight * (t.pending_blocks + others[i] * router.mean_uncached)
+        lacking = (len(key.chain) - matches[i]) * (1 + t.turnover(now))
+        return work + lacking, mp.mix64(key.placement << 32 ^ t.seed)
+
+    return min(candidates, key=cost)
+
+
+@pytest.mark.parametrize("engines", [8, 24, 64])
+def test_the_roster_weighs_as_asking_every_engine_did(engines: int) -> None:
+    """On random states (what each engine holds of a few prompt families, its load, recent
+    requests, queued work and turnover, a chat's earlier turns), wherever the old router
+    chose an engine that holds the prompt, the Roster's holders and ring choose the same one.
+    Where it chose one that holds none of it, the Roster weighs only the first of the ring,
+    and may choose another: that is by design, and not compared."""
+    rng = random.Random(engines)
+    families = [long_prompt(f"family {f}", 6 * 512) for f in range(max(6, engines // 3))]
+    compared = 0
+    for case in range(150):
+        router = mp.Router(
+            "prefill", load_weight=rng.choice([0.5, 1.0]), balance=1.25, fresh_for=10.0
+        )
+        router.mean_uncached = rng.uniform(1, 8)
+        targets = [mp.Target(f"engine {case} {i}", capacity=4096) for i in range(engines)]
+        now = time.monotonic()
+        for target in targets:
+            for family in rng.sample(families, 2):
+                key = mp.route_key(COMPLETIONS, completion(prompt=family + "tail"), None)
+                target.index.add(key.chain[: rng.randint(1, len(key.chain))])
+            target.in_flight = rng.randint(0, 4)
+            target.pending_blocks = rng.uniform(0, 20) * target.in_flight
+            target.recent = mp.Decayed(rng.uniform(0, 12), now)
+            target.written = mp.Decayed(rng.uniform(0, 3000), now)
+            target.load.kv_usage = 0.99 if rng.random() < 0.05 else 0.5
+        turns = chat_turns(3)
+        sent(router, rng.choice(targets), turns[:2], now)
+        prompt = rng.choice(families) + f"question {case}"
+        for key in (mp.route_key(COMPLETIONS, completion(prompt=prompt), None), turns[2]):
+            holders = [t for t in targets if t.index.match(key.chain)]
+            expected = every_engine_weighed(router, targets, key)
+            if not targets[expected].holds(key) or len(holders) > mp.HOLDER_CHOICES:
+                continue
+            compared += 1
+            assert router.weigh(targets, key).index == expected, (case, key.turn)
+    assert compared >= 100, compared  # a third of the keys at least, or it says little
 
 
 @pytest.mark.parametrize(("holder_share", "kept"), [(16, True), (24, False)])
