@@ -59,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -667,6 +667,12 @@ SCALE_SHARED = 7168  # of them, its group's prefix (14 blocks); the rest is its 
 SCALE_PER_GROUP = 4  # requests per prefix group: the first a first sight, the rest hits
 SCALE_GROUPS_PER_ENGINE = 2
 SCALE_MIN_DECISIONS = 4000  # at the small sizes, more groups: a p99 of enough decisions
+# The hit rates' passes: each engine an LRU cache of the router's blocks, the fleet's caches
+# together this share of the workload's distinct blocks, so that placement decides what stays.
+SCALE_CACHE_SHARE = 0.75
+# The Mooncake trace scaled up: its first rows, one copy of them (its hash ids made distinct)
+# per SCALE_TRACE_ENGINES engines, each hash id one 512-byte block.
+SCALE_TRACE_ROWS, SCALE_TRACE_ENGINES = 4000, 32
 # The targets, per stage, for an 8 KiB prompt at 512 engines: a decision that does not grow
 # with the fleet.
 TARGET_ENGINES, TARGET_P50_US, TARGET_P99_US = 512, 50.0, 150.0
@@ -690,8 +696,11 @@ class ScaleRow:
     # indexes (Roster.held: block -> its holders).
     index_bytes: int
     index_blocks: int
-    hit_rate: float  # blocks the chosen prefill engine was believed to hold / blocks
-    oracle: float
+    hit_rate: float  # blocks the chosen prefill engine's simulated cache held / blocks
+    oracle: float  # one LRU cache as large as the fleet's, fed the same prompts in order
+    trace_hit_rate: float  # the same on the Mooncake trace scaled up; nan without the trace
+    trace_oracle: float
+    trace_decisions: int
     seconds: float  # the decision loop's wall time
 
 
@@ -711,19 +720,69 @@ def scale_workload(groups: int, per_group: int) -> list[tuple[int, dict[str, Any
     return [(g, completion(prefixes[g] + scale_text(f"scale {g} {i}", own))) for g, i in order]
 
 
-def scale_run(instances: int, dp: int, quick: bool) -> ScaleRow:
+def scale_trace(path: Path, copies: int) -> list[dict[str, Any]]:
+    """The trace's first SCALE_TRACE_ROWS rows, ``copies`` times, each copy's hash ids its
+    own, the copies of a row one after another; each hash id a 512-byte block of text."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:SCALE_TRACE_ROWS]]
+    return [
+        completion("".join(f"<{copy}:{h}>".ljust(512, ".") for h in row["hash_ids"]))
+        for row in rows
+        for copy in range(copies)
+    ]
+
+
+def lru_serve(cache: collections.OrderedDict[int, None], chain: list[int], capacity: int) -> int:
+    """A prefix cache's answer to a prompt: its leading blocks found; then it holds them all,
+    the least recently used evicted first, a chain's tail before its head (EngineSim.store)."""
+    found = held_leading(chain, cache)
+    for block in reversed(chain):
+        cache[block] = None
+        cache.move_to_end(block)
+    while len(cache) > capacity:
+        cache.popitem(last=False)
+    return found
+
+
+def held_leading(chain: Sequence[int], held: Container[int]) -> int:
+    found = 0
+    while found < len(chain) and chain[found] in held:
+        found += 1
+    return found
+
+
+def cached_hit_rates(
+    instances: int, dp: int, bodies: Sequence[dict[str, Any]]
+) -> tuple[float, float]:
+    """The prefill's hit rate where each engine is an LRU cache (SCALE_CACHE_SHARE of the
+    workload's distinct blocks over the fleet, its index as large), against one LRU cache as
+    large as all of them; each claim released at once (no queues: placement alone)."""
+    import mooncake_proxy as mp
+
+    fleet = costs_fleet(instances, dp, 1)
+    keys = [mp.route_key(COMPLETIONS, body, None) for body in bodies]
+    engines = [e for i in fleet.prefills for e in i.engines]
+    distinct = len({block for key in keys for block in key.chain})
+    capacity = max(16, int(SCALE_CACHE_SHARE * distinct / len(engines)))
+    for engine in engines:
+        engine.index.capacity = capacity
+    caches = {engine: collections.OrderedDict[int, None]() for engine in engines}
+    whole: collections.OrderedDict[int, None] = collections.OrderedDict()
+    hits = oracle = blocks = 0
+    for key in keys:
+        engine = fleet.claim_prefill((), key)
+        fleet.release_prefill(engine)
+        hits += lru_serve(caches[engine], key.chain, capacity)
+        oracle += lru_serve(whole, key.chain, capacity * len(engines))
+        blocks += len(key.chain)
+    return hits / blocks, oracle / blocks
+
+
+def scale_run(instances: int, dp: int, quick: bool, trace: Path | None) -> ScaleRow:
     """One fleet size: every request of the workload hashed, then routed by both stages of
     the current router (each claim timed on its own, then released, as decision_costs
-    does), against an oracle; then the indexes' memory.
-
-    The oracle sends each prefix group to the engine that already holds it and forgets
-    nothing: a prompt finds as many of its leading blocks as any earlier request of its group
-    sent (so its first request finds none, each next one its group's prefix, never its own
-    suffix); counted here as the leading blocks of its chain found among every block sent
-    before (chains of different groups differ from their first block). The router's hit rate
-    is what it believed the chosen prefill engine held (Choice.matched): its own index, which
-    evicts nothing in these runs, so an engine with the cache to keep what it was sent would
-    hold just that."""
+    does); then the indexes' memory; then the hit rates, each workload routed again on a
+    fleet of its own whose engines are LRU caches (cached_hit_rates): the shared-prefix
+    groups, and the Mooncake trace scaled up where ``trace`` is given."""
     import gc
     import tracemalloc
 
@@ -735,16 +794,8 @@ def scale_run(instances: int, dp: int, quick: bool) -> ScaleRow:
     groups = max(SCALE_GROUPS_PER_ENGINE * engines, -(-minimum // SCALE_PER_GROUP))
     requests = scale_workload(groups, SCALE_PER_GROUP)
     fleet = costs_fleet(instances, dp, decodes)
-    matched: list[float] = []
-
-    def observe(stage: str, choice: mp.Choice, key: mp.RouteKey | None) -> None:
-        matched.append(choice.matched)
-
-    fleet.prefill_router.observe = observe
     hashing, prefill, decode = [], [], []
     sent: list[tuple[dict[str, Any], mp.Target, mp.Target]] = []
-    oracle_held: set[int] = set()
-    oracle_matched = blocks = 0
     clock = time.perf_counter
     gc.collect()
     started = clock()
@@ -762,15 +813,12 @@ def scale_run(instances: int, dp: int, quick: bool) -> ScaleRow:
         prefill.append(t2 - t1)
         decode.append(t3 - t2)
         sent.append((body, engine, target))
-        oracle_matched += mp.leading(key.chain, oracle_held)
-        oracle_held.update(key.chain)
-        blocks += len(key.chain)
     seconds = clock() - started
     targets: list[mp.Target] = [e for i in fleet.prefills for e in i.engines]
     targets += fleet.decodes
     # The indexes again, under tracemalloc (it would slow the timed loop): the same chains
     # to the same targets, hashed anew so that the ints they keep are counted too.
-    del fleet, oracle_held
+    del fleet
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -788,6 +836,13 @@ def scale_run(instances: int, dp: int, quick: bool) -> ScaleRow:
     tracemalloc.stop()
     index_blocks = sum(len(index.blocks) for index in indexes.values())
     assert index_blocks == sum(len(t.index.blocks) for t in targets)  # the run's, rebuilt
+    hit_rate, oracle = cached_hit_rates(instances, dp, [body for _, body in requests])
+    trace_hits = trace_oracle = math.nan
+    traced = 0
+    if trace is not None:
+        bodies = scale_trace(trace, max(1, engines // SCALE_TRACE_ENGINES))
+        trace_hits, trace_oracle = cached_hit_rates(instances, dp, bodies)
+        traced = len(bodies)
     us = 1e6
     return ScaleRow(
         instances=instances,
@@ -804,8 +859,11 @@ def scale_run(instances: int, dp: int, quick: bool) -> ScaleRow:
         decode_p99_us=percentile(decode, 0.99) * us,
         index_bytes=index_bytes,
         index_blocks=index_blocks,
-        hit_rate=sum(matched) / blocks,
-        oracle=oracle_matched / blocks,
+        hit_rate=hit_rate,
+        oracle=oracle,
+        trace_hit_rate=trace_hits,
+        trace_oracle=trace_oracle,
+        trace_decisions=traced,
         seconds=seconds,
     )
 
@@ -814,8 +872,8 @@ def scale_table(rows: Sequence[ScaleRow]) -> str:
     lines = [
         "| prefill engines (instances × DP) | decodes | decisions (groups) | hashing p50 / p99 "
         "| prefill p50 / p99 | decode p50 / p99 | index memory, all targets (per target) "
-        "| hit rate | oracle | vs oracle |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| hit rate: shared prefixes (oracle) | Mooncake trace scaled up (oracle, requests) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -824,7 +882,9 @@ def scale_table(rows: Sequence[ScaleRow]) -> str:
             f"| {r.prefill_p50_us:,.0f} / {r.prefill_p99_us:,.0f} µs "
             f"| {r.decode_p50_us:,.0f} / {r.decode_p99_us:,.0f} µs "
             f"| {r.index_bytes / 1e6:.1f} MB ({r.index_bytes / (r.engines + r.decodes) / 1e3:.0f} "
-            f"kB) | {r.hit_rate:.3f} | {r.oracle:.3f} | {r.hit_rate / r.oracle:.2f}× |"
+            f"kB) | {r.hit_rate:.3f} ({r.oracle:.3f}, {r.hit_rate / r.oracle:.2f}×) "
+            f"| {r.trace_hit_rate:.3f} ({r.trace_oracle:.3f}, "
+            f"{r.trace_hit_rate / r.trace_oracle:.2f}×, {r.trace_decisions:,}) |"
         )
     return "\n".join(lines)
 
@@ -867,10 +927,14 @@ def scale_plot(rows: Sequence[ScaleRow], path: str) -> None:
         times.axhline(target, color="grey", linestyle="-." if target < 100 else ":", lw=1)
         times.annotate(label, (sizes[0], target), fontsize=7, color="grey", va="bottom")
     times.set_title("decision time per stage (µs, in process)")
-    hits.plot(sizes, [r.hit_rate for r in rows], "o-", label="current router (believed)")
-    hits.plot(sizes, [r.oracle for r in rows], "k_", markersize=20, label="oracle")
+    for label, hit, oracle, style in (
+        ("shared prefixes", [r.hit_rate for r in rows], [r.oracle for r in rows], "C0"),
+        ("Mooncake trace", [r.trace_hit_rate for r in rows], [r.trace_oracle for r in rows], "C1"),
+    ):
+        hits.plot(sizes, hit, style + "o-", label=label)
+        hits.plot(sizes, oracle, style + "_", markersize=20, label=f"{label}: oracle")
     hits.set_ylim(0, 1)
-    hits.set_title("prefill hit rate, shared-prefix groups")
+    hits.set_title("prefill hit rate, engines as LRU caches")
     for axis in (times, hits):
         axis.set_xscale("log", base=2)
         axis.set_xticks(sizes, [str(s) for s in sizes])
@@ -886,21 +950,28 @@ def scale_plot(rows: Sequence[ScaleRow], path: str) -> None:
 def scale(args: argparse.Namespace) -> int:
     """--scale: the table, the verdict, and --json / --plot."""
     sizes = SCALE_SIZES[:3] if args.quick else SCALE_SIZES
+    trace: Path | None = Path(args.trace)
+    if trace is not None and not trace.exists():
+        print(f"no trace at {trace}: its hit rate is left out ({TRACE_URL})")
+        trace = None
     print(
         "Simulated in process: no sockets, no servers, no health checks, no scrapes; the current "
         "router (Fleet.claim_prefill and claim_decode, prefix_aware) on 8 KiB prompts from "
         f"shared-prefix groups ({SCALE_SHARED // 1024} KiB prefix, {SCALE_PER_GROUP} requests a "
         f"group, {SCALE_GROUPS_PER_ENGINE} groups per engine or more, shuffled); each claim "
-        "released before the next request.",
+        "released before the next request. Hit rates: each workload routed again, every engine "
+        f"an LRU cache, the fleet's caches {SCALE_CACHE_SHARE:.0%} of its distinct blocks; "
+        f"the trace's first {SCALE_TRACE_ROWS:,} rows once per {SCALE_TRACE_ENGINES} engines.",
         flush=True,
     )
     rows = []
     for instances, dp in sizes:
-        row = scale_run(instances, dp, args.quick)
+        row = scale_run(instances, dp, args.quick, trace)
         print(
             f"{row.engines:>5} engines, {row.decodes:>3} decodes: {row.decisions:,} decisions in "
             f"{row.seconds:.1f} s; prefill p50 {row.prefill_p50_us:,.0f} µs, decode p50 "
-            f"{row.decode_p50_us:,.0f} µs, hit rate {row.hit_rate:.3f} (oracle {row.oracle:.3f})",
+            f"{row.decode_p50_us:,.0f} µs, hit rate {row.hit_rate:.3f} (oracle {row.oracle:.3f}), "
+            f"on the trace {row.trace_hit_rate:.3f} (oracle {row.trace_oracle:.3f})",
             flush=True,
         )
         rows.append(row)

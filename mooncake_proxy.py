@@ -3864,7 +3864,7 @@ async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
 #   --load-interval 1           each engine's /metrics scraped once a second
 #   RECENT_SECONDS 10, RECENT_SLACK 4, RECENT_BALANCE 1.5    the share of recent requests
 #   QUEUE_SLACK 2               a prompt's queue where it is held
-#   PLACE_CHOICES 3, PLACE_MARGIN 0.9                        where a new prefix goes
+#   PLACE_CHOICES 3, PLACE_MARGIN 0.9, PLACE_ALIKE 0.01      where a new prefix goes
 #   HOLDER_CHOICES 8, RING_POINTS 16        what a decision weighs, at any fleet size
 #   OTHERS_SEND 1.3, PENDING_SECONDS 2, TURNS_KEPT 4096, EARLIER_TURNS 8
 #   KV_FULL 0.98                a cache this full is passed over (vLLM would preempt)
@@ -3915,9 +3915,15 @@ PLACE_CHOICES: Final = 3
 
 PLACE_MARGIN: Final = 0.9
 
+# Candidates whose writes differ by less than this share are alike (Router.place): equal
+# writes made moments apart differ only by their decay, which each process sees at its own
+# moments; taken for a difference, two proxies placed the same new prefix apart.
+PLACE_ALIKE: Final = 0.01
+
 # Of a prompt's holders, at most this many are weighed of those that hold its first block and
-# as many of those that hold the most of it (the first of each in its hash order): a prefix
-# that every engine holds, a system prompt, would otherwise be weighed on every engine.
+# as many of those that hold the most of it (the first of each in its rendezvous order, or
+# where more than 8 times as many hold it, of the hash ring's walk): a prefix that every
+# engine holds, a system prompt, would otherwise be weighed on every engine.
 HOLDER_CHOICES: Final = 8
 
 # Points each target has on the hash ring (Roster.walk): with 16, the share of new prefixes
@@ -4665,7 +4671,7 @@ class Roster:
             bit = 1 << slot
             if members & bit and not seen & bit:
                 seen |= bit
-                yield cast(Target, by_slot[slot])
+                yield cast(Target, by_slot[slot])  # a member's slot holds it
 
     def holders(self, key: RouteKey) -> tuple[int, int]:
         """The usable targets believed to hold the prompt's first block, and those believed to
@@ -4677,11 +4683,14 @@ class Roster:
             tokens = key.token_chain(self.block_size)
             first |= self.reported.get(tokens[0], 0) & members if tokens else 0
         if first.bit_count() <= HOLDER_CHOICES:
-            return first, first
+            return first, 0  # all of them are weighed
         most = deepest_holders(chain, held, members)
         if tokens:
             most |= deepest_holders(tokens, self.reported, members)
         return first, most
+
+    def target(self, slot: int) -> Target:
+        return cast(Target, self.by_slot[slot])
 
     def claimed(self, target: Target, uncached: float) -> None:
         target.claimed(uncached)
@@ -4899,7 +4908,7 @@ class Router:
             return Choice(roster.position[target], "session", 0)
         near = self.admitted(point, bounds, PLACE_CHOICES)
         first, most = roster.holders(key)
-        holders = self.among(first, point, bounds) + self.among(most, point, bounds)
+        holders = self.among(first, key, bounds) + self.among(most, key, bounds)
         matches = {t: m for t in holders if (m := t.holds(key)) > 0}
         if not matches:
             # Where the bounds left out every target that holds it, the prompt spilled.
@@ -4922,15 +4931,24 @@ class Router:
         reason = "affinity" if matches[pick] == best else "spill"
         return Choice(roster.position[pick], reason, matches[pick])
 
-    def among(self, holders: int, point: int, bounds: Bounds) -> list[Target]:
+    def among(self, holders: int, key: RouteKey, bounds: Bounds) -> list[Target]:
         """Of the holders (a mask of slots), at most HOLDER_CHOICES that the bounds admit: the
-        first of them in the hash order where there are more."""
+        first of them in the key's rendezvous order where there are more, or, where a great
+        many hold it, the first few the hash ring's walk meets."""
         roster = self.roster
-        if holders.bit_count() <= HOLDER_CHOICES:
-            found = (cast(Target, roster.by_slot[slot]) for slot in slots_in(holders))
-        else:
-            found = (t for t in roster.walk(point) if holders & 1 << roster.slot_of[t])
-        return list(itertools.islice(filter(bounds.admits, found), HOLDER_CHOICES))
+        if holders.bit_count() <= 8 * HOLDER_CHOICES:
+            found = [t for slot in slots_in(holders) if bounds.admits(t := roster.target(slot))]
+            if len(found) <= HOLDER_CHOICES:
+                return found
+            return heapq.nsmallest(
+                HOLDER_CHOICES, found, key=lambda t: mix64(key.placement << 32 ^ t.seed)
+            )
+        walk = roster.walk(mix64(key.placement))
+        met = (t for t in walk if holders >> roster.slot_of[t] & 1)
+        # Examined at most this many: where most of them are over the bounds, a walk to
+        # find 8 admitted would cross the fleet.
+        examined = itertools.islice(met, 4 * HOLDER_CHOICES)
+        return list(itertools.islice(filter(bounds.admits, examined), HOLDER_CHOICES))
 
     def admitted(self, point: int, bounds: Bounds, count: int) -> list[Target]:
         """The first ``count`` targets in the hash order from ``point`` that the bounds admit;
@@ -4966,7 +4984,10 @@ class Router:
         now, roster = bounds.now, self.roster
         choices = self.with_room(point, bounds, PLACE_CHOICES)
         shares = {t: t.write_share(now) for t in choices}
-        least = min(choices, key=shares.__getitem__)
+        # Writes alike but for when they decayed from are alike: the first of them in the
+        # hash order, in every process, however their moments differ.
+        alike = min(shares.values()) * (1 + PLACE_ALIKE)
+        least = next(t for t in choices if shares[t] <= alike)
         others_send = roster.recent_total(now) > OTHERS_SEND * roster.recent.now(now)
         margin = PLACE_MARGIN if others_send else 1.0
         return least if shares[least] < margin * shares[choices[0]] else choices[0]
