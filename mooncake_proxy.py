@@ -5898,8 +5898,11 @@ class Fleet:
 
     def refresh(self) -> None:
         prefills = self.unless_panic(self.prefills)
-        self._engines = tuple(itertools.chain.from_iterable(p.engines for p in prefills))
-        self._decodes = self.unless_panic(self.decodes)
+        engines = tuple(itertools.chain.from_iterable(p.engines for p in prefills))
+        decodes = self.unless_panic(self.decodes)
+        # Kept where nothing changed: a router sums its targets again for a new tuple.
+        self._engines = self._engines if engines == self._engines else engines
+        self._decodes = self._decodes if decodes == self._decodes else decodes
         # Targets no longer in the fleet (an engine that restarted is a new one) leave routing.
         self.prefill_router.roster.keep_only({e for p in self.prefills for e in p.engines})
         self.decode_router.roster.keep_only(set(self.decodes))
