@@ -4,7 +4,7 @@
 # and, heavier: make integration   the proxy against real vLLM on the CPU with real Mooncake
 #               make bench         the benchmark (make bench-quick: under a minute)
 #               make bench-routing the routing benchmark (about 20 minutes)
-#               make bench-routing-scale  routing's cost from 8 to 1,024 engines, in process (~15 s)
+#               make bench-routing-scale  routing's cost from 8 to 1,024 engines, in process (~2 min)
 #               make chaos         requests lost while faults hit the cluster (ARGS=--quick: 1-2 min)
 #               make reference     docs/reference.md from the parser, after changing a flag
 VENV ?= .venv

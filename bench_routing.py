@@ -2,7 +2,7 @@
 
     python bench_routing.py --quick                  # a smoke run: two workloads, a minute
     python bench_routing.py --plot routing.png       # the full table (make bench-routing)
-    python bench_routing.py --scale                  # 8 to 1,024 engines, in process, ~15 s
+    python bench_routing.py --scale                  # 8 to 1,024 engines, in process, ~2 min
     python bench_routing.py --scale-events           # following KV events, 8 to 512 engines
 
 A simulated cluster on loopback: 4 prefill instances with 2 DP ranks each (8 engines) and 4
