@@ -171,14 +171,15 @@ class Cluster:
     tokenizer_dir: Path | None = None
     kv_events: list[list[str]] = field(default_factory=list)
     shape: Shape = Shape()
-    proxy: Path = HERE / "mooncake_proxy.py"  # --proxy: the router measured
+    # --proxy: the routers measured (mooncake_proxy.py files), each on the same engines.
+    proxies: tuple[Path, ...] = (HERE / "mooncake_proxy.py",)
 
     @classmethod
     def start(
         cls,
         tokenizer_dir: Path | None = None,
         shape: Shape = Shape(),
-        proxy: Path = HERE / "mooncake_proxy.py",
+        proxies: tuple[Path, ...] = (HERE / "mooncake_proxy.py",),
     ) -> Cluster:
         prefills, decodes, processes, kv_events = [], [], [], []
         for role, count in (("prefill", shape.instances), ("decode", shape.decodes)):
@@ -197,7 +198,7 @@ class Cluster:
                 (prefills.append((url, bootstrap)) if role == "prefill" else decodes.append(url))
         for url in [u for u, _ in prefills] + decodes:
             wait_http(url + "/health")
-        return cls(prefills, decodes, processes, tokenizer_dir, [kv_events], shape, proxy)
+        return cls(prefills, decodes, processes, tokenizer_dir, [kv_events], shape, proxies)
 
     def prompts(self, requests: Sequence[Request]) -> list[PromptBlocks]:
         """Each request's prompt blocks, as the engines key their caches."""
@@ -211,8 +212,8 @@ class Cluster:
         assert self.tokenizer_dir is not None
         return [*self.kv_events[0], "--tokenizer", str(self.tokenizer_dir)]
 
-    def proxy_argv(self, port: int, *flags: str) -> list[str]:
-        argv = [sys.executable, str(self.proxy), "--port", str(port)]
+    def proxy_argv(self, port: int, *flags: str, proxy: Path | None = None) -> list[str]:
+        argv = [sys.executable, str(proxy or self.proxies[0]), "--port", str(port)]
         for url, bootstrap in self.prefills:
             argv += ["--prefill", url, str(bootstrap)]
         for url in self.decodes:
@@ -1302,14 +1303,21 @@ def spawn(argvs: list[list[str]]) -> list[subprocess.Popen[bytes]]:
 def targets(
     cluster: Cluster, quick: bool, only: Sequence[str] | None = None
 ) -> list[tuple[str, list[list[str]]]]:
-    """The targets measured (``only``: those of these names, --quick or not)."""
-    chosen = all_targets(cluster, quick and not only)
-    return [(name, argvs) for name, argvs in chosen if not only or name in only]
+    """The targets measured (``only``: those of these names, --quick or not); with several
+    --proxy, each proxy's, named after its directory (an A/B on the same engines: the hash
+    seeds are the engines' URLs, so another cluster places prefixes apart)."""
+    chosen = []
+    for source in cluster.proxies:
+        label = f" [{source.parent.name}]" if len(cluster.proxies) > 1 else ""
+        for name, argvs in all_targets(cluster, quick and not only, source):
+            if not only or name in only:
+                chosen.append((name + label, argvs))
+    return chosen
 
 
-def all_targets(cluster: Cluster, quick: bool) -> list[tuple[str, list[list[str]]]]:
+def all_targets(cluster: Cluster, quick: bool, source: Path) -> list[tuple[str, list[list[str]]]]:
     def proxy(*flags: str) -> list[str]:
-        return cluster.proxy_argv(free_port(), *flags)
+        return cluster.proxy_argv(free_port(), *flags, proxy=source)
 
     if cluster.tokenizer_dir is not None:  # --precise: the estimate against the engines' events
         events = cluster.precise_flags()
@@ -1338,7 +1346,7 @@ def all_targets(cluster: Cluster, quick: bool) -> list[tuple[str, list[list[str]
             ("prefix_aware x4 replicas", [proxy() for _ in range(4)]),
             ("prefix_aware --workers 2", [proxy("--workers", "2")]),
         ]
-        if (router := cluster.router_argv(free_port())) is not None:
+        if source == cluster.proxies[0] and (router := cluster.router_argv(free_port())):
             chosen.append(("vllm-router cache_aware", [router]))
     return chosen
 
@@ -1506,9 +1514,10 @@ def main() -> int:
     parser.add_argument(
         "--proxy",
         type=Path,
-        default=HERE / "mooncake_proxy.py",
-        help="the proxy launched as every prefix_aware target (an A/B against another "
-        "version's mooncake_proxy.py); the in-process costs are left out then",
+        action="append",
+        help="the mooncake_proxy.py launched as the proxy targets (default this one's); "
+        "several: each one's targets on the same engines, an A/B (the in-process costs are "
+        "left out unless this one's is the first)",
     )
     parser.add_argument(
         "--rounds", type=int, default=1, help="run every row this many times; medians kept"
@@ -1535,8 +1544,8 @@ def main() -> int:
     os.environ.pop("NOTIFY_SOCKET", None)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_dir = None
-        proxy = args.proxy.resolve()
-        ours = proxy == HERE / "mooncake_proxy.py"  # the costs are measured in process
+        proxies = tuple(p.resolve() for p in args.proxy or [HERE / "mooncake_proxy.py"])
+        ours = proxies[0] == HERE / "mooncake_proxy.py"  # the costs are measured in process
         costs = decision_costs() if ours else []
         if args.precise:
             tokenizer_dir = Path(scratch)
@@ -1544,8 +1553,9 @@ def main() -> int:
             costs += precise_costs(tokenizer_dir) if ours else []
         for label, value in costs:
             print(f"{label}: {value:.1f}{unit(label)}", flush=True)
-        print(f"cluster {args.fleet} ({args.fleet.engines} prefill engines), proxy {proxy}")
-        cluster = Cluster.start(tokenizer_dir, args.fleet, proxy)
+        print(f"cluster {args.fleet} ({args.fleet.engines} prefill engines), proxies:",
+              *map(str, proxies), flush=True)  # fmt: skip
+        cluster = Cluster.start(tokenizer_dir, args.fleet, proxies)
         try:
             results = asyncio.run(bench(args, cluster))
         finally:
