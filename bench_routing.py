@@ -1303,14 +1303,15 @@ def spawn(argvs: list[list[str]]) -> list[subprocess.Popen[bytes]]:
 def targets(
     cluster: Cluster, quick: bool, only: Sequence[str] | None = None
 ) -> list[tuple[str, list[list[str]]]]:
-    """The targets measured (``only``: those of these names, --quick or not); with several
+    """The targets measured (``only``: those of these names, --quick or not, a name with its
+    proxy's label for that proxy's alone); with several
     --proxy, each proxy's, named after its directory (an A/B on the same engines: the hash
     seeds are the engines' URLs, so another cluster places prefixes apart)."""
     chosen = []
     for source in cluster.proxies:
         label = f" [{source.parent.name}]" if len(cluster.proxies) > 1 else ""
         for name, argvs in all_targets(cluster, quick and not only, source):
-            if not only or name in only:
+            if not only or name in only or name + label in only:
                 chosen.append((name + label, argvs))
     return chosen
 
