@@ -1303,10 +1303,10 @@ def spawn(argvs: list[list[str]]) -> list[subprocess.Popen[bytes]]:
 def targets(
     cluster: Cluster, quick: bool, only: Sequence[str] | None = None
 ) -> list[tuple[str, list[list[str]]]]:
-    """The targets measured (``only``: those of these names, --quick or not, a name with its
-    proxy's label for that proxy's alone); with several
-    --proxy, each proxy's, named after its directory (an A/B on the same engines: the hash
-    seeds are the engines' URLs, so another cluster places prefixes apart)."""
+    """The targets measured (``only``: those of these names, --quick or not). With several
+    --proxy, each proxy's, named after its directory ("prefix_aware [wt-old]": a name with
+    its label picks that proxy's alone): an A/B on the same engines, as the hash seeds are
+    the engines' URLs and another cluster places prefixes apart."""
     chosen = []
     for source in cluster.proxies:
         label = f" [{source.parent.name}]" if len(cluster.proxies) > 1 else ""
