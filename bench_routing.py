@@ -14,8 +14,11 @@ proxy's: the proxy only sees bytes.
 
 Every workload is replayed open loop (requests leave at their scheduled times, whatever the
 answers) against each target in the same invocation: round_robin, least_loaded, prefix_aware
-(the default), two prefix_aware proxy replicas sharing the load, prefix_aware with --workers 2,
-and vllm-router --policy cache_aware when it is installed (PyPI vllm-router). Per run: the
+(the default), two and four prefix_aware proxy replicas sharing the load, --workers 2,
+and vllm-router --policy cache_aware when it is installed (PyPI vllm-router); --precise adds
+prefix_aware on KV events, alone and as 2 and 4 replicas. ``--fleet 8x8,8``: 64 engines and 8
+decodes, the workloads as many times larger as the engines (Shape.scale, workloads); several
+``--proxy``: each mooncake_proxy.py's targets on the same engines, an A/B. Per run: the
 prefill hit rate from the engines' own counters, the oracle's hit rate (one LRU cache holding
 the cluster's whole capacity, fed the same requests in order), client-side TTFT p50/p90, and
 max/mean requests per engine.
@@ -87,16 +90,17 @@ TRACE_URL = (
 # --- the simulated cluster
 
 
-def run_fake(role: str, api_port: int, bootstrap_port: int, *precise: str) -> None:
-    """One fake vLLM server (a process): a prefill with DP ranks and its bootstrap, or a decode.
-    ``precise``: its tokenizer's directory and the ports of its KV event publisher and replay."""
+def run_fake(role: str, dp: int, api_port: int, bootstrap_port: int, *precise: str) -> None:
+    """One fake vLLM server (a process): a prefill with ``dp`` ranks and its bootstrap, or a
+    decode. ``precise``: its tokenizer's directory and the ports of its KV event publisher and
+    replay."""
     with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
     fake = FakeVllm(
         role,
-        dp_size=DP if role == "prefill" else 1,
+        dp_size=dp if role == "prefill" else 1,
         cache_blocks=CACHE_BLOCKS,
         token_time=TOKEN_TIME if role == "prefill" else 0.0,
         kv_timeout=30,
@@ -128,6 +132,39 @@ def load_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """The simulated cluster's size: prefill instances, DP ranks each, decodes (--fleet)."""
+
+    instances: int = INSTANCES
+    dp: int = DP
+    decodes: int = DECODES
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        """``INSTANCESxDP[,DECODES]``, e.g. ``8x8,8``; decodes default to one an instance."""
+        prefill, _, decodes = text.partition(",")
+        instances, _, dp = prefill.lower().partition("x")
+        shape = cls(int(instances), int(dp or 1), int(decodes or instances))
+        if min(shape.instances, shape.dp, shape.decodes) < 1:
+            raise argparse.ArgumentTypeError(f"--fleet {text}: every count must be at least 1")
+        return shape
+
+    @property
+    def engines(self) -> int:
+        return self.instances * self.dp
+
+    @property
+    def scale(self) -> int:
+        """How many times the default cluster's engines this one has (at least 1): what the
+        workloads' groups and conversations are multiplied by, so that their prefixes fill
+        every engine's cache as they fill the default cluster's."""
+        return max(1, round(self.engines / (INSTANCES * DP)))
+
+    def __str__(self) -> str:
+        return f"{self.instances}x{self.dp},{self.decodes}"
+
+
 @dataclass
 class Cluster:
     prefills: list[tuple[str, int]]  # (api URL, bootstrap port)
@@ -136,17 +173,26 @@ class Cluster:
     # --precise: the tokenizer the engines use, and each instance's --kv-events entry.
     tokenizer_dir: Path | None = None
     kv_events: list[list[str]] = field(default_factory=list)
+    shape: Shape = Shape()
+    # --proxy: the routers measured (mooncake_proxy.py files), each on the same engines.
+    proxies: tuple[Path, ...] = (HERE / "mooncake_proxy.py",)
 
     @classmethod
-    def start(cls, tokenizer_dir: Path | None = None) -> Cluster:
+    def start(
+        cls,
+        tokenizer_dir: Path | None = None,
+        shape: Shape = Shape(),
+        proxies: tuple[Path, ...] = (HERE / "mooncake_proxy.py",),
+    ) -> Cluster:
         prefills, decodes, processes, kv_events = [], [], [], []
-        for role, count in (("prefill", INSTANCES), ("decode", DECODES)):
+        for role, count in (("prefill", shape.instances), ("decode", shape.decodes)):
             for _ in range(count):
                 api, bootstrap = free_port(), free_port()
-                argv = [sys.executable, __file__, "fake", role, str(api), str(bootstrap)]
+                argv = [sys.executable, __file__, "fake", role, str(shape.dp)]
+                argv += [str(api), str(bootstrap)]
                 url = f"http://127.0.0.1:{api}"
                 if tokenizer_dir is not None:
-                    ranks = DP if role == "prefill" else 1
+                    ranks = shape.dp if role == "prefill" else 1
                     events, replay = free_port(ranks), free_port(ranks)
                     argv += [str(tokenizer_dir), str(events), str(replay)]
                     endpoints = [f"tcp://127.0.0.1:{port}" for port in (events, replay)]
@@ -155,7 +201,7 @@ class Cluster:
                 (prefills.append((url, bootstrap)) if role == "prefill" else decodes.append(url))
         for url in [u for u, _ in prefills] + decodes:
             wait_http(url + "/health")
-        return cls(prefills, decodes, processes, tokenizer_dir, [kv_events])
+        return cls(prefills, decodes, processes, tokenizer_dir, [kv_events], shape, proxies)
 
     def prompts(self, requests: Sequence[Request]) -> list[PromptBlocks]:
         """Each request's prompt blocks, as the engines key their caches."""
@@ -169,8 +215,8 @@ class Cluster:
         assert self.tokenizer_dir is not None
         return [*self.kv_events[0], "--tokenizer", str(self.tokenizer_dir)]
 
-    def proxy_argv(self, port: int, *flags: str) -> list[str]:
-        argv = [sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port)]
+    def proxy_argv(self, port: int, *flags: str, proxy: Path | None = None) -> list[str]:
+        argv = [sys.executable, str(proxy or self.proxies[0]), "--port", str(port)]
         for url, bootstrap in self.prefills:
             argv += ["--prefill", url, str(bootstrap)]
         for url in self.decodes:
@@ -184,7 +230,7 @@ class Cluster:
             return None
         argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
         argv += ["--kv-connector", "mooncake", "--policy", "cache_aware"]
-        argv += ["--intra-node-data-parallel-size", str(DP)]
+        argv += ["--intra-node-data-parallel-size", str(self.shape.dp)]
         for url, bootstrap in self.prefills:
             argv += ["--prefill", url, str(bootstrap)]
         for url in self.decodes:
@@ -222,7 +268,7 @@ class Cluster:
         for url in self.decodes if decodes else [u for u, _ in self.prefills]:
             async with session.get(f"{url}/metrics") as answer:
                 page = await answer.text()
-            for rank in range(1 if decodes else DP):
+            for rank in range(1 if decodes else self.shape.dp):
                 counts = {"queries": 0.0, "hits": 0.0, "requests": 0.0, "local": 0.0, "sent": 0.0}
                 for line in page.splitlines():
                     if f'engine="{rank}"' not in line:
@@ -293,20 +339,31 @@ def multi_turn(
     return sorted(requests, key=lambda r: r[0])
 
 
-def mooncake_trace(path: Path, count: int, seconds: float) -> list[Request]:
+def mooncake_trace(path: Path, count: int, seconds: float, copies: int = 1) -> list[Request]:
     """Mooncake's FAST'25 trace: equal hash ids are equal 512-token blocks, 128 bytes here
     (32 of the fakes' tokens), replayed ``seconds`` long; its reuse is across minutes, so
-    all of it is needed."""
+    all of it is needed. ``copies``: that many replays at once, each with hash ids of its own
+    (none shares a block with another), a larger cluster's users: its working set and its
+    rate times ``copies``, each copy a fraction of a request's gap after the one before."""
     rows = [json.loads(line) for line in path.read_text().splitlines()[:count]]
     span = max(rows[-1]["timestamp"], 1)
-    return [
+    stride = max(h for row in rows for h in row["hash_ids"]) + 1
+    gap = seconds / len(rows) / copies
+    requests = [
         (
-            row["timestamp"] / span * seconds,
+            row["timestamp"] / span * seconds + copy * gap,
             COMPLETIONS,
-            completion("".join(f"<{h:08d}>" + filler(str(h), 118) for h in row["hash_ids"])),
+            completion(
+                "".join(
+                    f"<{h + copy * stride:08d}>" + filler(str(h + copy * stride), 118)
+                    for h in row["hash_ids"]
+                )
+            ),
         )
         for row in rows
+        for copy in range(copies)
     ]
+    return sorted(requests, key=lambda r: r[0])
 
 
 def hot_prefix(count: int, rate: float) -> list[Request]:
@@ -321,21 +378,22 @@ def completion(prompt: str) -> dict[str, Any]:
     return {"model": "fake-model", "prompt": prompt, "max_tokens": 4, "stream": True}
 
 
-def oracle_hit_rate(prompts: Sequence[PromptBlocks]) -> float:
-    """One LRU prefix cache with the whole cluster's capacity, fed the prompts in order."""
-    cache = EngineSim(CACHE_BLOCKS * INSTANCES * DP)
+def oracle_hit_rate(prompts: Sequence[PromptBlocks], engines: int = INSTANCES * DP) -> float:
+    """One LRU prefix cache with the whole cluster's capacity (``engines`` engines' caches),
+    fed the prompts in order."""
+    cache = EngineSim(CACHE_BLOCKS * engines)
     for blocks in prompts:
         cache.lookup(blocks)
         cache.store(blocks)
     return cache.hits / cache.queries
 
 
-def split_hit_rate(prompts: Sequence[PromptBlocks]) -> float:
+def split_hit_rate(prompts: Sequence[PromptBlocks], count: int = INSTANCES * DP) -> float:
     """The cluster's own caches (one per engine), each prompt sent where most of its leading
     blocks are cached (ties: the engine that took the fewest requests), with no bound on
     load: what knowing every cache exactly buys without balancing anything. Far below the
     oracle, the workload itself defeats a split cache; near it, what routing loses is its own."""
-    engines = [EngineSim(CACHE_BLOCKS) for _ in range(INSTANCES * DP)]
+    engines = [EngineSim(CACHE_BLOCKS) for _ in range(count)]
     for blocks in prompts:
         held = [engine.cached(blocks) for engine in engines]
         best = max(held)
@@ -1321,9 +1379,25 @@ def spawn(argvs: list[list[str]]) -> list[subprocess.Popen[bytes]]:
     ]
 
 
-def targets(cluster: Cluster, quick: bool) -> list[tuple[str, list[list[str]]]]:
+def targets(
+    cluster: Cluster, quick: bool, only: Sequence[str] | None = None
+) -> list[tuple[str, list[list[str]]]]:
+    """The targets measured (``only``: those of these names, --quick or not). With several
+    --proxy, each proxy's, named after its directory ("prefix_aware [wt-old]": a name with
+    its label picks that proxy's alone): an A/B on the same engines, as the hash seeds are
+    the engines' URLs and another cluster places prefixes apart."""
+    chosen = []
+    for source in cluster.proxies:
+        label = f" [{source.parent.name}]" if len(cluster.proxies) > 1 else ""
+        for name, argvs in all_targets(cluster, quick and not only, source):
+            if not only or name in only or name + label in only:
+                chosen.append((name + label, argvs))
+    return chosen
+
+
+def all_targets(cluster: Cluster, quick: bool, source: Path) -> list[tuple[str, list[list[str]]]]:
     def proxy(*flags: str) -> list[str]:
-        return cluster.proxy_argv(free_port(), *flags)
+        return cluster.proxy_argv(free_port(), *flags, proxy=source)
 
     if cluster.tokenizer_dir is not None:  # --precise: the estimate against the engines' events
         events = cluster.precise_flags()
@@ -1336,6 +1410,8 @@ def targets(cluster: Cluster, quick: bool) -> list[tuple[str, list[list[str]]]]:
             chosen += [
                 ("estimate x2 replicas", [proxy(), proxy()]),
                 ("KV events x2 replicas", [proxy(*events), proxy(*events)]),
+                ("estimate x4 replicas", [proxy() for _ in range(4)]),
+                ("KV events x4 replicas", [proxy(*events) for _ in range(4)]),
                 ("KV events --workers 2", [proxy("--workers", "2", *events)]),
             ]
         return chosen
@@ -1347,27 +1423,34 @@ def targets(cluster: Cluster, quick: bool) -> list[tuple[str, list[list[str]]]]:
     if not quick:
         chosen += [
             ("prefix_aware x2 replicas", [proxy(), proxy()]),
+            ("prefix_aware x4 replicas", [proxy() for _ in range(4)]),
             ("prefix_aware --workers 2", [proxy("--workers", "2")]),
         ]
-        if (router := cluster.router_argv(free_port())) is not None:
+        if source == cluster.proxies[0] and (router := cluster.router_argv(free_port())):
             chosen.append(("vllm-router cache_aware", [router]))
     return chosen
 
 
 def workloads(args: argparse.Namespace) -> list[tuple[str, list[Request]]]:
-    quick = args.quick
+    """Sized for the cluster: at ``scale`` times the default's engines (--fleet), ``scale``
+    times the prefix groups, conversations and trace copies (each engine's share of the
+    working set, hence the oracle, as at 8 engines), at ``--rate`` times the default's
+    request rate (the same rate by default: each engine ``scale`` times less loaded)."""
+    quick, scale, rate = args.quick, args.fleet.scale, args.rate
     chosen = [
-        ("shared prefixes", shared_prefix_groups(32, 4 if quick else 10, 120.0)),
-        ("hot prefix", hot_prefix(80 if quick else 240, 100.0)),
+        ("shared prefixes", shared_prefix_groups(32 * scale, 4 if quick else 10, 120.0 * rate)),
+        ("hot prefix", hot_prefix(80 if quick else 240, 100.0 * rate)),
     ]
     if not quick:
-        chosen.insert(1, ("multi-turn", multi_turn(24, 8, 1.0)))
+        chosen.insert(1, ("multi-turn", multi_turn(24 * scale, 8, 1.0 * scale / rate)))
         # One conversation alone, short turns that all fit one engine's cache: it should
         # stay there.
         chosen.insert(2, ("one chat", multi_turn(1, 12, 0.5, (1024, 50, 100))))
         trace = Path(args.trace)
         if trace.exists():
-            chosen.insert(2, ("Mooncake trace", mooncake_trace(trace, 4000, 40.0)))
+            rows = args.trace_rows
+            replay = mooncake_trace(trace, rows, rows / 100.0 * scale / rate, copies=scale)
+            chosen.insert(2, ("Mooncake trace", replay))
         else:
             print(f"no trace at {trace}: the Mooncake workload is left out ({TRACE_URL})")
     return chosen
@@ -1432,13 +1515,14 @@ async def bench(args: argparse.Namespace, cluster: Cluster) -> list[Result]:
             continue
         runs: dict[str, list[Result]] = {}
         prompts = cluster.prompts(requests)
-        oracle, split = oracle_hit_rate(prompts), split_hit_rate(prompts)
+        engines = cluster.shape.engines
+        oracle, split = oracle_hit_rate(prompts, engines), split_hit_rate(prompts, engines)
         print(f"{name}: oracle {oracle:.3f}; its engines' caches split perfectly, with no "
               f"load bound {split:.3f} ({split / oracle:.2f}x)", flush=True)  # fmt: skip
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             await cluster.warm(session, requests)
         for round_ in range(args.rounds):
-            chosen = targets(cluster, args.quick)
+            chosen = targets(cluster, args.quick, args.target)
             turn = round_ % len(chosen)
             for target, argvs in chosen[turn:] + chosen[:turn]:
                 result = await run(cluster, name, target, argvs, requests, oracle)
@@ -1475,7 +1559,7 @@ def unit(label: str) -> str:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "fake":
-        run_fake(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:])
+        run_fake(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:])
         return 0
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1488,6 +1572,33 @@ def main() -> int:
         help="engines with a real tokenizer that publish KV events: the estimate against them",
     )
     parser.add_argument("--workload", action="append", help="only these workloads (by name)")
+    parser.add_argument(
+        "--target", action="append", help="only these targets (by name, e.g. prefix_aware)"
+    )
+    parser.add_argument(
+        "--fleet",
+        type=Shape.parse,
+        default=Shape(),
+        metavar="INSTANCESxDP[,DECODES]",
+        help=f"the simulated cluster (default {Shape()}); the workloads grow with its engines",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=1.0, help="the workloads' request rates times this"
+    )
+    parser.add_argument(
+        "--trace-rows",
+        type=int,
+        default=4000,
+        help="the Mooncake trace's first rows replayed (100 a second, times --rate)",
+    )
+    parser.add_argument(
+        "--proxy",
+        type=Path,
+        action="append",
+        help="the mooncake_proxy.py launched as the proxy targets (default this one's); "
+        "several: each one's targets on the same engines, an A/B (the in-process costs are "
+        "left out unless this one's is the first)",
+    )
     parser.add_argument(
         "--rounds", type=int, default=1, help="run every row this many times; medians kept"
     )
@@ -1513,14 +1624,18 @@ def main() -> int:
     os.environ.pop("NOTIFY_SOCKET", None)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_dir = None
-        costs = decision_costs()
+        proxies = tuple(p.resolve() for p in args.proxy or [HERE / "mooncake_proxy.py"])
+        ours = proxies[0] == HERE / "mooncake_proxy.py"  # the costs are measured in process
+        costs = decision_costs() if ours else []
         if args.precise:
             tokenizer_dir = Path(scratch)
             build_tokenizer(tokenizer_dir)
-            costs += precise_costs(tokenizer_dir)
+            costs += precise_costs(tokenizer_dir) if ours else []
         for label, value in costs:
             print(f"{label}: {value:.1f}{unit(label)}", flush=True)
-        cluster = Cluster.start(tokenizer_dir)
+        print(f"cluster {args.fleet} ({args.fleet.engines} prefill engines), proxies:",
+              *map(str, proxies), flush=True)  # fmt: skip
+        cluster = Cluster.start(tokenizer_dir, args.fleet, proxies)
         try:
             results = asyncio.run(bench(args, cluster))
         finally:
