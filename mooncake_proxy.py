@@ -4824,6 +4824,10 @@ class HeldBlocks:
         self.block_size = 0
         self.unplaced = 0  # blocks whose parent this process never heard of
         self.stored_total = 0  # blocks it ever newly held: what turned its cache over
+        # The router's reverse index, shared by a stage's engines (attach): chain hash -> a bit
+        # per engine that holds it, so that a decision need not ask every engine.
+        self.holders: dict[int, int] | None = None
+        self.bit = 0  # this engine's bit in holders, a power of two
 
     def __len__(self) -> int:
         return len(self.known)
@@ -4891,7 +4895,12 @@ class HeldBlocks:
             if block_hash not in self.known:
                 self.known[block_hash] = (chain, position)
                 self.stored_total += 1
-                self.chains[chain] = self.chains.get(chain, 0) + 1
+                if count := self.chains.get(chain, 0):
+                    self.chains[chain] = count + 1
+                else:
+                    self.chains[chain] = 1
+                    if self.holders is not None:
+                        add_holder(self.holders, chain, self.bit)
             position += 1
 
     def removed(self, hashes: Sequence[object]) -> None:
@@ -4902,10 +4911,40 @@ class HeldBlocks:
                 self.chains[where[0]] = count
             else:
                 del self.chains[where[0]]
+                if self.holders is not None:
+                    remove_holder(self.holders, where[0], self.bit)
 
     def clear(self) -> None:
+        self.release()  # still attached: what it holds from now on is carried again
         self.chains.clear()
         self.known.clear()
+
+    def attach(self, holders: dict[int, int] | None, bit: int) -> None:
+        """Carry ``bit`` in ``holders`` for every chain held, from now on, and no longer in the
+        dict attached before; None detaches."""
+        self.release()
+        self.holders, self.bit = holders, bit
+        if holders is not None:
+            for chain in self.chains:
+                add_holder(holders, chain, bit)
+
+    def release(self) -> None:
+        """This engine's bit out of holders, for every chain it holds."""
+        if (holders := self.holders) is not None:
+            for chain in self.chains:
+                remove_holder(holders, chain, self.bit)
+
+
+def add_holder(holders: dict[int, int], chain: int, bit: int) -> None:
+    """``bit`` set for ``chain``. Most chains have one holder: one dict operation for them."""
+    if (mask := holders.setdefault(chain, bit)) is not bit:
+        holders[chain] = mask | bit
+
+
+def remove_holder(holders: dict[int, int], chain: int, bit: int) -> None:
+    """``bit`` cleared for ``chain``, and the chain gone with its last holder."""
+    if (mask := holders.pop(chain, 0)) is not bit and (rest := mask & ~bit):
+        holders[chain] = rest
 
 
 class KvFeed:

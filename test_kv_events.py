@@ -124,6 +124,56 @@ def test_partial_block_entries_leave_the_engines_block_size_alone(tokenizer: Any
     assert held.block_size == BLOCK_TOKENS and held.match(chain) == 3 and len(held) == 3
 
 
+def holders_of(views: list[mp.HeldBlocks], holders: dict[int, int]) -> dict[int, int]:
+    """What ``holders`` should be: every chain each view attached to it holds, with its bit."""
+    expected: dict[int, int] = {}
+    for view in views:
+        if view.holders is holders:
+            for chain in view.chains:
+                expected[chain] = expected.get(chain, 0) | view.bit
+    return expected
+
+
+def test_the_router_learns_which_engines_hold_a_chain_from_their_events() -> None:
+    """Every view attached to a stage's holders keeps its bit there for exactly the chains
+    it holds: through stored and removed blocks, a clear, and attaching elsewhere."""
+    shared = [1, 2] * BLOCK_TOKENS  # two blocks every engine stores
+    views = [mp.HeldBlocks() for _ in range(3)]
+    holders: dict[int, int] = {}
+    views[0].stored(None, [b"early"], [9] * BLOCK_TOKENS, BLOCK_TOKENS)  # before attaching
+    for slot, view in enumerate(views):
+        view.attach(holders, 1 << (slot * 40))  # bits past a machine word too
+    assert holders == holders_of(views, holders) and len(holders) == 1
+    for slot, view in enumerate(views):
+        view.stored(None, [b"a", b"b"], shared, BLOCK_TOKENS)
+        view.stored(b"b", [b"own %d" % slot], [slot] * BLOCK_TOKENS, BLOCK_TOKENS)
+        assert holders == holders_of(views, holders)
+    head = mp.token_chain(shared, BLOCK_TOKENS)[0]
+    assert holders[head] == 1 | 1 << 40 | 1 << 80
+    # A second vLLM block with the same tokens: the chain stays held until both are gone.
+    views[1].stored(None, [b"again"], shared[:BLOCK_TOKENS], BLOCK_TOKENS)
+    views[1].removed([b"a"])
+    assert holders[head] == 1 | 1 << 40 | 1 << 80
+    views[1].removed([b"again", b"b", b"never stored"])
+    assert holders == holders_of(views, holders) and holders[head] == 1 | 1 << 80
+    views[2].apply({"type": "AllBlocksCleared"})
+    assert holders == holders_of(views, holders) and holders[head] == 1
+    views[2].stored(None, [b"a"], shared, BLOCK_TOKENS)  # still attached after a clear
+    assert holders[head] == 1 | 1 << 80
+    # Attached to another stage's dict: gone from the first, all of it in the second.
+    other: dict[int, int] = {}
+    views[0].attach(other, 1 << 3)
+    assert holders == holders_of(views, holders) and holders[head] == 1 << 80
+    assert other == holders_of(views, other) and len(other) == 4
+    views[0].attach(None, 0)  # detached: neither carries it
+    assert other == {} and holders == holders_of(views, holders)
+    views[0].removed([b"a"])
+    assert holders == holders_of(views, holders) and other == {}
+    for view in views[1:]:
+        view.attach(None, 0)
+    assert holders == {}
+
+
 def test_the_token_ids_are_vllms_for_completions_and_chats(tokenizer: Any) -> None:
     prompt_tokenizer = mp.PromptTokenizer(tokenizer)
     text = "hello world ! how are you today ?"
