@@ -1047,9 +1047,9 @@ def events_state() -> mp.ProxyState:
 
 def events_decoder() -> Callable[[bytes], object]:
     """The decode follow_kv_feed uses, as watch_kv_events makes it."""
-    import msgspec
+    import mooncake_proxy as mp
 
-    return msgspec.msgpack.Decoder().decode
+    return mp.kv_batch_decoder()
 
 
 def events_view_bytes(state: mp.ProxyState, history: EventsHistory) -> int:
