@@ -34,10 +34,11 @@ hit rate on shared-prefix groups against an oracle (scale_run says how each is c
 table, and a verdict against the targets at 512 engines (50 us p50, 150 us p99 per stage).
 
 ``--scale-events`` measures what following vLLM's KV cache events costs one process: a KvFeed
-per prefill engine (8, 64, 512), each view holding 20,000 blocks, fed vLLM 0.32's msgpack
-batches through the proxy's own decode and take_kv_batch (events_run says what is timed); one
-table, and a verdict against 512 engines at 1,500 block events a second each within a quarter
-of a core. Under a minute.
+per prefill engine (8, 64, 512), each view holding 20,000 blocks of its own, fed vLLM 0.32's
+msgpack batches through the proxy's own decode and take_kv_batch, with the router's holders
+attached and without (events_run says what is timed); one table, a verdict against 512
+engines at 1,500 block events a second each within a quarter of a core, and what --workers and
+replicas multiply. About a minute and 3 GB.
 """
 
 from __future__ import annotations
@@ -1227,7 +1228,7 @@ def events_table(rows: Sequence[EventsRow]) -> str:
             f"({r.view_bytes / 1e6:.1f} MB) | {r.stored_us:.2f} µs | {r.removed_us:.2f} µs "
             f"| {r.mixed_us:.2f} µs ({r.decode_us:.2f} + {r.apply_us:.2f}) "
             f"| {r.alone_us:.2f} µs | {r.per_core:,.0f} | {r.core_share:.2f} "
-            f"| {r.attach_seconds:.2f} s | {r.gc_seconds:.2f} s | {r.gc_longest * 1e3:.0f} ms |"
+            f"| {r.attach_seconds:.2f} s | {r.gc_seconds:.2f} s | {r.gc_longest * 1e3:.1f} ms |"
         )
     return "\n".join(lines)
 
@@ -1257,11 +1258,13 @@ def events_verdict(rows: Sequence[EventsRow]) -> str:
         return f"verdict: target met: {said}"
     needed = EVENTS_TARGET_CORE * 1e6 / (r.engines * EVENTS_RATE)
     apply_share = r.engines * EVENTS_RATE * r.apply_us / 1e6
+    within = EVENTS_TARGET_CORE * 1e6 / (EVENTS_RATE * r.mixed_us)  # fewer engines cost less
     return (
         f"verdict: target NOT met, {r.core_share / EVENTS_TARGET_CORE:.1f}× over: {said}. It "
         f"needs {needed:.2f} µs a block event, not {r.mixed_us:.2f}; decoding is "
         f"{r.decode_us:.2f} µs of it, take_kv_batch {r.apply_us:.2f} (with decoding free: "
-        f"{apply_share:.2f} of a core)"
+        f"{apply_share:.2f} of a core). At this cost a quarter of a core follows {within:.0f} "
+        "engines"
     )
 
 
