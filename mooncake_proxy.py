@@ -5014,6 +5014,31 @@ def kv_batch_decoder() -> Callable[[bytes], object]:
     Needs msgspec (the [precise] extra)."""
     import msgspec
 
+    def batch_of(events: Any) -> Callable[[bytes], object]:
+        # defstruct: the events are local names, which postponed annotations cannot resolve.
+        fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+            ("ts", float), ("events", list[events]), ("data_parallel_rank", Any, None),
+        ]  # fmt: skip
+        batch = msgspec.defstruct("KvEventBatch", fields, array_like=True, gc=False)
+        return msgspec.msgpack.Decoder(batch).decode
+
+    as_maps, as_arrays = (batch_of(events) for events in kv_event_types())
+    untyped = msgspec.msgpack.Decoder().decode
+
+    def decode(payload: bytes) -> object:
+        for typed in (as_maps, as_arrays):
+            with contextlib.suppress(msgspec.ValidationError):
+                return typed(payload)
+        return untyped(payload)
+
+    return decode
+
+
+def kv_event_types() -> tuple[Any, Any]:
+    """vLLM's KV cache events as msgspec types for HeldBlocks.take: as maps with a "type" (vLLM
+    0.32), and as arrays led by it (older vLLM)."""
+    import msgspec
+
     class Event(msgspec.Struct, gc=False):
         """What HeldBlocks.take does with one (no fields here: they would come first)."""
 
@@ -5053,25 +5078,7 @@ def kv_batch_decoder() -> Callable[[bytes], object]:
     class ClearedArray(AllBlocksCleared, array_like=True):
         pass
 
-    def batch_of(events: Any) -> Callable[[bytes], object]:
-        # defstruct: the events are local names, which postponed annotations cannot resolve.
-        fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
-            ("ts", float), ("events", list[events]), ("data_parallel_rank", Any, None),
-        ]  # fmt: skip
-        batch = msgspec.defstruct("KvEventBatch", fields, array_like=True, gc=False)
-        return msgspec.msgpack.Decoder(batch).decode
-
-    as_maps = batch_of(BlockStored | BlockRemoved | AllBlocksCleared)
-    as_arrays = batch_of(StoredArray | RemovedArray | ClearedArray)
-    untyped = msgspec.msgpack.Decoder().decode
-
-    def decode(payload: bytes) -> object:
-        for typed in (as_maps, as_arrays):
-            with contextlib.suppress(msgspec.ValidationError):
-                return typed(payload)
-        return untyped(payload)
-
-    return decode
+    return BlockStored | BlockRemoved | AllBlocksCleared, StoredArray | RemovedArray | ClearedArray
 
 
 class KvFeed:
