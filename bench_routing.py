@@ -37,10 +37,11 @@ hit rate on shared-prefix groups against an oracle (scale_run says how each is c
 table, and a verdict against the targets at 512 engines (50 us p50, 150 us p99 per stage).
 
 ``--scale-events`` measures what following vLLM's KV cache events costs one process: a KvFeed
-per prefill engine (8, 64, 512), each view holding 20,000 blocks, fed vLLM 0.32's msgpack
-batches through the proxy's own decode and take_kv_batch (events_run says what is timed); one
-table, and a verdict against 512 engines at 1,500 block events a second each within a quarter
-of a core. Under a minute.
+per prefill engine (8, 64, 512), each view holding 20,000 blocks of its own, fed vLLM 0.32's
+msgpack batches through the proxy's own decode and take_kv_batch, with the router's holders
+attached and without (events_run says what is timed); one table, a verdict against 512
+engines at 1,500 block events a second each within a quarter of a core, and what --workers and
+replicas multiply. About 30 s and 2.6 GB.
 """
 
 from __future__ import annotations
@@ -1081,13 +1082,17 @@ EVENTS_TARGET_ENGINES, EVENTS_TARGET_CORE = 512, 0.25
 class EventsRow:
     engines: int
     view_blocks: int  # per engine, throughout
-    view_bytes: int  # one engine's view (HeldBlocks) at view_blocks, by tracemalloc
+    view_bytes: int  # one engine's view (HeldBlocks) at view_blocks, its holders' share included
+    # Per block event, with the router's holders attached (as the proxy runs):
     stored_us: float  # per BlockStored block: msgpack decode + take_kv_batch, stored-only batches
     removed_us: float  # per BlockRemoved block, removed-only batches
     mixed_us: float  # per block event in vLLM's batches (half evicted, half stored)
     decode_us: float  # of mixed_us, msgspec's decode
     apply_us: float  # of mixed_us, take_kv_batch
+    alone_us: float  # mixed_us without holders attached (a view alone)
+    attach_seconds: float  # attaching every view to the holders: each fills it with its chains
     gc_seconds: float  # a full garbage collection, and the young ones that then see every view
+    gc_longest: float  # the longest collection during the timed passes (it stops the loop)
     batches: int  # timed, all passes
     seconds: float  # the timed passes' wall time
 
@@ -1123,18 +1128,31 @@ def events_payload(events: list[dict[str, Any]]) -> bytes:
     return msgspec.msgpack.encode([time.time(), events, 0])  # [ts, events, dp_rank]
 
 
-def events_history(rng: random.Random, kinds: Sequence[str]) -> tuple[list[bytes], list[bytes]]:
-    """One engine's events, msgpack-encoded, the same for every engine of a run: the batches
-    that fill its view with EVENTS_VIEW_BLOCKS blocks (prompts of EVENTS_CHAIN blocks), then a
-    batch for each of ``kinds``: "stored" (EVENTS_RUNS runs of new blocks), "removed" (as many
-    evicted, the oldest first) or "step" (vLLM's: both). Every block removed is held, every
-    new run's parent too (the view's first block, never evicted), so no event takes a short
-    way out."""
-    fill, fifo = [], []
+@dataclass
+class EventsHistory:
+    """One engine's events: the prompts that fill its view with EVENTS_VIEW_BLOCKS blocks
+    (EVENTS_CHAIN each), then a msgpack batch for each of the passes' kinds: "stored"
+    (EVENTS_RUNS runs of new blocks, children of the view's first block, never evicted),
+    "removed" (as many evicted, the oldest first) or "step" (vLLM's: both). Every block
+    removed is held, every new run's parent too, so no event takes a short way out."""
+
+    prompts: list[dict[str, Any]]  # BlockStored events, one per prompt
+    batches: list[bytes]
+
+    def fill(self, engine: int) -> Iterator[bytes]:
+        """The fill's batches for one engine: each prompt's first token is the engine's, so
+        that no two engines hold the same chains (as prefix-aware routing keeps prompts apart),
+        and every block after the fill descends from that engine's own."""
+        for event in self.prompts:
+            yield events_payload([event | {"token_ids": [engine, *event["token_ids"][1:]]}])
+
+
+def events_history(rng: random.Random, kinds: Sequence[str]) -> EventsHistory:
+    prompts, fifo = [], []
     for _ in range(0, EVENTS_VIEW_BLOCKS, EVENTS_CHAIN):
         hashes = [rng.getrandbits(64) for _ in range(EVENTS_CHAIN)]
         tokens = rng.choices(range(EVENTS_VOCAB), k=EVENTS_CHAIN * BLOCK)
-        fill.append(events_payload([stored_event(hashes, None, tokens)]))
+        prompts.append(stored_event(hashes, None, tokens))
         fifo += hashes
     root = fifo[0]
     held = collections.deque(fifo[1:])
@@ -1150,7 +1168,7 @@ def events_history(rng: random.Random, kinds: Sequence[str]) -> tuple[list[bytes
                 events.append(stored_event(hashes, root, tokens))
                 held += hashes
         batches.append(events_payload(events))
-    return fill, batches
+    return EventsHistory(prompts, batches)
 
 
 def events_state() -> mp.ProxyState:
@@ -1163,26 +1181,34 @@ def events_state() -> mp.ProxyState:
     return mp.ProxyState(mp.ProxyConfig(prefills=(spec,), decodes=(URL("http://10.0.1.1:8200"),)))
 
 
-def events_view_bytes(state: mp.ProxyState, fill: Sequence[bytes]) -> int:
-    """One engine's view at EVENTS_VIEW_BLOCKS, filled through the proxy's path, by
-    tracemalloc: what it keeps, the decoded hashes included."""
+def events_decoder() -> Callable[[bytes], object]:
+    """The decode follow_kv_feed uses, as watch_kv_events makes it."""
+    import mooncake_proxy as mp
+
+    return mp.kv_batch_decoder()
+
+
+def events_view_bytes(state: mp.ProxyState, history: EventsHistory) -> int:
+    """One engine's view at EVENTS_VIEW_BLOCKS, filled through the proxy's path with holders
+    attached, by tracemalloc: what it keeps, the decoded hashes and its share of the holders
+    (an engine's chains are its own) included."""
     import gc
     import tracemalloc
 
-    import msgspec
-
     import mooncake_proxy as mp
 
-    decode = msgspec.msgpack.Decoder().decode
+    decode = events_decoder()
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     feed = mp.KvFeed("tcp://10.0.0.1:5557", None)
-    for seq, payload in enumerate(fill):
+    holders: dict[int, int] = {}
+    feed.held.attach(holders, 1 << 511)  # the last of 512 engines: the widest bit
+    for seq, payload in enumerate(history.fill(0)):
         mp.take_kv_batch(state, feed, seq, decode(payload))
     kept = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    assert len(feed.held) == EVENTS_VIEW_BLOCKS
+    assert len(feed.held) == EVENTS_VIEW_BLOCKS == len(holders)
     return kept
 
 
@@ -1206,68 +1232,103 @@ def gc_timed(spent: list[float]) -> Iterator[None]:
         gc.callbacks.remove(note)
 
 
+@dataclass
+class EventsPass:
+    """One timed pass over every engine (events_pass)."""
+
+    kinds: list[str]  # the batches' kinds, the first two a warm-up
+    first_seq: int
+    spent: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("stored", "removed", "decode", "apply"), 0.0)
+    )
+    seconds: float = 0.0
+    collections: list[float] = field(default_factory=list)  # the garbage collector's, timed
+
+
+def events_pass(
+    state: mp.ProxyState, feeds: list[mp.KvFeed], batches: Sequence[bytes], timed: EventsPass
+) -> None:
+    """Its batches applied by every engine in turn, the first two (one stored, one removed)
+    untimed: each view's dicts are then as they stay. "step" batches are timed in two parts,
+    decoding and take_kv_batch; the others whole, per kind."""
+    import mooncake_proxy as mp
+
+    decode = events_decoder()
+    clock = time.perf_counter
+    spent = timed.spent
+    for seq, payload in enumerate(batches[:2], timed.first_seq):
+        for feed in feeds:
+            mp.take_kv_batch(state, feed, seq, decode(payload))
+    started = clock()
+    timed_batches = zip(timed.kinds[2:], batches[2:], strict=True)
+    with gc_timed(timed.collections):
+        for seq, (kind, payload) in enumerate(timed_batches, timed.first_seq + 2):
+            if kind == "step":
+                for feed in feeds:
+                    t0 = clock()
+                    batch = decode(payload)
+                    t1 = clock()
+                    mp.take_kv_batch(state, feed, seq, batch)
+                    t2 = clock()
+                    spent["decode"] += t1 - t0
+                    spent["apply"] += t2 - t1
+            else:
+                for feed in feeds:
+                    t0 = clock()
+                    mp.take_kv_batch(state, feed, seq, decode(payload))
+                    spent[kind] += clock() - t0
+    timed.seconds = clock() - started
+
+
 def events_run(engines: int, state: mp.ProxyState, seed: int) -> EventsRow:
-    """One fleet size: a KvFeed per engine, each view filled to EVENTS_VIEW_BLOCKS, then the
-    timed passes, the engines taken in turn batch by batch as their streams interleave: stored
-    and removed batches alternating (each kind timed apart), then vLLM's steps (decoding and
-    applying timed apart). Each pass is EVENTS_TIMED block events over all engines; the views
-    end as full as they started. What is timed is the proxy's path once a batch's bytes are
-    in (follow_kv_feed's decode and take_kv_batch), not receiving them from ZMQ.
+    """One fleet size: a KvFeed per engine, each view filled to EVENTS_VIEW_BLOCKS (no two
+    engines' chains alike), then two timed passes, the engines taken in turn batch by batch as
+    their streams interleave: stored and removed batches alternating (each kind timed apart),
+    then vLLM's steps (decoding and applying timed apart). The first pass is of the views
+    alone; then every view is attached to one holders dict, as the router attaches a stage's
+    engines (each its bit, 1 << n), and the second pass is of them so. Each pass is
+    EVENTS_TIMED block events over all engines; the views end as full as they started. What is
+    timed is the proxy's path once a batch's bytes are in (follow_kv_feed's decode and
+    take_kv_batch), not receiving them from ZMQ.
 
-    Before them, untimed but for the garbage collector: a full collection (gc.collect) leaves
-    the views' dicts untracked, as their values are tuples of ints; each one's next stored
-    block tracks it again, and the young collections that follow traverse it whole. A warm-up
-    batch per engine and gc.collect(1) take that once, so that the passes see the steady
-    state; a real process pays it after each full collection. gc_seconds: the collections'
-    time, the full one's and those of the warm-up."""
+    Before them, untimed but for the garbage collector: a full collection (gc.collect) and the
+    young ones after the first stored block of each view (gc_seconds; with views whose dicts
+    hold only ints, which the collector never tracks, nothing to see). The collections the
+    passes' own allocations bring about are in their times, the longest apart (gc_longest)."""
     import gc
-
-    import msgspec
 
     import mooncake_proxy as mp
 
     per_engine = max(2, EVENTS_TIMED // engines // EVENTS_BATCH)  # batches a pass, even
     per_engine -= per_engine % 2
     kinds = ["stored", "removed"] * (1 + per_engine // 2) + ["step"] * (per_engine // 2)
-    fill, batches = events_history(random.Random(seed), kinds)
-    decode = msgspec.msgpack.Decoder().decode  # as watch_kv_events makes it
+    history = events_history(random.Random(seed), ["step", *kinds, *kinds])
+    decode = events_decoder()
     feeds = [mp.KvFeed(f"tcp://10.0.{n // 64}.{n % 64}:5557", None) for n in range(engines)]
-    for seq, payload in enumerate(fill):
-        for feed in feeds:
+    for n, feed in enumerate(feeds):
+        for seq, payload in enumerate(history.fill(n)):
             mp.take_kv_batch(state, feed, seq, decode(payload))
     pauses: list[float] = []
     with gc_timed(pauses):
         gc.collect()
-        for feed in feeds:  # the warm-up: a stored block tracks each view's dict again
-            mp.take_kv_batch(state, feed, len(fill), decode(batches[0]))
+        for feed in feeds:  # stored blocks: a view whose dicts hold tuples is tracked again
+            mp.take_kv_batch(state, feed, len(history.prompts), decode(history.batches[0]))
         gc.collect(1)
-    for feed in feeds:
-        mp.take_kv_batch(state, feed, len(fill) + 1, decode(batches[1]))
-    clock = time.perf_counter
-    spent = dict.fromkeys(("stored", "removed", "decode", "apply"), 0.0)
-    timed = enumerate(zip(kinds[2:], batches[2:], strict=True), len(fill) + 2)
-    started = clock()
-    for seq, (kind, payload) in timed:
-        if kind == "step":
-            for feed in feeds:
-                t0 = clock()
-                batch = decode(payload)
-                t1 = clock()
-                mp.take_kv_batch(state, feed, seq, batch)
-                t2 = clock()
-                spent["decode"] += t1 - t0
-                spent["apply"] += t2 - t1
-        else:
-            for feed in feeds:
-                t0 = clock()
-                mp.take_kv_batch(state, feed, seq, decode(payload))
-                spent[kind] += clock() - t0
-    seconds = clock() - started
+    alone = EventsPass(kinds, len(history.prompts) + 1)
+    events_pass(state, feeds, history.batches[1 : 1 + len(kinds)], alone)
+    holders: dict[int, int] = {}
+    started = time.perf_counter()
+    for n, feed in enumerate(feeds):
+        feed.held.attach(holders, 1 << n)
+    attach_seconds = time.perf_counter() - started
+    attached = EventsPass(kinds, alone.first_seq + len(kinds))
+    events_pass(state, feeds, history.batches[1 + len(kinds) :], attached)
     for feed in feeds:  # every event took the proxy's full path: none missed, none refused
         assert feed.gaps == 0 and feed.problem is None and feed.held.unplaced == 0
         assert len(feed.held) == EVENTS_VIEW_BLOCKS
-    per_kind = engines * per_engine // 2 * EVENTS_BATCH  # block events of each kind, timed
-    us = 1e6
+    assert len(holders) == engines * EVENTS_VIEW_BLOCKS  # no two engines' chains alike
+    per_kind = engines * per_engine // 2 * EVENTS_BATCH  # block events of each kind, a pass
+    us, spent = 1e6, attached.spent
     return EventsRow(
         engines=engines,
         view_blocks=EVENTS_VIEW_BLOCKS,
@@ -1277,28 +1338,43 @@ def events_run(engines: int, state: mp.ProxyState, seed: int) -> EventsRow:
         mixed_us=(spent["decode"] + spent["apply"]) / (2 * per_kind) * us,
         decode_us=spent["decode"] / (2 * per_kind) * us,
         apply_us=spent["apply"] / (2 * per_kind) * us,
+        alone_us=(alone.spent["decode"] + alone.spent["apply"]) / (2 * per_kind) * us,
+        attach_seconds=attach_seconds,
         gc_seconds=sum(pauses),
-        batches=engines * (len(kinds) - 2),
-        seconds=seconds,
+        gc_longest=max(alone.collections + attached.collections, default=0.0),
+        batches=2 * engines * (len(kinds) - 2),
+        seconds=alone.seconds + attached.seconds,
     )
 
 
 def events_table(rows: Sequence[EventsRow]) -> str:
     lines = [
         "| prefill engines | views' memory (per engine) | stored | removed "
-        "| vLLM's batches (decode + apply) | block events / s per core "
+        "| vLLM's batches (decode + apply) | without holders | block events / s per core "
         f"| share of a core at {EVENTS_RATE:,} / s per engine "
-        "| a full GC and the young ones after it |",
-        "|---|---|---|---|---|---|---|---|",
+        "| attaching every view | a full GC and the young ones after it "
+        "| longest GC meanwhile |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.engines:,} | {r.view_bytes * r.engines / 1e9:.2f} GB "
             f"({r.view_bytes / 1e6:.1f} MB) | {r.stored_us:.2f} µs | {r.removed_us:.2f} µs "
             f"| {r.mixed_us:.2f} µs ({r.decode_us:.2f} + {r.apply_us:.2f}) "
-            f"| {r.per_core:,.0f} | {r.core_share:.2f} | {r.gc_seconds:.2f} s |"
+            f"| {r.alone_us:.2f} µs | {r.per_core:,.0f} | {r.core_share:.2f} "
+            f"| {r.attach_seconds:.2f} s | {r.gc_seconds:.2f} s | {r.gc_longest * 1e3:.1f} ms |"
         )
     return "\n".join(lines)
+
+
+def events_multiplied(r: EventsRow) -> str:
+    """What --workers and replicas multiply: each process follows every engine."""
+    return (
+        f"every --workers process and every replica follows every engine: N workers and R "
+        f"replicas spend N × R × {r.core_share:.2f} cores and N × R × "
+        f"{r.view_bytes * r.engines / 1e9:.1f} GB at {r.engines} engines (4 workers and 2 "
+        f"replicas: {8 * r.core_share:.1f} cores, {8 * r.view_bytes * r.engines / 1e9:.0f} GB)"
+    )
 
 
 def events_verdict(rows: Sequence[EventsRow]) -> str:
@@ -1308,31 +1384,34 @@ def events_verdict(rows: Sequence[EventsRow]) -> str:
     r = at[0]
     said = (
         f"{r.engines} engines at {EVENTS_RATE:,} block events a second each take "
-        f"{r.core_share:.2f} of a core per process (target ≤ {EVENTS_TARGET_CORE}); every "
-        "--workers process and every replica follows every engine, so N workers and R "
-        f"replicas spend N × R × {r.core_share:.2f} cores in all"
+        f"{r.core_share:.2f} of a core per process with the router's holders attached "
+        f"({r.engines * EVENTS_RATE * r.alone_us / 1e6:.2f} without; target ≤ "
+        f"{EVENTS_TARGET_CORE})"
     )
     if r.core_share <= EVENTS_TARGET_CORE:
         return f"verdict: target met: {said}"
     needed = EVENTS_TARGET_CORE * 1e6 / (r.engines * EVENTS_RATE)
     apply_share = r.engines * EVENTS_RATE * r.apply_us / 1e6
+    within = EVENTS_TARGET_CORE * 1e6 / (EVENTS_RATE * r.mixed_us)  # fewer engines cost less
     return (
         f"verdict: target NOT met, {r.core_share / EVENTS_TARGET_CORE:.1f}× over: {said}. It "
         f"needs {needed:.2f} µs a block event, not {r.mixed_us:.2f}; decoding is "
         f"{r.decode_us:.2f} µs of it, take_kv_batch {r.apply_us:.2f} (with decoding free: "
-        f"{apply_share:.2f} of a core)"
+        f"{apply_share:.2f} of a core). At this cost a quarter of a core follows {within:.0f} "
+        "engines"
     )
 
 
 def scale_events(args: argparse.Namespace) -> int:
-    """--scale-events: the table, the verdict, and --json."""
+    """--scale-events: the table, the verdict, what workers and replicas multiply, --json."""
     sizes = EVENTS_SIZES[:2] if args.quick else EVENTS_SIZES
     print(
         f"Simulated in process, no sockets: one KvFeed per prefill engine, each view holding "
-        f"{EVENTS_VIEW_BLOCKS:,} 16-token blocks throughout; vLLM 0.32's msgpack batches "
-        f"({EVENTS_BATCH} blocks evicted a step, one event each, and {EVENTS_RUNS} runs of "
-        f"{EVENTS_RUN} new blocks) decoded by msgspec and applied by take_kv_batch, the "
-        "engines taken in turn; ZMQ's receiving is not counted.",
+        f"{EVENTS_VIEW_BLOCKS:,} 16-token blocks throughout, no two engines' alike; vLLM 0.32's "
+        f"msgpack batches ({EVENTS_BATCH} blocks evicted a step, one event each, and "
+        f"{EVENTS_RUNS} runs of {EVENTS_RUN} new blocks) decoded and applied by take_kv_batch, "
+        "the engines taken in turn, with the router's holders attached (and without); ZMQ's "
+        "receiving is not counted.",
         flush=True,
     )
     state = events_state()
@@ -1341,17 +1420,18 @@ def scale_events(args: argparse.Namespace) -> int:
         row = events_run(engines, state, seed=n)
         print(
             f"{engines:>4} engines: {row.batches:,} batches in {row.seconds:.1f} s; "
-            f"{row.mixed_us:.2f} µs a block event, {row.core_share:.2f} of a core at "
-            f"{EVENTS_RATE:,} a second each",
+            f"{row.mixed_us:.2f} µs a block event ({row.alone_us:.2f} without holders), "
+            f"{row.core_share:.2f} of a core at {EVENTS_RATE:,} a second each",
             flush=True,
         )
         rows.append(row)
-    fill, _ = events_history(random.Random(99), ())
-    view_bytes = events_view_bytes(state, fill)
+    view_bytes = events_view_bytes(state, events_history(random.Random(99), ()))
     rows = [dataclasses.replace(r, view_bytes=view_bytes) for r in rows]
     print("\n" + events_table(rows) + "\n")
     verdict = events_verdict(rows)
+    multiplied = events_multiplied(rows[-1])
     print(verdict)
+    print(multiplied)
     if args.json:
         document = {
             "simulated": "in process: no sockets; decode + take_kv_batch per batch",
@@ -1364,6 +1444,7 @@ def scale_events(args: argparse.Namespace) -> int:
                 asdict(r) | {"per_core": r.per_core, "core_share": r.core_share} for r in rows
             ],
             "verdict": verdict,
+            "workers_and_replicas": multiplied,
         }
         Path(args.json).write_text(json.dumps(document, indent=2))
     return 0

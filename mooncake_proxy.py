@@ -5153,30 +5153,46 @@ class TokenReading:
 
 
 # vLLM's KV event fields by position, for publishers that send events as arrays (older vLLM;
-# since the events carry lora_name and extra_keys they are maps with a "type").
+# now they are maps with a "type"): the order of its classes' fields, those after medium
+# optional.
 STORED_FIELDS: Final = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
 
 EVENT_FIELDS: Final = {
-    "BlockStored": (*STORED_FIELDS, "lora_id", "medium"),
-    "BlockRemoved": ("block_hashes", "medium"),
+    "BlockStored": (*STORED_FIELDS, "lora_id", "medium", "lora_name", "extra_keys", "group_idx"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
 }
+
+# What a request reuses: blocks on the GPU (an offloaded copy is not), of the first KV cache group.
+GPU_MEDIA: Final = (None, "GPU")
+FIRST_GROUP: Final = (None, 0)
+
+# HeldBlocks.chains' values: a chain's position in its prompt times this, plus how many of
+# vLLM's blocks have it.
+POSITION: Final = 1 << 32
 
 
 class HeldBlocks:
     """The blocks an engine's KV events say it holds, keyed by a chain hash of their token ids
     (token_chain), not by vLLM's own block hash: that one depends on the engine's
-    PYTHONHASHSEED and hash algorithm, and a request's tokens must be hashed to match."""
+    PYTHONHASHSEED and hash algorithm, and a request's tokens must be hashed to match.
+
+    Its work per block is what following many engines costs (bench_routing --scale-events):
+    a hash and a few dict operations for each, with nothing else that a loop in C (zip, map,
+    accumulate) can do instead. Its dicts hold ints only, which the garbage collector never
+    tracks: with a tuple per block, a full collection and the young ones after it walked every
+    view, on the event loop (0.36 s at 512 engines)."""
 
     def __init__(self) -> None:
-        self.chains: dict[int, int] = {}  # chain hash -> how many of vLLM's blocks have it
-        self.known: dict[object, tuple[int, int]] = {}  # vLLM's hash -> (chain hash, position)
+        self.chains: dict[int, int] = {}  # chain hash -> position * POSITION + count
+        self.known: dict[object, int] = {}  # vLLM's hash -> chain hash
         self.block_size = 0
         self.unplaced = 0  # blocks whose parent this process never heard of
         self.stored_total = 0  # blocks it ever newly held: what turned its cache over
-        # Routing's reverse index (Roster.reported), where this view's chains carry its bit.
+        # The router's reverse index, shared by a stage's engines (attach): chain hash -> a bit
+        # per engine that holds it, so that a decision need not ask every engine.
         self.holders: dict[int, int] | None = None
-        self.bit = 0
+        self.bit = 0  # this engine's bit in holders, a power of two
 
     def __len__(self) -> int:
         return len(self.known)
@@ -5185,14 +5201,15 @@ class HeldBlocks:
         return leading(chain, self.chains)
 
     def apply(self, event: object) -> None:
-        """One event of a batch; ValueError for one that is not what vLLM sends."""
+        """One event of a batch as msgpack decodes it untyped (a list or a map); ValueError for
+        one that is not what vLLM sends."""
         if isinstance(event, list) and event and event[0] in EVENT_FIELDS:
             kind, event = event[0], dict(zip(EVENT_FIELDS[event[0]], event[1:], strict=False))
         elif isinstance(event, dict) and event.get("type") in EVENT_FIELDS:
             kind = event["type"]
         else:
             raise ValueError(f"not a KV cache event: {str(event)[:80]}")
-        if event.get("medium") not in (None, "GPU") or event.get("group_idx") not in (None, 0):
+        if event.get("medium") not in GPU_MEDIA or event.get("group_idx") not in FIRST_GROUP:
             return  # an offloaded copy, or another KV cache group: not what a request reuses
         try:
             if kind == "AllBlocksCleared":
@@ -5205,8 +5222,36 @@ class HeldBlocks:
                     event["parent_block_hash"], event["block_hashes"], event["token_ids"],
                     event["block_size"], event.get("extra_keys") or (),
                 )  # fmt: skip
-        except (KeyError, TypeError) as missing:
+        except (KeyError, TypeError, AttributeError) as missing:
             raise ValueError(f"{kind} without a usable {missing}") from None
+
+    def take(self, events: Iterable[Any]) -> list[str]:
+        """A batch's events as kv_batch_decoder types them: apply's work without its checks,
+        which msgspec made. What is wrong with an event is returned, the others applied."""
+        problems: list[str] = []
+        evicted: list[object] = []  # vLLM sends a BlockRemoved per block: one call for a run
+        for event in events:
+            if event.medium not in GPU_MEDIA or event.group_idx not in FIRST_GROUP:
+                continue
+            if event.removes:
+                evicted += event.block_hashes
+                continue
+            if evicted:
+                self.removed(evicted)
+                evicted = []
+            if not event.stores:
+                self.clear()
+            elif not (event.lora_id or event.lora_name):
+                try:
+                    self.stored(
+                        event.parent_block_hash, event.block_hashes, event.token_ids,
+                        event.block_size, event.extra_keys or (),
+                    )  # fmt: skip
+                except ValueError as error:
+                    problems.append(str(error))
+        if evicted:
+            self.removed(evicted)
+        return problems
 
     def stored(
         self,
@@ -5228,60 +5273,161 @@ class HeldBlocks:
             self.block_size = size
         if parent is None:
             chain, position = 0, 0
-        elif (where := self.known.get(parent)) is not None:
-            chain, position = where[0], where[1] + 1
+        elif (parent_chain := self.known.get(parent)) is not None:
+            chain, position = parent_chain, self.chains[parent_chain] // POSITION + 1
         else:
             self.unplaced += len(hashes)
             return
         self.block_size = size
-        for i, block_hash in enumerate(hashes):
-            block = tuple(tokens[i * size : (i + 1) * size])
-            if len(block) < size:
-                break  # a partial block: requests match whole blocks only
-            if i < len(extra_keys) and extra_keys[i] is not None:
-                break  # images or a cache salt in it: only requests with the same match it
-            chain ^= hash((position, block))
-            if block_hash not in self.known:
-                self.known[block_hash] = (chain, position)
-                self.stored_total += 1
-                if (count := self.chains.get(chain, 0)) == 0 and self.holders is not None:
-                    self.holders[chain] = self.holders.get(chain, 0) | self.bit
-                self.chains[chain] = count + 1
-            position += 1
-
-    def removed(self, hashes: Sequence[object]) -> None:
-        for block_hash in hashes:
-            if (where := self.known.pop(block_hash, None)) is None:
-                continue
-            if (count := self.chains[where[0]] - 1) > 0:
-                self.chains[where[0]] = count
+        if extra_keys and extra_keys.count(None) < len(extra_keys):
+            # Images or a cache salt from this block on: only requests with the same match it.
+            hashes = hashes[: next(i for i, key in enumerate(extra_keys) if key is not None)]
+        # Whole blocks only (a partial one is not matched), hashed and chained as token_chain
+        # does: one iterator zipped with itself gives tuples of ``size`` ids.
+        blocks = zip(itertools.count(position), zip(*[iter(tokens)] * size, strict=False))
+        chained = itertools.accumulate(map(hash, blocks), operator.xor, initial=chain)
+        next(chained)
+        firsts = itertools.count(position * POSITION + 1, POSITION)  # each block's value, held once
+        known, chains, holders, bit = self.known, self.chains, self.holders, self.bit
+        new = 0
+        # As many as there are hashes and whole blocks, whichever are fewer.
+        for block_hash, chain, first in zip(hashes, chained, firsts, strict=False):
+            if block_hash in known:
+                continue  # held already: vLLM may report a reused block again
+            known[block_hash] = chain
+            new += 1
+            if count := chains.get(chain, 0):
+                chains[chain] = count + 1
             else:
-                del self.chains[where[0]]
-                self.unhold((where[0],))
+                chains[chain] = first
+                # add_holder, inline: this runs for every block of every engine.
+                if holders is not None and (mask := holders.setdefault(chain, bit)) is not bit:
+                    holders[chain] = mask | bit
+        self.stored_total += new
+
+    def removed(self, hashes: Iterable[object]) -> None:
+        known, chains, holders, bit = self.known, self.chains, self.holders, self.bit
+        for block_hash in hashes:
+            if (chain := known.pop(block_hash, None)) is None:
+                continue
+            if (count := chains[chain] - 1) % POSITION:
+                chains[chain] = count
+            else:
+                del chains[chain]
+                # remove_holder, inline: this runs for every block of every engine.
+                if (
+                    holders is not None
+                    and (mask := holders.pop(chain, 0)) is not bit
+                    and (rest := mask & ~bit)
+                ):
+                    holders[chain] = rest
+
+    def clear(self) -> None:
+        self.release()  # still attached: what it holds from now on is carried again
+        self.chains.clear()
+        self.known.clear()
 
     def attach(self, holders: dict[int, int] | None, bit: int) -> None:
-        """Carry ``bit`` in ``holders`` for every chain held, from now on (and no longer in
-        the reverse index it carried one in before)."""
-        self.unhold(self.chains)
+        """Carry ``bit`` in ``holders`` for every chain held, from now on, and no longer in the
+        dict attached before; None detaches."""
+        self.release()
         self.holders, self.bit = holders, bit
         if holders is not None:
             for chain in self.chains:
-                holders[chain] = holders.get(chain, 0) | bit
+                add_holder(holders, chain, bit)
 
-    def unhold(self, chains: Iterable[int]) -> None:
-        if (holders := self.holders) is None:
-            return
-        others = ~self.bit
-        for chain in chains:
-            if mask := holders.get(chain, 0) & others:
-                holders[chain] = mask
-            else:
-                holders.pop(chain, None)
+    def release(self) -> None:
+        """This engine's bit out of holders, for every chain it holds."""
+        if (holders := self.holders) is not None:
+            for chain in self.chains:
+                remove_holder(holders, chain, self.bit)
 
-    def clear(self) -> None:
-        self.unhold(self.chains)
-        self.chains.clear()
-        self.known.clear()
+
+def add_holder(holders: dict[int, int], chain: int, bit: int) -> None:
+    """``bit`` set for ``chain``. Most chains have one holder: one dict operation for them."""
+    if (mask := holders.setdefault(chain, bit)) is not bit:
+        holders[chain] = mask | bit
+
+
+def remove_holder(holders: dict[int, int], chain: int, bit: int) -> None:
+    """``bit`` cleared for ``chain``, and the chain gone with its last holder."""
+    if (mask := holders.pop(chain, 0)) is not bit and (rest := mask & ~bit):
+        holders[chain] = rest
+
+
+def kv_batch_decoder() -> Callable[[bytes], object]:
+    """A msgpack batch as take_kv_batch applies it: typed by msgspec where it is as vLLM sends
+    it ([ts, events, dp_rank], the events as maps, or as arrays from older vLLM), which is
+    quicker to decode and to apply than lists and dicts; anything else (a batch as a map, an
+    event that is not what vLLM sends) untyped, for HeldBlocks.apply to take event by event.
+    Needs msgspec (the [precise] extra)."""
+    import msgspec
+
+    def batch_of(events: Any) -> Callable[[bytes], object]:
+        # defstruct: the events are local names, which postponed annotations cannot resolve.
+        fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+            ("ts", float), ("events", list[events]), ("data_parallel_rank", Any, None),
+        ]  # fmt: skip
+        batch = msgspec.defstruct("KvEventBatch", fields, array_like=True, gc=False)
+        return msgspec.msgpack.Decoder(batch).decode
+
+    as_maps, as_arrays = (batch_of(events) for events in kv_event_types())
+    untyped = msgspec.msgpack.Decoder().decode
+
+    def decode(payload: bytes) -> object:
+        for typed in (as_maps, as_arrays):
+            with contextlib.suppress(msgspec.ValidationError):
+                return typed(payload)
+        return untyped(payload)
+
+    return decode
+
+
+def kv_event_types() -> tuple[Any, Any]:
+    """vLLM's KV cache events as msgspec types for HeldBlocks.take: as maps with a "type" (vLLM
+    0.32), and as arrays led by it (older vLLM)."""
+    import msgspec
+
+    class Event(msgspec.Struct, gc=False):
+        """What HeldBlocks.take does with one (no fields here: they would come first)."""
+
+        removes: ClassVar[bool] = False
+        stores: ClassVar[bool] = False
+
+    class BlockStored(Event, tag="BlockStored"):
+        # vLLM's fields in its order, as older vLLM sends them in an array; those it added
+        # after group_idx are of no use here, and ignored.
+        stores = True
+        block_hashes: list[int | bytes]
+        parent_block_hash: int | bytes | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None = None
+        medium: str | None = None
+        lora_name: str | None = None
+        extra_keys: list[Any] | None = None
+        group_idx: int | None = None
+
+    class BlockRemoved(Event, tag="BlockRemoved"):
+        removes = True
+        block_hashes: list[int | bytes]
+        medium: str | None = None
+        group_idx: int | None = None
+
+    class AllBlocksCleared(Event, tag="AllBlocksCleared"):
+        medium: str | None = None
+        group_idx: int | None = None
+
+    class StoredArray(BlockStored, array_like=True):
+        pass
+
+    class RemovedArray(BlockRemoved, array_like=True):
+        pass
+
+    class ClearedArray(AllBlocksCleared, array_like=True):
+        pass
+
+    return BlockStored | BlockRemoved | AllBlocksCleared, StoredArray | RemovedArray | ClearedArray
 
 
 class KvFeed:
@@ -5355,8 +5501,9 @@ async def watch_kv_events(app: web.Application) -> None:
     state = app[STATE_KEY]
     fleet = state.fleet
     try:
-        import msgspec
         import zmq.asyncio
+
+        decode = kv_batch_decoder()
     except ImportError as missing:
         log.warning(
             "routing on KV events needs the precise extra, pip install '.[precise]' in the "
@@ -5365,7 +5512,6 @@ async def watch_kv_events(app: web.Application) -> None:
         )  # fmt: skip
         return
     context = zmq.asyncio.Context()
-    decode = msgspec.msgpack.Decoder().decode
     followed: dict[KvFeed, asyncio.Task[None]] = {}
     try:
         async with asyncio.TaskGroup() as tasks:
@@ -5425,11 +5571,10 @@ async def follow_kv_feed(
 
 
 def take_kv_batch(state: ProxyState, feed: KvFeed, seq: int, batch: object) -> None:
-    """Apply one batch ([ts, events, dp_rank]); what was skipped before it counts as missed."""
-    if isinstance(batch, dict):  # a map, where vLLM's EventBatch is no longer array-like
-        batch = [batch.get("ts"), batch.get("events")]
-    if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
-        raise ValueError("a batch is [timestamp, events, ...]")
+    """Apply one batch ([ts, events, dp_rank]), as kv_batch_decoder typed it or as msgpack
+    decodes it untyped; what was skipped before it counts as missed."""
+    typed: list[Any] | None = getattr(batch, "events", None)
+    events = untyped_events(batch) if typed is None else typed
     if feed.next_seq is not None and seq > feed.next_seq:
         missed = seq - feed.next_seq
         feed.gaps += missed
@@ -5437,17 +5582,29 @@ def take_kv_batch(state: ProxyState, feed: KvFeed, seq: int, batch: object) -> N
         kv_feed_problem(state, feed, "missed", f"{missed} batch(es) missed", count=False)
     feed.next_seq = seq + 1
     stored_before = feed.held.stored_total
-    for event in batch[1]:
-        try:
-            feed.held.apply(event)
-        except (ValueError, KeyError, TypeError, IndexError) as error:
-            kv_feed_problem(state, feed, "event", f"malformed event ignored: {error}")
+    if typed is not None:
+        for problem in feed.held.take(typed):
+            kv_feed_problem(state, feed, "event", f"malformed event ignored: {problem}")
+    else:
+        for event in events:
+            try:
+                feed.held.apply(event)
+            except (ValueError, KeyError, TypeError, IndexError) as error:
+                kv_feed_problem(state, feed, "event", f"malformed event ignored: {error}")
     feed.batches += 1
     feed.heard_at = time.monotonic()
     if not feed.joining:  # a join's replay tells what was written before, not lately
         stored = feed.held.stored_total - stored_before
         feed.written.add(feed.heard_at, stored * feed.held.block_size)
     state.metrics.kv_event_batches.labels("applied").inc()
+
+
+def untyped_events(batch: object) -> list[object]:
+    if isinstance(batch, dict):  # a map, where vLLM's EventBatch is no longer array-like
+        batch = [batch.get("ts"), batch.get("events")]
+    if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
+        raise ValueError("a batch is [timestamp, events, ...]")
+    return cast(list[object], batch[1])
 
 
 def kv_feed_problem(

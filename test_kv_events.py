@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from pytest_aiohttp import AiohttpClient, AiohttpServer
+from yarl import URL
 
 import mooncake_proxy as mp
 from fake_vllm import BLOCK_TOKENS, EngineSim, FakeVllm, build_tokenizer, prompt_blocks
@@ -122,6 +123,121 @@ def test_partial_block_entries_leave_the_engines_block_size_alone(tokenizer: Any
     assert held.block_size == BLOCK_TOKENS and held.match(chain) == 3 and len(held) == 3
     held.apply(partial(prompt.chain[2], 3 * BLOCK_TOKENS))  # the tail after the third
     assert held.block_size == BLOCK_TOKENS and held.match(chain) == 3 and len(held) == 3
+
+
+def vllm_batches() -> list[list[Any]]:
+    """Batches as vLLM publishes them ([ts, events, dp_rank]), events as maps (vLLM 0.32) or
+    arrays (older vLLM), with what a view skips: LoRA, offloaded and other-group blocks,
+    extra keys, partial entries, blocks whose parent it never heard of."""
+    ids = list(range(100, 100 + 8 * BLOCK_TOKENS))
+
+    def stored(hashes: list[Any], parent: Any, start: int, **more: Any) -> dict[str, Any]:
+        tokens = ids[start * BLOCK_TOKENS : (start + len(hashes)) * BLOCK_TOKENS]
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                "token_ids": tokens, "block_size": BLOCK_TOKENS, "lora_id": None,
+                "medium": "GPU", "lora_name": None, "group_idx": 0} | more  # fmt: skip
+
+    removed = {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU", "group_idx": 0}
+    return [
+        [1.0, [stored([1, 2], None, 0, extra_keys=[None, None]), stored([3], 2, 2)], 0],
+        [2.0, [removed, stored([4, 5], 2, 2, extra_keys=[None, ["salt"]])]],
+        [3.0, [stored([6], 2, 2, lora_name="adapter"), stored([7], 2, 2, lora_id=3),
+               stored([8], 2, 2, medium="CPU"), stored([9], 2, 2, group_idx=1),
+               stored([10], 99, 2), stored([b"tail"], 5, 4, block_size=8)], 0],
+        [4.0, [["BlockStored", [11, 12], 4, ids[64:96], BLOCK_TOKENS, None, "GPU"],
+               ["BlockStored", [13], 12, ids[96:112], BLOCK_TOKENS, None, "GPU", "adapter"],
+               ["BlockStored", [14], 12, ids[96:112], BLOCK_TOKENS, None, "GPU", None, None, 1],
+               ["BlockRemoved", [1], "CPU"], ["BlockRemoved", [4, 99], "GPU"]]],
+        [5.0, [{"type": "AllBlocksCleared"}], 0],
+        [6.0, [stored([21, 22], None, 0)], 0],
+        [7.0, [["AllBlocksCleared"]], 0],
+        [8.0, [stored([31], None, 0, block_size=True)]],  # not what vLLM sends: untyped
+    ]  # fmt: skip
+
+
+def test_typed_and_untyped_batches_leave_the_same_view() -> None:
+    """vLLM's batches are decoded into msgspec's types (kv_batch_decoder), which is quicker
+    to decode and apply; whatever is not what vLLM sends is decoded untyped and taken event by
+    event, as before. Both leave a view the same after every batch."""
+    msgspec = pytest.importorskip("msgspec")
+    spec = mp.PrefillSpec(URL("http://p:1"), URL("http://p:2"))
+    state = mp.ProxyState(mp.ProxyConfig(prefills=(spec,), decodes=(URL("http://d:1"),)))
+    typed_feed, untyped_feed = mp.KvFeed("tcp://a:1", None), mp.KvFeed("tcp://b:1", None)
+    decode, untyped = mp.kv_batch_decoder(), msgspec.msgpack.Decoder().decode
+    for seq, batch in enumerate(vllm_batches()):
+        payload = msgspec.msgpack.encode(batch)
+        typed = decode(payload)
+        assert isinstance(typed, list) == (seq == 7)  # typed unless not vLLM's
+        mp.take_kv_batch(state, typed_feed, seq, typed)
+        mp.take_kv_batch(state, untyped_feed, seq, untyped(payload))
+        for name in ("chains", "known", "block_size", "unplaced", "stored_total"):
+            assert getattr(typed_feed.held, name) == getattr(untyped_feed.held, name), (seq, name)
+        if seq == 3:  # 1-4, 11, 12 stored, 3 and 4 removed (1 only as an offloaded copy)
+            assert sorted(typed_feed.held.known, key=str) == [1, 11, 12, 2]
+            assert typed_feed.held.unplaced == 1 and typed_feed.held.block_size == BLOCK_TOKENS
+    assert len(typed_feed.held) == 0  # cleared; then a block_size of True (1): a partial entry
+    assert typed_feed.problem is None and typed_feed.batches == 8
+    # A batch as a map, and one with an event vLLM would not send, are decoded untyped.
+    as_map = {"ts": 1.0, "events": [["AllBlocksCleared"]], "data_parallel_rank": 0}
+    assert isinstance(decode(msgspec.msgpack.encode(as_map)), dict)
+    odd = [1.0, [{"type": "BlockStored", "block_size": "sixteen"}], 0]
+    assert isinstance(decode(msgspec.msgpack.encode(odd)), list)
+    # A typed event msgspec accepts and the view does not: the rest of the batch goes on.
+    zero = vllm_batches()[5]
+    zero[1].insert(0, zero[1][0] | {"block_size": 0, "block_hashes": [41]})
+    mp.take_kv_batch(state, typed_feed, 8, decode(msgspec.msgpack.encode(zero)))
+    assert typed_feed.problem == "malformed event ignored: BlockStored with block_size 0"
+    assert 21 in typed_feed.held.known and 41 not in typed_feed.held.known
+
+
+def holders_of(views: list[mp.HeldBlocks], holders: dict[int, int]) -> dict[int, int]:
+    """What ``holders`` should be: every chain each view attached to it holds, with its bit."""
+    expected: dict[int, int] = {}
+    for view in views:
+        if view.holders is holders:
+            for chain in view.chains:
+                expected[chain] = expected.get(chain, 0) | view.bit
+    return expected
+
+
+def test_the_router_learns_which_engines_hold_a_chain_from_their_events() -> None:
+    """Every view attached to a stage's holders keeps its bit there for exactly the chains
+    it holds: through stored and removed blocks, a clear, and attaching elsewhere."""
+    shared = [1, 2] * BLOCK_TOKENS  # two blocks every engine stores
+    views = [mp.HeldBlocks() for _ in range(3)]
+    holders: dict[int, int] = {}
+    views[0].stored(None, [b"early"], [9] * BLOCK_TOKENS, BLOCK_TOKENS)  # before attaching
+    for slot, view in enumerate(views):
+        view.attach(holders, 1 << (slot * 40))  # bits past a machine word too
+    assert holders == holders_of(views, holders) and len(holders) == 1
+    for slot, view in enumerate(views):
+        view.stored(None, [b"a", b"b"], shared, BLOCK_TOKENS)
+        view.stored(b"b", [b"own %d" % slot], [slot] * BLOCK_TOKENS, BLOCK_TOKENS)
+        assert holders == holders_of(views, holders)
+    head = mp.token_chain(shared, BLOCK_TOKENS)[0]
+    assert holders[head] == 1 | 1 << 40 | 1 << 80
+    # A second vLLM block with the same tokens: the chain stays held until both are gone.
+    views[1].stored(None, [b"again"], shared[:BLOCK_TOKENS], BLOCK_TOKENS)
+    views[1].removed([b"a"])
+    assert holders[head] == 1 | 1 << 40 | 1 << 80
+    views[1].removed([b"again", b"b", b"never stored"])
+    assert holders == holders_of(views, holders) and holders[head] == 1 | 1 << 80
+    views[2].apply({"type": "AllBlocksCleared"})
+    assert holders == holders_of(views, holders) and holders[head] == 1
+    views[2].stored(None, [b"a"], shared, BLOCK_TOKENS)  # still attached after a clear
+    assert holders[head] == 1 | 1 << 80
+    # Attached to another stage's dict: gone from the first, all of it in the second.
+    other: dict[int, int] = {}
+    views[0].attach(other, 1 << 3)
+    assert holders == holders_of(views, holders) and holders[head] == 1 << 80
+    assert other == holders_of(views, other) and len(other) == 4
+    views[0].attach(None, 0)  # detached: neither carries it
+    assert other == {} and holders == holders_of(views, holders)
+    views[0].removed([b"a"])
+    assert holders == holders_of(views, holders) and other == {}
+    for view in views[1:]:
+        view.attach(None, 0)
+    assert holders == {}
 
 
 def test_the_token_ids_are_vllms_for_completions_and_chats(tokenizer: Any) -> None:
