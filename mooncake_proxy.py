@@ -4623,9 +4623,13 @@ class Roster:
             held.attach(self.reported, 1 << slot)  # a new feed (a reload), or a new engine's
         return 1 << slot
 
-    def keep_only(self, targets: Collection[Target]) -> None:
-        """Forget the targets not among ``targets`` (every one the fleet still has, usable or
-        not): an engine that restarted is a new target, and the old one holds nothing."""
+    def enlist(self, targets: Collection[Target]) -> None:
+        """Take ``targets`` as every one the fleet has, usable or not: those new get a slot
+        now, while their KV events' views are small (attaching a full view to the reverse
+        index takes a while: 10 ms for 20,000 blocks); those gone lose theirs (an engine that
+        restarted is a new target, and the old one holds nothing)."""
+        for target in targets:
+            self.bit(target)
         for target in [t for t in self.slot_of if t not in targets]:
             slot = self.slot_of.pop(target)
             target.index.attach(None, 0)
@@ -6076,9 +6080,10 @@ class Fleet:
         # Kept where nothing changed: a router sums its targets again for a new tuple.
         self._engines = self._engines if engines == self._engines else engines
         self._decodes = self._decodes if decodes == self._decodes else decodes
-        # Targets no longer in the fleet (an engine that restarted is a new one) leave routing.
-        self.prefill_router.roster.keep_only({e for p in self.prefills for e in p.engines})
-        self.decode_router.roster.keep_only(set(self.decodes))
+        # Targets new to the fleet join routing, those no longer in it (an engine that
+        # restarted is a new one) leave it.
+        self.prefill_router.roster.enlist({e for p in self.prefills for e in p.engines})
+        self.decode_router.roster.enlist(set(self.decodes))
         if any(backend.leaving for backend in (*self.prefills, *self.decodes)):
             self.changed.set()  # one may be let go now
 

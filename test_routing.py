@@ -128,7 +128,7 @@ def test_the_reverse_index_is_the_union_of_the_targets_indexes() -> None:
         assert roster.held == union()
     assert any(t.index.blocks for t in targets) and len(roster.held) > 40
     gone = targets.pop(2)
-    roster.keep_only(set(targets))
+    roster.enlist(set(targets))
     assert roster.held == union() and gone.index.holders is None
     newcomer = mp.Target("engine 6", capacity=40)
     newcomer.index.add([1, 2, 3])
