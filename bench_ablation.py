@@ -160,7 +160,7 @@ def main() -> int:
             argv += ["--target", target]
         for workload in args.workload or ():
             argv += ["--workload", workload]
-        print("off:", *(f"\n  {name}: {VARIANTS[name][0]}" for name in variants), flush=True)
+        print("turned off:\n" + "\n".join(f"  {v}: {VARIANTS[v][0]}" for v in variants), flush=True)
         finished = subprocess.run(argv, check=False)
         if not out.exists():
             print(f"bench_routing.py ended with {finished.returncode} and no results")
