@@ -4633,13 +4633,9 @@ class Roster:
         for target in [t for t in self.slot_of if t not in targets]:
             slot = self.slot_of.pop(target)
             target.index.attach(None, 0)
-            feed = target.feed
-            if (
-                feed is not None
-                and feed.held.holders is self.reported
-                and feed.held.bit == 1 << slot
-            ):
-                feed.held.attach(None, 0)
+            held = target.feed.held if target.feed is not None else None
+            if held is not None and held.holders is self.reported and held.bit == 1 << slot:
+                held.attach(None, 0)  # unless a new engine of its instance took the feed
             self.by_slot[slot] = None
             self.free.append(slot)
             self.ring_stale = True
@@ -4654,18 +4650,19 @@ class Roster:
         self.others = sum(t.load.others(now, fresh_for) for t in targets)
         self.counted = bool(targets) and all(t.counts_everyone(now, fresh_for) for t in targets)
         views = [t.load for t in targets]
+        # Exponential decay is linear: their sum decays as one count.
         decayed = sum(
             (v.recent - v.ours_recent) * math.exp((v.scraped_at - now) / RECENT_SECONDS)
             for v in views
-            if self.counted
         )
-        self.counted_recent = Decayed(decayed, now)
+        self.counted_recent = Decayed(decayed if self.counted else 0.0, now)
         self.queued = sum(v.running + v.waiting for v in views)
         sizes = (t.feed.held.block_size for t in targets if t.hears_events and t.feed)
         self.block_size = next(sizes, 0)
 
     def recent_total(self, now: float) -> float:
-        """The sum of every target's recent requests (Target.recent_here)."""
+        """The sum of every target's recent requests: everyones_recent where every scrape
+        counts them (counted), else recent_share."""
         ours = self.recent.now(now)
         return self.counted_recent.now(now) + self.queued + ours if self.counted else ours
 
@@ -4673,11 +4670,11 @@ class Roster:
         """The usable targets in the ring's order from ``point``, each once."""
         if self.ring_stale:
             ring = sorted(
-                (point, slot)
+                (at, slot)
                 for target, slot in self.slot_of.items()
-                for point in ring_points(target.seed)
+                for at in ring_points(target.seed)
             )
-            self.points = [p for p, _ in ring]
+            self.points = [at for at, _ in ring]
             self.point_slots = [slot for _, slot in ring]
             self.ring_stale = False
         start = bisect.bisect_left(self.points, point)
@@ -4796,8 +4793,9 @@ class Router:
     hash of its first block (or its session key) ranks first, or to the one of its first
     three written least lately (place), so every proxy process sends a new prefix to the
     same few engines. Otherwise, of the targets that hold the prompt's first block (at most
-    HOLDER_CHOICES of them, and as many of those that hold the most of it) and the first of
-    its hash order, the one with the least
+    HOLDER_CHOICES of them, and as many of those that hold the most of it) and, where it may
+    spill, the first of its hash order and of the ring from its own spread, the one with the
+    least
         cost = load_weight x queued work + blocks of this prompt it lacks x (1 + turnover)
     wins, the queued work being the blocks this process's requests there still have to
     compute, plus other senders' requests (from the scrape) at the mean such work: a prompt
