@@ -178,6 +178,12 @@ def main() -> int:
         f"≥ {EARNS_TTFT:.0%} TTFT p90 somewhere): {', '.join(kept) or 'none'}; "
         f"earn nothing here: {', '.join(idle) or 'none'}"
     )
+    if args.rounds < 3:
+        print(
+            f"(from {args.rounds} round(s): two replicas' hit rates move by up to 0.05-0.1 from "
+            "one run to the next, so a cost seen only in their columns may be noise; "
+            "--rounds 3 for medians)"
+        )
     return 0
 
 
