@@ -16,9 +16,10 @@ Every workload is replayed open loop (requests leave at their scheduled times, w
 answers) against each target in the same invocation: round_robin, least_loaded, prefix_aware
 (the default), two prefix_aware proxy replicas sharing the load (four when named with
 --target), --workers 2, and vllm-router --policy cache_aware when it is installed (PyPI
-vllm-router); --precise adds prefix_aware on KV events, alone and as 2 replicas (or 4). ``--fleet 8x8,8``: 64 engines and 8
-decodes, the workloads as many times larger as the engines (Shape.scale, workloads); several
-``--proxy``: each mooncake_proxy.py's targets on the same engines, an A/B. Per run: the
+vllm-router); --precise adds prefix_aware on KV events, alone and as 2 replicas (or 4).
+``--fleet 8x8,8``: 64 engines and 8 decodes, the workloads as many times larger as the
+engines (Shape.scale, workloads); several ``--proxy``: each mooncake_proxy.py's targets on
+the same engines, an A/B. Per run: the
 prefill hit rate from the engines' own counters, the oracle's hit rate (one LRU cache holding
 the cluster's whole capacity, fed the same requests in order), client-side TTFT p50/p90, and
 max/mean requests per engine.
