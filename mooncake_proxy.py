@@ -4283,6 +4283,22 @@ class Decayed:
         self.value, self.at = self.now(now) + amount, now
 
 
+# A stage's reverse index (Roster.held, Roster.reported): block -> a bit per target that holds
+# it, kept by each target's PrefixIndex and KV events' view (HeldBlocks) alike.
+
+
+def add_holder(holders: dict[int, int], chain: int, bit: int) -> None:
+    """``bit`` set for ``chain``. Most chains have one holder: one dict operation for them."""
+    if (mask := holders.setdefault(chain, bit)) is not bit:
+        holders[chain] = mask | bit
+
+
+def remove_holder(holders: dict[int, int], chain: int, bit: int) -> None:
+    """``bit`` cleared for ``chain``, and the chain gone with its last holder."""
+    if (mask := holders.pop(chain, 0)) is not bit and (rest := mask & ~bit):
+        holders[chain] = rest
+
+
 class PrefixIndex:
     """The prompt blocks a target is believed to hold: those this process sent it, the least
     recently sent evicted first, at most ``capacity`` (its KV cache, or --prefix-index-blocks).
@@ -4312,9 +4328,8 @@ class PrefixIndex:
         start, self.clock = self.clock, self.clock + len(chain)
         self.blocks.update(zip(chain, range(self.clock, start, -1), strict=True))
         if (holders := self.holders) is not None:
-            bit = self.bit
             for block in chain:
-                holders[block] = holders.get(block, 0) | bit
+                add_holder(holders, block, self.bit)
         if len(self.blocks) > self.capacity * (1 + INDEX_EVICT_BATCH):
             newest = heapq.nlargest(self.capacity, self.blocks.items(), key=operator.itemgetter(1))
             kept = dict(newest)
@@ -4328,18 +4343,13 @@ class PrefixIndex:
         self.holders, self.bit = holders, bit
         if holders is not None:
             for block in self.blocks:
-                holders[block] = holders.get(block, 0) | bit
+                add_holder(holders, block, bit)
 
     def unhold(self, blocks: Iterable[int]) -> None:
         """Take this index's bit off ``blocks`` in the reverse index."""
-        if (holders := self.holders) is None:
-            return
-        others = ~self.bit
-        for block in blocks:
-            if mask := holders.get(block, 0) & others:
-                holders[block] = mask
-            else:
-                holders.pop(block, None)
+        if (holders := self.holders) is not None:
+            for block in blocks:
+                remove_holder(holders, block, self.bit)
 
     def match_sent_lately(self, chain: Sequence[int]) -> int:
         """How many of the chain's leading blocks this process sent in the last
@@ -5014,7 +5024,8 @@ class Router:
 # ================================================================================================
 # 9. KV events and the tokenizer
 # Holds vLLM's KV cache events followed over ZMQ (HeldBlocks, KvFeed, replay) and the model's
-# tokenizer, which precise routing reads prompts with. Uses: 1-3.
+# tokenizer, which precise routing reads prompts with. Uses: 1-3, 8 (the reverse index's
+# bits).
 # ================================================================================================
 
 # Prompts up to this many bytes are tokenized on the event loop: a thread's round trip costs
@@ -5343,18 +5354,6 @@ class HeldBlocks:
         if (holders := self.holders) is not None:
             for chain in self.chains:
                 remove_holder(holders, chain, self.bit)
-
-
-def add_holder(holders: dict[int, int], chain: int, bit: int) -> None:
-    """``bit`` set for ``chain``. Most chains have one holder: one dict operation for them."""
-    if (mask := holders.setdefault(chain, bit)) is not bit:
-        holders[chain] = mask | bit
-
-
-def remove_holder(holders: dict[int, int], chain: int, bit: int) -> None:
-    """``bit`` cleared for ``chain``, and the chain gone with its last holder."""
-    if (mask := holders.pop(chain, 0)) is not bit and (rest := mask & ~bit):
-        holders[chain] = rest
 
 
 def kv_batch_decoder() -> Callable[[bytes], object]:
