@@ -64,7 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -793,20 +793,16 @@ def scale_trace(path: Path, copies: int) -> list[dict[str, Any]]:
 
 def lru_serve(cache: collections.OrderedDict[int, None], chain: list[int], capacity: int) -> int:
     """A prefix cache's answer to a prompt: its leading blocks found; then it holds them all,
-    the least recently used evicted first, a chain's tail before its head (EngineSim.store)."""
-    found = held_leading(chain, cache)
+    the least recently used evicted first, a chain's tail before its head (EngineSim.store),
+    so that what it holds of a chain is a prefix of it, as the router's leading assumes."""
+    from mooncake_proxy import leading
+
+    found = leading(chain, cache)
     for block in reversed(chain):
         cache[block] = None
         cache.move_to_end(block)
     while len(cache) > capacity:
         cache.popitem(last=False)
-    return found
-
-
-def held_leading(chain: Sequence[int], held: Container[int]) -> int:
-    found = 0
-    while found < len(chain) and chain[found] in held:
-        found += 1
     return found
 
 
