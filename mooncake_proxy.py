@@ -4941,10 +4941,6 @@ class Router:
             target = self.place(point, bounds)
             return Choice(roster.position[target], reason, 0)
         best = max(matches.values())
-        # Where it may spill: the first of its hash order, and the first of its own spread's
-        # (prompts that share a head would otherwise all spill onto the same few).
-        for target in near + self.admitted(mix64(key.spread), bounds, SPILL_CHOICES):
-            matches.setdefault(target, target.holds(key))
 
         def cost(target: Target) -> tuple[float, int]:
             others = target.load.others(now, self.fresh_for)
@@ -4954,7 +4950,18 @@ class Router:
             lacking = (len(key.chain) - matches[target]) * (1 + target.turnover(now))
             return work + lacking, mix64(key.placement << 32 ^ target.seed)
 
-        pick = min(matches, key=cost)
+        costs = {target: cost(target) for target in matches}
+        pick = min(costs, key=costs.__getitem__)
+        # Where it may spill: the first of its hash order, and the first of its own spread's
+        # (prompts that share a head would otherwise all spill onto the same few). One that
+        # holds none of it costs the whole prompt at the least: they are weighed only where
+        # the best holder costs as much (most decisions are then a few holders' costs).
+        if costs[pick][0] >= len(key.chain):
+            for target in near + self.admitted(mix64(key.spread), bounds, SPILL_CHOICES):
+                if target not in costs:
+                    matches[target] = target.holds(key)
+                    costs[target] = cost(target)
+            pick = min(costs, key=costs.__getitem__)
         reason = "affinity" if matches[pick] == best else "spill"
         return Choice(roster.position[pick], reason, matches[pick])
 
