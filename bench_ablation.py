@@ -146,6 +146,7 @@ def main() -> int:
     parser.add_argument("--fleet", default="4x2,4", help="INSTANCESxDP[,DECODES] (bench_routing)")
     parser.add_argument("--variant", action="append", choices=list(VARIANTS), help="only these")
     parser.add_argument("--workload", action="append", help="only these (bench_routing's names)")
+    parser.add_argument("--rate", default="1", help="the workloads' rates times this (bench_routing)")
     parser.add_argument("--rounds", type=int, default=1, help="medians of this many rounds")
     parser.add_argument("--json", help="write bench_routing's rows here too")
     args = parser.parse_args()
@@ -153,6 +154,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "results.json"
         argv = [sys.executable, str(HERE / "bench_routing.py"), "--fleet", args.fleet]
+        argv += ["--rate", args.rate]
         argv += ["--rounds", str(args.rounds), "--json", str(out)]
         for name in variants:
             argv += ["--proxy", str(launcher(Path(scratch), name))]
@@ -169,7 +171,10 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     text, earned = table(read(results), variants)
-    print(f"\nfleet {args.fleet}, medians of {args.rounds} round(s): hit rate / oracle, TTFT p90")
+    print(
+        f"\nfleet {args.fleet}, rates x{args.rate}, medians of {args.rounds} round(s): "
+        "hit rate / oracle, TTFT p90"
+    )
     print(text)
     kept = [v for v in variants[1:] if v in earned]
     idle = [v for v in variants[1:] if v not in earned]
