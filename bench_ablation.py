@@ -2,6 +2,7 @@
 
     python bench_ablation.py                       # 8 engines, one proxy and two replicas
     python bench_ablation.py --fleet 8x8,8         # the same at 64 engines
+    python bench_ablation.py --fleet 8x8,8 --rate 8   # each engine as loaded as at 8
     python bench_ablation.py --workload "shared prefixes" --variant no-queue-bound
 
 Each variant is this directory's mooncake_proxy.py with one heuristic turned off, launched
@@ -146,7 +147,9 @@ def main() -> int:
     parser.add_argument("--fleet", default="4x2,4", help="INSTANCESxDP[,DECODES] (bench_routing)")
     parser.add_argument("--variant", action="append", choices=list(VARIANTS), help="only these")
     parser.add_argument("--workload", action="append", help="only these (bench_routing's names)")
-    parser.add_argument("--rate", default="1", help="the workloads' rates times this (bench_routing)")
+    parser.add_argument(
+        "--rate", default="1", help="the workloads' rates times this (bench_routing)"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="medians of this many rounds")
     parser.add_argument("--json", help="write bench_routing's rows here too")
     args = parser.parse_args()
