@@ -4956,9 +4956,10 @@ class Router:
         costs = {target: cost(target) for target in matches}
         pick = min(costs, key=costs.__getitem__)
         # Where it may spill: the first of its hash order, and the first of its own spread's
-        # (prompts that share a head would otherwise all spill onto the same few). One that
-        # holds none of it costs the whole prompt at the least: they are weighed only where
-        # the best holder costs as much (most decisions are then a few holders' costs).
+        # (prompts that share a head would otherwise all spill onto the same few). These hold
+        # none of it (the holders were weighed, but for those past HOLDER_CHOICES), so each
+        # costs the whole prompt at the least: they are weighed only where the best holder
+        # costs as much, and most decisions are a few holders' costs.
         if costs[pick][0] >= len(key.chain):
             for target in near + self.admitted(mix64(key.spread), bounds, SPILL_CHOICES):
                 if target not in costs:
