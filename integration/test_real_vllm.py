@@ -299,12 +299,12 @@ def complete(client: openai.OpenAI, stream: bool, **params: Any) -> None:
         list(answer)  # type: ignore[call-overload]
 
 
-def wait_for(check: Any, seconds: float) -> bool:
+def wait_for(check: Any, seconds: float, every: float = 0.2) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if check():
             return True
-        time.sleep(0.2)
+        time.sleep(every)
     return bool(check())
 
 
@@ -725,8 +725,11 @@ def test_a_decode_killed_during_a_plain_answer_is_answered_whole_by_another(
             decodes = healthcheck(proxy.url)["decode"]
             return any(d["url"] == victim.url and d["in_flight"] for d in decodes)
 
-        assert wait_for(on_victim, 20), "the request did not reach decode-2"
-        # Killed once vLLM counts it running (400 tokens take about a second here). Its
+        # Asked often: the whole answer takes about a second here, and once (2026-12-06) it
+        # came and went between checks 0.2 s apart.
+        reached = wait_for(on_victim, 20, every=0.01)
+        assert reached, ("the request did not reach decode-2", outcome)
+        # Killed once vLLM counts it running (460 tokens take about a second here). Its
         # /metrics took over 5 s in CI while it generated on these 2 cores: if it does not
         # answer at once, the kill comes now, with the request in flight there, which is
         # what the test is about too (a decode that took the request, pulled or about to).
