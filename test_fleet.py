@@ -938,8 +938,15 @@ async def test_least_loaded_sends_new_requests_to_the_idle_decode(
 
 
 async def test_simultaneous_arrivals_spread_over_equal_targets(start_cluster: StartCluster) -> None:
+    # The prefills take a moment too, so that all twenty are in flight together on both
+    # stages: an instant prefill's engine was free again before the next claim, and under
+    # uvloop rank 0 then took 11 of them (2026-12-06).
     cluster = await start_cluster(
-        prefill_dp=(2,), decodes=2, decode={"token_delay": 0.05}, policy=mp.Policy.LEAST_LOADED
+        prefill_dp=(2,),
+        decodes=2,
+        prefill={"delay": 0.3},
+        decode={"token_delay": 0.05},
+        policy=mp.Policy.LEAST_LOADED,
     )
     async with asyncio.timeout(FAST * 2):
         answers = await asyncio.gather(
