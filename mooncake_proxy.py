@@ -3892,12 +3892,25 @@ KV_FULL: Final = 0.98
 # up to 0.06 more on multi-turn; at 2, conversations piled up again. The slack keeps a
 # prefix's few requests together when traffic is light: without it, shared-prefix groups at
 # 20 requests a second on 64 engines reached 0.79 of the oracle's hit rate in process, not
-# 1.00 (research/routing-slack), though multi-turn chats there rose from 0.84 to 0.93.
+# 1.00 (research/routing-slack). A chat's first turn has less (CHAT_RETURN_SECONDS).
 RECENT_SECONDS: Final = 10.0
 
 RECENT_SLACK: Final = 4.0
 
 RECENT_BALANCE: Final = 1.5
+
+# A chat's first turn is a system prompt and a question: its prompt cannot be told from a
+# single-turn chat's. Where chats come back for more turns, RECENT_SLACK piles new ones onto
+# the engines that hold their system prompt; as the chats grow, those caches thrash and the
+# chats move (multi-turn at 64 engines: 0.84 of the oracle's hit rate in process, 0.94
+# without the slack for first turns). Where chats do not come back, the slack keeps
+# single-turn chats that share a system prompt together (0.79-0.97 of the oracle without it,
+# 0.97-1.01 with it). So a first turn's slack is RECENT_SLACK times the share of chats that
+# do not come back (ChatReturns). Until a process has seen chats for this long, none could
+# have come back yet, and it assumes they do: single-turn chats sharing a system prompt lost
+# up to 0.05 of the oracle over the simulation's two minutes with 30 s, up to 0.10 with 60
+# (research/routing-slack).
+CHAT_RETURN_SECONDS: Final = 30.0
 
 # A target's queue is bounded too, for a prompt it holds: its requests in flight (this
 # process's, and other senders' from the scrape) within --balance-factor times the mean, or
@@ -4750,6 +4763,33 @@ class Roster:
         return {t for turn in key.earlier_turns if (t := self.turn_at.get(turn)) is not None}
 
 
+@dataclass(slots=True)
+class ChatReturns:
+    """How many chats come back for a second turn: second turns over first turns among this
+    process's chat requests lately. A load balancer spreads both alike over replicas and
+    workers, so every process sees the same share without hearing of the others' chats."""
+
+    first: Decayed = field(default_factory=Decayed)
+    second: Decayed = field(default_factory=Decayed)
+    since: float = math.inf  # monotonic: the first chat request this process routed
+
+    def saw(self, key: RouteKey, now: float) -> None:
+        if not key.turn:
+            return
+        self.since = min(self.since, now)
+        if not key.earlier_turns:
+            self.first.add(now, 1)
+        elif len(key.earlier_turns) == 1:
+            self.second.add(now, 1)
+
+    def share(self, now: float) -> float:
+        """Assumed 1 for the first CHAT_RETURN_SECONDS, and where no chat began lately."""
+        first = self.first.now(now)
+        if now - self.since < CHAT_RETURN_SECONDS or first <= 0:
+            return 1.0
+        return min(self.second.now(now) / first, 1.0)
+
+
 @dataclass
 class Choice:
     index: int
@@ -4816,8 +4856,9 @@ class Router:
     again. The turnover is the share of the target's cache written lately (at most 1), by
     this process or, as its KV events say, by every sender: there, each block computed
     evicts one in use. Targets over their share of recent requests (RECENT_SECONDS; a chat's
-    own earlier turns count at most the mean), or whose queue is past its bound
-    (QUEUE_SLACK), are left out first.
+    own earlier turns count at most the mean, and its first turn has the slack only as far
+    as chats do not come back: ChatReturns), or whose queue is past its bound (QUEUE_SLACK),
+    are left out first.
 
     The Roster keeps what that reads of the whole stage, so a decision costs the same on 8
     engines or 1,024 (bench_routing.py --scale).
@@ -4832,6 +4873,7 @@ class Router:
         self.roster = Roster()
         # Blocks a request has to compute, on average: what one more queued request weighs.
         self.mean_uncached = 1.0
+        self.returns = ChatReturns()
         # Told of every decision (the metrics set it).
         self.observe: Callable[[str, Choice, RouteKey | None], None] | None = None
 
@@ -4843,7 +4885,9 @@ class Router:
         uncached = max(blocks - choice.matched, 1)  # a request costs a block at the least
         self.roster.claimed(target, uncached)
         if key is not None and policy is Policy.PREFIX_AWARE:  # what only prefix_aware reads
-            self.roster.sent(target, key, time.monotonic(), uncached)
+            now = time.monotonic()
+            self.roster.sent(target, key, now, uncached)
+            self.returns.saw(key, now)
             self.mean_uncached += (uncached - self.mean_uncached) / MEAN_UNCACHED_EVENTS
         if self.observe is not None:
             self.observe(self.stage, choice, key)
@@ -4881,11 +4925,14 @@ class Router:
         recent = roster.recent_total(now)
         conversation = self.own_turns_over_mean(key, recent, now) if key is not None else {}
         recent -= sum(conversation.values())
+        slack = RECENT_SLACK
+        if key is not None and key.turn and not key.earlier_turns:  # a chat's first turn
+            slack *= 1 - self.returns.share(now)
         return Bounds(
             now=now,
             fresh_for=self.fresh_for,
             everyone=roster.counted,
-            recent_limit=limit(recent, count, max(self.balance, RECENT_BALANCE), RECENT_SLACK),
+            recent_limit=limit(recent, count, max(self.balance, RECENT_BALANCE), slack),
             queue_limit=limit(loads, count, self.balance, QUEUE_SLACK),
             room_limit=limit(loads, count, self.balance),
             conversation=conversation,

@@ -226,6 +226,42 @@ def test_an_engine_keeps_its_prefix_through_a_burst_but_not_a_pile_up(
     assert (choice.index == 0) is kept, choice
 
 
+def first_turn(question: str) -> mp.RouteKey:
+    """A new chat's first turn: a shared 4 KiB system prompt and its own short question."""
+    system = {"role": "system", "content": long_prompt("shared system prompt", 4096)}
+    messages = [system, {"role": "user", "content": question}]
+    return mp.route_key(CHAT, chat(messages=messages), None)
+
+
+@pytest.mark.parametrize(
+    ("returning", "seen_for", "kept"),
+    [(0, 0.0, False), (0, mp.CHAT_RETURN_SECONDS, True), (8, mp.CHAT_RETURN_SECONDS, False)],
+)
+def test_a_new_chat_joins_others_on_their_system_prompt_only_where_chats_do_not_come_back(
+    returning: int, seen_for: float, kept: bool
+) -> None:
+    """Engine 0 holds the system prompt, with 5 recent requests where the others have 2:
+    within the slack (the mean 2.75 plus 4) but over 1.5 times the mean (4.1). A new chat's
+    first turn joins it there only where this process, having seen chats for
+    CHAT_RETURN_SECONDS, found that they do not come back for a second turn: 10 first turns
+    and no second. Where 8 of the 10 came back, or before it could know, the chats will
+    grow, and the first turn goes where there is room for them."""
+    router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
+    targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
+    now = time.monotonic()
+    targets[0].index.add(first_turn("an earlier chat").chain)
+    for target, share in zip(targets, [5, 2, 2, 2], strict=True):
+        target.recent = mp.Decayed(share, now)
+    earlier = [chat_turns(2)[1]] * returning + [first_turn(f"chat {n}") for n in range(10)]
+    for key in earlier:
+        router.returns.saw(key, now)
+    router.returns.since -= seen_for
+    key = first_turn("a new chat")
+    assert key.turn and not key.earlier_turns and targets[0].holds(key) >= 8
+    choice = router.choose(targets, mp.Policy.PREFIX_AWARE, key)
+    assert (choice.index == 0) is kept, choice
+
+
 def test_with_one_target_the_choice_is_what_weighing_would_give() -> None:
     """Router.only, the shortcut where there is one target, against the full weighing, on
     the same states: a new prefix, a held one, a partly held one, a session, no key."""
