@@ -53,6 +53,10 @@ VARIANTS: dict[str, tuple[str, str]] = {
         "a chat's own turns capped at the mean: they count whole against its bound",
         "mp.Router.own_turns_over_mean = lambda self, key, recent, now: {}",
     ),
+    "first-turn-whole-slack": (
+        "a first turn's slack learned from whether chats come back: it has the whole slack",
+        "mp.ChatReturns.share = lambda self, now: 0.0",
+    ),
     "last-turn-only": (
         "earlier turns: a request names only its chat's last",
         "mp.EARLIER_TURNS = 1",
