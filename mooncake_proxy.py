@@ -1464,6 +1464,8 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
         "prefill_instances": len(fleet.prefills),
         "decode_instances": len(fleet.decodes),
         "tokenizer": state.tokenizer.path if state.tokenizer else None,  # with KV events
+        # Why a chat's first turn spread, or joined others on its system prompt (ChatReturns).
+        "chats_returning": round(fleet.prefill_router.returns.share(time.monotonic()), 2),
         "dns": [
             {
                 "name": str(name),

@@ -299,6 +299,33 @@ async def test_a_lone_conversation_stays_on_one_engine_turn_after_turn(
     assert len(set(engines)) == 1, engines
 
 
+async def test_the_healthcheck_says_how_many_chats_come_back(start_cluster: StartCluster) -> None:
+    """A young process assumes every chat comes back; once it has seen chats for
+    CHAT_RETURN_SECONDS, the share is its second turns over its first: chat A came back, B, C
+    and D did not."""
+    cluster = await start_cluster(prefill_dp=(2,))
+
+    async def returning() -> float:
+        answer = await cluster.client.get("/healthcheck")
+        share: float = (await answer.json())["chats_returning"]
+        return share
+
+    assert await returning() == 1.0
+    system = {"role": "system", "content": long_prompt("shared", 1024)}
+    for name in "ABCD":
+        messages = [system, {"role": "user", "content": f"chat {name}"}]
+        answer = await cluster.client.post(CHAT, json=chat(messages=messages))
+        assert answer.status == 200
+        if name == "A":
+            text = (await answer.json())["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": text})
+            messages.append({"role": "user", "content": "and more"})
+            assert (await cluster.client.post(CHAT, json=chat(messages=messages))).status == 200
+    assert await returning() == 1.0
+    cluster.client.app[mp.STATE_KEY].fleet.prefill_router.returns.since -= mp.CHAT_RETURN_SECONDS
+    assert await returning() == pytest.approx(0.25, abs=0.02)
+
+
 def chat_turns(count: int) -> list[mp.RouteKey]:
     """The keys of a chat's first ``count`` turns, each answered before the next."""
     messages: list[dict[str, str]] = [{"role": "system", "content": long_prompt("sys", 4096)}]
