@@ -242,11 +242,10 @@ def test_a_new_chat_joins_others_on_their_system_prompt_only_where_chats_do_not_
 ) -> None:
     """Engine 0 holds the system prompt, with 5 recent requests where the others have 2: one
     more is within the slack (the mean, 3 with this one, plus 4) but over 1.5 times the mean
-    (4.5, rounded up to 5). A new chat's
-    first turn joins it there only where this process, having seen chats for
-    CHAT_RETURN_SECONDS, found that they do not come back for a second turn: 10 first turns
-    and no second. Where 8 of the 10 came back, or before it could know, the chats will
-    grow, and the first turn goes where there is room for them."""
+    (4.5, rounded up to 5). A new chat's first turn joins it there only where this process,
+    having seen chats for CHAT_RETURN_SECONDS, found that they do not come back for a second
+    turn: 10 first turns and no second. Where 8 of the 10 came back, or before it could
+    know, the chats will grow, and the first turn goes where there is room for them."""
     router = mp.Router("prefill", load_weight=1.0, balance=1.25, fresh_for=10.0)
     targets = [mp.Target(f"engine {i}", capacity=1024) for i in range(4)]
     now = time.monotonic()
