@@ -3,11 +3,12 @@
 One prefill (kv_producer), two decodes (kv_consumer) and the proxy in front of them. A greedy
 streamed request of a few hundred tokens is sent once uninterrupted, then again; the second
 time the decode serving it is held to the client's pace (``Pacer``) and killed (SIGKILL) once
-a few dozen tokens have reached the client. The proxy continues the request on the other decode, as a completion whose prompt is
-the prompt's token ids and the tokens already sent: the client's one stream must end as the
-uninterrupted one did, text, usage and all, with one id and one ``[DONE]``. Greedy decoding is
-deterministic on the CPU build and a continuation from token ids goes on token for token
-(``/work/shared/PROTOCOL.md``, "For exact replay"), so anything else is a defect.
+a few dozen tokens have reached the client. The proxy continues the request on the other
+decode, as a completion whose prompt is the prompt's token ids and the tokens already sent: the
+client's one stream must end as the uninterrupted one did, text, usage and all, with one id
+and one ``[DONE]``. Greedy decoding is deterministic on the CPU build and a continuation from
+token ids goes on token for token (``/work/shared/PROTOCOL.md``, "For exact replay"), so
+anything else is a defect.
 
 A non-streamed request whose decode is killed is retried whole by the proxy, which
 ``test_a_decode_killed_during_a_plain_answer_is_answered_whole_by_another`` in
