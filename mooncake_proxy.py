@@ -596,6 +596,18 @@ class ProxyConfig:
     dns_interval: float = setting(
         5.0, "seconds between two lookups of the --prefill-dns and --decode-dns names", seconds
     )
+    peers: tuple[DnsName, ...] = setting(
+        (),
+        "the other replicas of this proxy (repeatable; every A and AAAA record of NAME is one, "
+        "listening on PORT, e.g. a Kubernetes headless Service): each tells the others over "
+        "UDP, on the port it listens on, where it sends each request, and each routes as if "
+        "it had sent them too",
+        dns_names("peer"),
+        flag="--peer",
+        metavar="NAME:PORT",
+        repeat="words",
+        restart=True,
+    )
     dns_server: DnsServer | None = setting(
         None,
         "ask this DNS server (HOST[:PORT]) instead of the system's resolver",
@@ -1273,6 +1285,7 @@ class ProxyState:
         config = self.config
         self.admission = Admission(config.max_in_flight, config.max_queue, config.queue_timeout)
         self.metrics = Metrics(self)
+        self.peers: Peers | None = None  # with --peer (peers_ctx)
         self.fleet.prefill_router.observe = self.fleet.decode_router.observe = self.metrics.routed
         self.sync_members()
 
@@ -1475,6 +1488,8 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
             }
             for name in state.config.dns_names
         ],
+        # With --peer: the replicas told of this process's sends, and how many it heard.
+        "peers": state.peers.status() if state.peers is not None else None,
         "prefill": [instance.status() for instance in fleet.prefills],
         "decode": [instance.status() for instance in fleet.decodes],
     }
@@ -4453,7 +4468,8 @@ class Target:
         self.load = LoadView()
         self.in_flight = 0  # this process's requests on it
         self.pending_blocks = 0.0  # the prompt blocks those have to compute (or pull)
-        self.recent = Decayed()  # this process's requests
+        self.recent = Decayed()  # this process's requests, and its --peer replicas'
+        self.told = Decayed()  # those of its --peer replicas alone (for /healthcheck)
         # The prompt blocks they had to compute here, decayed alike: how fast its cache
         # turns over (turnover).
         self.written = Decayed()
@@ -4547,6 +4563,10 @@ class Target:
 
     def routing_status(self, now: float) -> dict[str, Any]:
         status = {"load": self.load.status(now), "index_blocks": len(self.index.blocks)}
+        # Requests sent here lately (decayed): this process's and its --peer replicas', and
+        # those of the replicas alone.
+        status["recent"] = round(self.recent_share(now), 2)
+        status["peers_recent"] = round(self.told.now(now), 2)
         status["pending_blocks"] = round(self.pending_blocks, 1)
         status["turnover"] = round(self.turnover(now), 2)
         if self.feed is not None:
@@ -4878,6 +4898,8 @@ class Router:
         self.returns = ChatReturns()
         # Told of every decision (the metrics set it).
         self.observe: Callable[[str, Choice, RouteKey | None], None] | None = None
+        # Told of every prefix_aware send, with its uncached blocks (--peer sets it).
+        self.tell: Callable[[Target, RouteKey, float], None] | None = None
 
     def pick(self, targets: Sequence[Target], policy: Policy, key: RouteKey | None) -> Choice:
         """Choose a target and claim it: its counts include this request from now on."""
@@ -4890,6 +4912,8 @@ class Router:
             now = time.monotonic()
             self.roster.sent(target, key, now, uncached)
             self.returns.saw(key, now)
+            if self.tell is not None:
+                self.tell(target, key, uncached)
             self.mean_uncached += (uncached - self.mean_uncached) / MEAN_UNCACHED_EVENTS
         if self.observe is not None:
             self.observe(self.stage, choice, key)
@@ -4897,6 +4921,13 @@ class Router:
 
     def release(self, target: Target) -> None:
         self.roster.released(target)
+
+    def heard(self, target: Target, key: RouteKey, uncached: float) -> None:
+        """A --peer replica's send, remembered as this process's own: its blocks, its turn
+        and its count. Replicas that tell each other every send then route as one."""
+        now = time.monotonic()
+        self.roster.sent(target, key, now, uncached)
+        target.told.add(now, 1)
 
     def rescan(self) -> None:
         """After a round of scrapes: the other senders' load, summed again."""
@@ -6022,6 +6053,7 @@ class Fleet:
         # Usable targets in configuration order; prefill engines are every (instance, DP rank)
         # pair, the seed's rotation. Rebuilt on every change, read without locks.
         self._engines: tuple[PrefillEngine, ...] = ()
+        self._by_name: tuple[tuple[PrefillEngine, ...], dict[str, PrefillEngine]] = ((), {})
         self._decodes: tuple[DecodeInstance, ...] = ()
         self.panics: set[str] = set()  # the roles in a panic (unless_panic)
         fresh_for = 3 * config.load_interval  # a scrape older than this is not trusted
@@ -6032,6 +6064,14 @@ class Fleet:
         # Prompt bytes per token, learnt from the prefills' answers: sizes the indexes by the
         # engines' KV capacity, which /metrics gives in tokens.
         self.bytes_per_token = 4.0
+
+    def engines_by_name(self) -> dict[str, PrefillEngine]:
+        """The usable prefill engines by Target.name, the same in every replica (--peer)."""
+        engines, named = self._by_name
+        if engines is not self._engines:
+            named = {engine.name: engine for engine in self._engines}
+            self._by_name = (self._engines, named)
+        return named
 
     def configure(self, config: ProxyConfig) -> None:
         """A reloaded configuration's routing settings (members come with set_members)."""
@@ -6527,6 +6567,156 @@ async def watch_load(app: web.Application) -> None:
         fleet.prefill_router.rescan()
         fleet.decode_router.rescan()
         await asyncio.sleep(max(0.0, state.config.load_interval - (time.monotonic() - started)))
+
+
+# --- Replicas told of each other's sends (--peer)
+#
+# A replica learns what the others sent an engine from the engine's /metrics, up to
+# --load-interval late, and where from KV events once the prefill ran, or never (the
+# estimate); between two scrapes, replicas that read the same one send new requests to the
+# same engines, each within the recent-share bound on its own, and the next scrape finds them
+# over it: the chats' next turns then move. Told of every send as it goes, replicas route as
+# one. A datagram lost costs only that: the next scrape counts the send anyway.
+
+PEER_FLUSH_SECONDS: Final = 0.01  # sends batched this long before they are told
+PEER_DATAGRAM_BYTES: Final = 8192  # sends per datagram up to this size (one at the least)
+# A send's leading blocks told: the prompt's head, where its relatives match it. Keeps a send
+# within about 1.5 KB; the rest of a long prompt a peer learns from KV events, or not.
+PEER_CHAIN_BLOCKS: Final = 64
+
+
+class Peers(asyncio.DatagramProtocol):
+    """This process's side of --peer: its sends told to every peer address, theirs
+    remembered as its own (Router.heard): each send's engine, its uncached blocks, its
+    chain's head and its chat turns. Datagrams from an address no --peer name has are
+    ignored, and so are this process's own, come back through a name that includes it."""
+
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+        self.id = os.urandom(8).hex()
+        self.pending: list[bytes] = []
+        self.addresses: dict[DnsName, tuple[str, ...]] = {}
+        self.transport: asyncio.DatagramTransport | None = None
+        self.told = self.heard = self.ignored = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def tell(self, target: Target, key: RouteKey, uncached: float) -> None:
+        send = [target.name, round(uncached, 1), key.chain[:PEER_CHAIN_BLOCKS], key.turn]
+        self.pending.append(json.dumps([*send, key.earlier_turns]).encode())
+
+    def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+        if not any(addr[0] in found for found in self.addresses.values()):
+            self.ignored += 1
+            return
+        try:
+            message = json.loads(data)
+            replica, sends = message["replica"], message["sends"]
+            named = self.state.fleet.engines_by_name()
+            heard = [told_send(send, named) for send in sends]
+        except (ValueError, TypeError, KeyError):
+            self.ignored += 1
+            return
+        if replica == self.id:
+            return
+        router = self.state.fleet.prefill_router
+        for engine, key, uncached in (send for send in heard if send is not None):
+            router.heard(engine, key, uncached)
+            self.heard += 1
+
+    def flush(self) -> None:
+        sends, self.pending = self.pending, []
+        if self.transport is None or not sends:
+            return
+        head = b'{"replica": "' + self.id.encode() + b'", "sends": ['
+        batch: list[bytes] = []
+        for send in [*sends, b""]:
+            size = len(head) + sum(len(s) + 1 for s in batch) + len(send)
+            if batch and (not send or size > PEER_DATAGRAM_BYTES):
+                self.send_to_all(head + b",".join(batch) + b"]}")
+                batch = []
+            if send:
+                batch.append(send)
+        self.told += len(sends)
+
+    def send_to_all(self, data: bytes) -> None:
+        assert self.transport is not None
+        for name, found in self.addresses.items():
+            for address in found:
+                self.transport.sendto(data, (address, name.port))
+
+    def status(self) -> dict[str, Any]:
+        addresses = sorted(f"{a}:{n.port}" for n, found in self.addresses.items() for a in found)
+        return {"addresses": addresses, "told": self.told, "heard": self.heard,
+                "ignored": self.ignored}  # fmt: skip
+
+
+def told_send(
+    send: Any, named: Mapping[str, PrefillEngine]
+) -> tuple[PrefillEngine, RouteKey, float] | None:
+    """A peer's send as Peers.tell wrote it, checked; None for an engine not usable here.
+    Raises ValueError for one that is not such a send."""
+    name, uncached, chain, turn, earlier = send
+    numbers = [*chain, turn, *earlier]
+    if not all(type(n) is int and -(1 << 63) <= n <= MASK64 for n in numbers):
+        raise ValueError("a send's blocks and turns are 64-bit numbers")
+    if type(uncached) not in (int, float) or not 0 <= uncached <= 1e6 or len(earlier) > 64:
+        raise ValueError("not a send")
+    if (engine := named.get(name)) is None:
+        return None
+    key = RouteKey(0, list(chain), 0, False, turn, tuple(earlier))
+    return engine, key, float(uncached)
+
+
+async def peers_ctx(app: web.Application) -> AsyncIterator[None]:
+    """With --peer: the UDP socket on the proxy's own port (each --workers process shares it,
+    and a datagram reaches one of them), the sends told every PEER_FLUSH_SECONDS, the names
+    looked up every --dns-interval."""
+    state = app[STATE_KEY]
+    config = state.config
+    if not config.peers:
+        yield
+        return
+    peers = state.peers = Peers(state)
+    loop = asyncio.get_running_loop()
+    where = (config.host, config.port)
+    try:
+        await loop.create_datagram_endpoint(
+            lambda: peers, local_addr=where, reuse_port=config.workers > 1
+        )
+    except OSError as error:  # it still tells its own sends, from another port
+        log.error("--peer: cannot hear peers on UDP %s:%d: %s", *where, error.strerror or error)
+        await loop.create_datagram_endpoint(lambda: peers, local_addr=(config.host, 0))
+    state.fleet.prefill_router.tell = peers.tell
+    tasks = [asyncio.create_task(tell_peers(peers)), asyncio.create_task(look_up_peers(peers))]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        state.fleet.prefill_router.tell = None
+        if peers.transport is not None:
+            peers.transport.close()
+
+
+async def tell_peers(peers: Peers) -> None:
+    while True:
+        await asyncio.sleep(PEER_FLUSH_SECONDS)
+        peers.flush()
+
+
+async def look_up_peers(peers: Peers) -> None:
+    """A name that fails to resolve keeps its last answer, as --prefill-dns names do."""
+    while True:
+        config = peers.state.config
+        for name in config.peers:
+            try:
+                peers.addresses[name] = await look_up(name, config)
+            except (OSError, TimeoutError) as error:
+                log.warning("--peer %s: lookup failed: %s", name, error)
+        await asyncio.sleep(config.dns_interval)
 
 
 async def watch_dns(app: web.Application) -> None:
@@ -7190,6 +7380,7 @@ def create_app(config: ProxyConfig) -> web.Application:
             tracing_ctx,
             pools_ctx,
             lingering_prefills_ctx,
+            peers_ctx,
             background(watch_fleet),
             background(watch_dns),
             background(watch_load),
@@ -7769,7 +7960,7 @@ FLAG_GROUPS: Final = (
         "migration_limit", "max_connections", "pool_timeout")),
     ("routing: which engine and which decode a request goes to", ("policy", "prefill_policy",
         "decode_policy", "load_interval", "prefix_index_blocks", "prefix_block_bytes",
-        "balance_factor", "prefill_load_weight", "decode_load_weight")),
+        "balance_factor", "prefill_load_weight", "decode_load_weight", "peers")),
     ("KV events: routing on what each engine holds", ("kv_events_port",
         "kv_events_replay_port", "kv_events", "tokenizer")),
     ("limits: what clients may ask, and how long they may take", ("max_request_bytes",

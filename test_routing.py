@@ -10,23 +10,27 @@ import collections
 import dataclasses
 import functools
 import itertools
+import json
 import random
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import aiohttp
 import pytest
-from pytest_aiohttp import AiohttpClient
+from pytest_aiohttp import AiohttpClient, AiohttpServer
 from yarl import URL
 
 import mooncake_proxy as mp
-from fake_vllm import BLOCK_TOKENS
+from fake_vllm import BLOCK_TOKENS, FakeVllm, free_port
 from testing_support import (
     CHAT,
     COMPLETIONS,
     FAST,
     SPEC,
     Cluster,
+    ProxyProcess,
     StartCluster,
     chat,
     completion,
@@ -37,6 +41,7 @@ from testing_support import (
     long_prompt,
     sample,
     scrape,
+    serve,
     wait_ready_,
 )
 
@@ -716,3 +721,111 @@ async def test_a_restarted_engine_is_believed_to_hold_nothing(start_cluster: Sta
     await eventually(lambda: decode.load.prefix_queries > 0)
     cluster.decodes[0].sims.clear()  # a decode's counters going back mean it restarted
     await eventually(lambda: decode.index.blocks == {})
+
+
+# --- replicas told of each other's sends (--peer)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+async def test_replicas_told_of_each_others_sends_count_them_at_once(
+    aiohttp_server: AiohttpServer, loop: str
+) -> None:
+    """Two replicas, each the other's --peer (and its own, as a Service name would list it):
+    what one sends a prefill engine, the other counts there at once, not at the next scrape
+    (--load-interval 60 keeps that away), and remembers its blocks there. A datagram that is
+    not a peer's message is ignored, and the replica serves on."""
+    prefill = FakeVllm("prefill")
+    api = await serve(aiohttp_server, prefill.api_app())
+    bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
+    prefill.api_url = f"http://127.0.0.1:{api.port}"
+    decode = await serve(aiohttp_server, FakeVllm("decode").api_app())
+    ports = [free_port(), free_port()]
+    flags = ["--prefill", prefill.api_url, str(bootstrap.port)]
+    flags += ["--decode", f"http://127.0.0.1:{decode.port}", "--loop", loop]
+    flags += ["--load-interval", "60"]
+    flags += [word for port in ports for word in ("--peer", f"127.0.0.1:{port}")]
+    one, other = [
+        await ProxyProcess.launch("--port", str(port), *flags, port=port) for port in ports
+    ]
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def healthcheck(proxy: ProxyProcess) -> dict[str, Any]:
+                async with session.get(f"{proxy.base}/healthcheck") as response:
+                    payload: dict[str, Any] = await response.json()
+                    return payload
+
+            async def recent(proxy: ProxyProcess, whose: str = "recent") -> float:
+                (engine,) = (await healthcheck(proxy))["prefill"][0]["engines"]
+                return float(engine[whose])
+
+            assert await recent(other, "peers_recent") == 0.0
+            for n in range(5):
+                body = completion(prompt=long_prompt(f"told {n}"))
+                async with session.post(f"{one.base}{COMPLETIONS}", json=body) as response:
+                    assert response.status == 200, await response.text()
+            assert 4.0 < await recent(one) <= 5.0  # decayed over RECENT_SECONDS
+            for _ in range(100):
+                if await recent(other, "peers_recent") > 4.0:
+                    break
+                await asyncio.sleep(0.05)
+            # Counted as its own would be, and shown apart; and where they went remembered.
+            assert 4.0 < await recent(other, "peers_recent") <= await recent(other) <= 5.0
+            assert await recent(one, "peers_recent") == 0.0
+            blocks = await recent(one, "index_blocks")
+            assert blocks >= 5 and await recent(other, "index_blocks") == blocks
+            told, heard = (await healthcheck(one))["peers"], (await healthcheck(other))["peers"]
+            assert (told["told"], told["heard"], heard["heard"]) == (5, 0, 5)
+            assert sorted(heard["addresses"]) == sorted(f"127.0.0.1:{port}" for port in ports)
+
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.sendto(b"not json", ("127.0.0.1", ports[1]))
+                sock.sendto(b'{"replica": "x", "sends": 3}', ("127.0.0.1", ports[1]))
+            for _ in range(100):
+                if (await healthcheck(other))["peers"]["ignored"] == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await healthcheck(other))["peers"]["ignored"] == 2
+            body = completion(prompt=long_prompt("after the noise"))
+            async with session.post(f"{other.base}{COMPLETIONS}", json=body) as response:
+                assert response.status == 200
+    finally:
+        for proxy in (one, other):
+            await proxy.stop()
+
+
+async def test_a_replica_that_cannot_hear_its_peers_says_so_and_still_tells_them(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    """Its UDP port is taken: it logs why, serves on, and its sends still reach its peer."""
+    prefill = FakeVllm("prefill")
+    api = await serve(aiohttp_server, prefill.api_app())
+    bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
+    prefill.api_url = f"http://127.0.0.1:{api.port}"
+    decode = await serve(aiohttp_server, FakeVllm("decode").api_app())
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as peer,
+    ):
+        port = free_port()
+        taken.bind(("127.0.0.1", port))
+        peer.bind(("127.0.0.1", 0))
+        peer.setblocking(False)
+        proxy = await ProxyProcess.launch(
+            "--port", str(port), "--prefill", prefill.api_url, str(bootstrap.port),
+            "--decode", f"http://127.0.0.1:{decode.port}",
+            "--peer", f"127.0.0.1:{peer.getsockname()[1]}", port=port,
+        )  # fmt: skip
+        try:
+            await eventually(lambda: any("cannot hear peers" in line for line in proxy.log.lines))
+            async with aiohttp.ClientSession() as session:
+                body = completion(prompt=long_prompt("told anyway"))
+                async with session.post(f"{proxy.base}{COMPLETIONS}", json=body) as response:
+                    assert response.status == 200
+            loop = asyncio.get_running_loop()
+            data = await asyncio.wait_for(loop.sock_recv(peer, 65536), 5)
+            (send,) = json.loads(data)["sends"]
+            assert send[0] == f"{prefill.api_url}#0"  # the engine, as every replica names it
+            assert len(send[2]) == len(mp.route_key(COMPLETIONS, body, None).chain)
+        finally:
+            await proxy.stop()
