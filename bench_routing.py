@@ -14,9 +14,10 @@ proxy's: the proxy only sees bytes.
 
 Every workload is replayed open loop (requests leave at their scheduled times, whatever the
 answers) against each target in the same invocation: round_robin, least_loaded, prefix_aware
-(the default), two prefix_aware proxy replicas sharing the load (four when named with
---target), --workers 2, and vllm-router --policy cache_aware when it is installed (PyPI
-vllm-router); --precise adds prefix_aware on KV events, alone and as 2 replicas (or 4).
+(the default), two prefix_aware proxy replicas sharing the load, alone and telling each
+other their sends with --peer (four of each when named with --target), --workers 2, and
+vllm-router --policy cache_aware when it is installed (PyPI vllm-router); --precise adds
+prefix_aware on KV events, alone and as 2 replicas with and without --peer (or 4).
 ``--fleet 8x8,8``: 64 engines and 8 decodes, the workloads as many times larger as the
 engines (Shape.scale, workloads); several ``--proxy``: each mooncake_proxy.py's targets on
 the same engines, an A/B. Per run: the
@@ -1480,6 +1481,12 @@ def all_targets(cluster: Cluster, quick: bool, source: Path) -> list[tuple[str, 
     def proxy(*flags: str) -> list[str]:
         return cluster.proxy_argv(free_port(), *flags, proxy=source)
 
+    def told(count: int, *flags: str) -> list[list[str]]:
+        """``count`` replicas, each a --peer of the others."""
+        ports = [free_port() for _ in range(count)]
+        peers = [word for port in ports for word in ("--peer", f"127.0.0.1:{port}")]
+        return [cluster.proxy_argv(port, *flags, *peers, proxy=source) for port in ports]
+
     if cluster.tokenizer_dir is not None:  # --precise: the estimate against the engines' events
         events = cluster.precise_flags()
         chosen = [
@@ -1493,6 +1500,8 @@ def all_targets(cluster: Cluster, quick: bool, source: Path) -> list[tuple[str, 
                 ("KV events x2 replicas", [proxy(*events), proxy(*events)]),
                 ("estimate x4 replicas", [proxy() for _ in range(4)]),
                 ("KV events x4 replicas", [proxy(*events) for _ in range(4)]),
+                ("KV events x2 replicas --peer", told(2, *events)),
+                ("KV events x4 replicas --peer", told(4, *events)),
                 ("KV events --workers 2", [proxy("--workers", "2", *events)]),
             ]
         return chosen
@@ -1505,6 +1514,8 @@ def all_targets(cluster: Cluster, quick: bool, source: Path) -> list[tuple[str, 
         chosen += [
             ("prefix_aware x2 replicas", [proxy(), proxy()]),
             ("prefix_aware x4 replicas", [proxy() for _ in range(4)]),
+            ("prefix_aware x2 replicas --peer", told(2)),
+            ("prefix_aware x4 replicas --peer", told(4)),
             ("prefix_aware --workers 2", [proxy("--workers", "2")]),
         ]
         if source == cluster.proxies[0] and (router := cluster.router_argv(free_port())):

@@ -2,12 +2,17 @@
 
     python research/routing-slack/replicas.py            # replicas count everyone's requests
     OWN_COUNTS=1 python research/routing-slack/replicas.py   # each counts only its own
+    PEERS=1 python research/routing-slack/replicas.py    # each told the others' sends (--peer)
 
 Each replica is the proxy's own Fleet (prefill stage, prefix_aware), on a simulated clock
 (sim.py's); a round-robin balancer hands them the requests in turn. What KV events would tell
 a replica is stood in for: the others' sends reach its indexes 0.2 s after their prefill
 ends. Every second a scrape gives each replica every engine's count of finished requests
 (vllm:request_success_total), as the proxy's load loop would, unless OWN_COUNTS is set.
+With PEERS, each replica also remembers the others' sends as its own (Router.heard: their
+blocks, turns and counts) 5 ms after they were sent, as --peer's datagrams would (the events'
+writes then stand aside: the proxy weighs its own and its peers' writes against the events'
+by the larger).
 Engines are LRU caches of the router's blocks, as in sim.py; the hit rate is over the
 oracle's (one LRU cache as large as the fleet's). Nothing here is timed.
 """
@@ -31,6 +36,8 @@ import mooncake_proxy as mp
 
 EVENTS_DELAY = 0.2  # after a prefill ends, its blocks reach the other replicas
 SCRAPE_EVERY = 1.0
+PEERS = bool(os.environ.get("PEERS"))
+PEER_DELAY = 0.005  # --peer: a datagram, after the proxy's 10 ms batching on average
 
 
 def scrape(fleets: list[tuple[mp.Fleet, list[mp.PrefillEngine]]], finished: dict[str, int]) -> None:
@@ -74,16 +81,29 @@ def multi_turn(engines: int, replicas: int, capacity: int = 40) -> float:
             finished[engine.name] += 1
 
         heapq.heappush(later, (done, next(order), end))
-        for views in by_name:
+        for (other, _), views in zip(fleets, by_name, strict=True):
             if (view := views[engine.name]) is not engine:
 
                 def told(
                     view: mp.PrefillEngine = view, key: mp.RouteKey = key, computed: int = found
                 ) -> None:
                     view.index.add(key.chain)
-                    view.written.add(sim.CLOCK[0], len(key.chain) - computed)
+                    if not PEERS:
+                        view.written.add(sim.CLOCK[0], len(key.chain) - computed)
 
                 heapq.heappush(later, (done + EVENTS_DELAY, next(order), told))
+                if PEERS:
+                    uncached = max(len(key.chain) - found, 1)  # the blocks it computed
+
+                    def heard(
+                        other: mp.Fleet = other,
+                        view: mp.PrefillEngine = view,
+                        key: mp.RouteKey = key,
+                        uncached: int = uncached,
+                    ) -> None:
+                        other.prefill_router.heard(view, key, uncached)
+
+                    heapq.heappush(later, (now + PEER_DELAY, next(order), heard))
         hits += found
         oracle += br.lru_serve(whole, key.chain, capacity * engines)
     return hits / oracle
@@ -91,6 +111,7 @@ def multi_turn(engines: int, replicas: int, capacity: int = 40) -> float:
 
 def main() -> None:
     print("counts:", "each replica its own" if os.environ.get("OWN_COUNTS") else "everyone's")
+    print("sends told to the other replicas (--peer):", "yes" if PEERS else "no")
     print("multi-turn, hit rate / oracle's")
     for engines in (8, 64):
         rates = (f"x{r} {multi_turn(engines, r):.3f}" for r in (1, 2, 4))
