@@ -794,8 +794,9 @@ async def test_replicas_told_of_each_others_sends_count_them_at_once(
             await proxy.stop()
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 async def test_a_replica_that_cannot_hear_its_peers_says_so_and_still_tells_them(
-    aiohttp_server: AiohttpServer,
+    aiohttp_server: AiohttpServer, loop: str
 ) -> None:
     """Its UDP port is taken: it logs why, serves on, and its sends still reach its peer."""
     prefill = FakeVllm("prefill")
@@ -813,7 +814,7 @@ async def test_a_replica_that_cannot_hear_its_peers_says_so_and_still_tells_them
         peer.setblocking(False)
         proxy = await ProxyProcess.launch(
             "--port", str(port), "--prefill", prefill.api_url, str(bootstrap.port),
-            "--decode", f"http://127.0.0.1:{decode.port}",
+            "--decode", f"http://127.0.0.1:{decode.port}", "--loop", loop,
             "--peer", f"127.0.0.1:{peer.getsockname()[1]}", port=port,
         )  # fmt: skip
         try:
@@ -822,8 +823,8 @@ async def test_a_replica_that_cannot_hear_its_peers_says_so_and_still_tells_them
                 body = completion(prompt=long_prompt("told anyway"))
                 async with session.post(f"{proxy.base}{COMPLETIONS}", json=body) as response:
                     assert response.status == 200
-            loop = asyncio.get_running_loop()
-            data = await asyncio.wait_for(loop.sock_recv(peer, 65536), 5)
+            events = asyncio.get_running_loop()
+            data = await asyncio.wait_for(events.sock_recv(peer, 65536), 5)
             (send,) = json.loads(data)["sends"]
             assert send[0] == f"{prefill.api_url}#0"  # the engine, as every replica names it
             assert len(send[2]) == len(mp.route_key(COMPLETIONS, body, None).chain)
