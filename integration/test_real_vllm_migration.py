@@ -356,10 +356,10 @@ class Trial:
     def void(self) -> bool:
         """The decode had written the whole answer before the kill (or before this process
         read the stream's head), and the proxy passed it on with no failure to see: nothing
-        was migrated, and nothing went wrong. The pacer makes
-        this rare, not impossible: this VM stalls a process for tenths of a second at times
-        (a thread sleeping 5 ms, alone on an idle box, wakes 0.11 s late), and a decode let
-        run through such a stall writes its whole answer. Anything else is judged."""
+        was migrated, and nothing went wrong. The pacer makes this rare, not impossible: this
+        VM stalls a process for tenths of a second at times (a thread sleeping 5 ms, alone on
+        an idle box, wakes 0.11 s late), and a decode let run through such a stall writes its
+        whole answer. Anything else is judged."""
         whole = self.stream.done == 1 and not self.stream.cut
         return self.sent < 0 and whole and not any("error" in e for e in self.stream.events)
 
