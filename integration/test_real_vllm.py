@@ -364,18 +364,23 @@ def raw_stream(base: str, path: str, body: dict[str, Any]) -> bytes:
 STREAMED_TEXT = re.compile(rb'"(text|content)":("(?:[^"\\]|\\.)*")')
 
 
-def text_and_events(stream: bytes) -> tuple[str, list[bytes]]:
-    """A stream's generated text, and its events with the text blanked, each run of alike
-    events once. Where one event ends is vLLM's timing, not the proxy's: tokens its engine
-    makes before its server writes the last ones go out together (vllm RequestOutputCollector),
-    as a decode's first few often do after a KV transfer. Every byte else is compared."""
+def text_and_events(stream: bytes) -> tuple[str, list[bytes], set[bytes]]:
+    """A stream's generated text; its events with the text blanked, each once, but for those
+    in the middle (text, no finish_reason); and those apart. Where one event ends is vLLM's
+    timing, not the proxy's: tokens its engine makes before its server writes the last ones
+    go out together (vllm RequestOutputCollector), as a decode's first few often do after a
+    KV transfer, and on a stalled machine the whole answer with its finish_reason (seen in
+    CI). Every byte else is compared."""
     text = [json.loads(m.group(2)) for m in STREAMED_TEXT.finditer(stream)]
     events: list[bytes] = []
+    middle: set[bytes] = set()
     for event in stream.split(b"\n\n"):
         blanked = STREAMED_TEXT.sub(rb'"\1":""', event)
-        if not events or events[-1] != blanked:
+        if b'"finish_reason":null' in blanked and b'"role"' not in blanked:
+            middle.add(blanked)
+        elif blanked not in events:
             events.append(blanked)
-    return "".join(text), events
+    return "".join(text), events, middle
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -392,7 +397,13 @@ def test_a_stream_reaches_the_client_as_vllm_writes_it(cluster: RealCluster, pat
         body["prompt"] = prompt
     proxied = raw_stream(cluster.proxy.url, path, body)
     direct = raw_stream(cluster.decode.url, path, body)
-    assert text_and_events(proxied) == text_and_events(direct), (proxied, direct)
+    (text, events, middle), (text_direct, events_direct, middle_direct) = (
+        text_and_events(proxied),
+        text_and_events(direct),
+    )
+    assert (text, events) == (text_direct, events_direct), (proxied, direct)
+    # The events in the middle alike, where both streams have some.
+    assert not middle or not middle_direct or middle == middle_direct, (proxied, direct)
     assert b'"token_ids":null' in proxied and b'"token_ids":[' not in proxied
 
 
