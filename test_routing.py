@@ -726,6 +726,18 @@ async def test_a_restarted_engine_is_believed_to_hold_nothing(start_cluster: Sta
 # --- replicas told of each other's sends (--peer)
 
 
+async def fake_pair(aiohttp_server: AiohttpServer) -> tuple[FakeVllm, list[str]]:
+    """A prefill and a decode fake served here, and the flags that name them to a proxy
+    process: every replica of a test stands in front of the same pair."""
+    prefill = FakeVllm("prefill")
+    api = await serve(aiohttp_server, prefill.api_app())
+    bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
+    prefill.api_url = f"http://127.0.0.1:{api.port}"
+    decode = await serve(aiohttp_server, FakeVllm("decode").api_app())
+    flags = ["--prefill", prefill.api_url, str(bootstrap.port)]
+    return prefill, [*flags, "--decode", f"http://127.0.0.1:{decode.port}"]
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 async def test_replicas_told_of_each_others_sends_count_them_at_once(
     aiohttp_server: AiohttpServer, loop: str
@@ -734,15 +746,9 @@ async def test_replicas_told_of_each_others_sends_count_them_at_once(
     what one sends a prefill engine, the other counts there at once, not at the next scrape
     (--load-interval 60 keeps that away), and remembers its blocks there. A datagram that is
     not a peer's message is ignored, and the replica serves on."""
-    prefill = FakeVllm("prefill")
-    api = await serve(aiohttp_server, prefill.api_app())
-    bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
-    prefill.api_url = f"http://127.0.0.1:{api.port}"
-    decode = await serve(aiohttp_server, FakeVllm("decode").api_app())
+    _, pair = await fake_pair(aiohttp_server)
     ports = [free_port(), free_port()]
-    flags = ["--prefill", prefill.api_url, str(bootstrap.port)]
-    flags += ["--decode", f"http://127.0.0.1:{decode.port}", "--loop", loop]
-    flags += ["--load-interval", "60"]
+    flags = [*pair, "--loop", loop, "--load-interval", "60"]
     flags += [word for port in ports for word in ("--peer", f"127.0.0.1:{port}")]
     one, other = [
         await ProxyProcess.launch("--port", str(port), *flags, port=port) for port in ports
@@ -799,11 +805,7 @@ async def test_a_replica_that_cannot_hear_its_peers_says_so_and_still_tells_them
     aiohttp_server: AiohttpServer, loop: str
 ) -> None:
     """Its UDP port is taken: it logs why, serves on, and its sends still reach its peer."""
-    prefill = FakeVllm("prefill")
-    api = await serve(aiohttp_server, prefill.api_app())
-    bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
-    prefill.api_url = f"http://127.0.0.1:{api.port}"
-    decode = await serve(aiohttp_server, FakeVllm("decode").api_app())
+    prefill, pair = await fake_pair(aiohttp_server)
     with (
         socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken,
         socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as peer,
@@ -813,8 +815,7 @@ async def test_a_replica_that_cannot_hear_its_peers_says_so_and_still_tells_them
         peer.bind(("127.0.0.1", 0))
         peer.setblocking(False)
         proxy = await ProxyProcess.launch(
-            "--port", str(port), "--prefill", prefill.api_url, str(bootstrap.port),
-            "--decode", f"http://127.0.0.1:{decode.port}", "--loop", loop,
+            "--port", str(port), *pair, "--loop", loop,
             "--peer", f"127.0.0.1:{peer.getsockname()[1]}", port=port,
         )  # fmt: skip
         try:
