@@ -58,6 +58,7 @@ import math
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -487,6 +488,7 @@ async def run(
             ttfts, errors = await replay(urls, requests)
             engines = await cluster.engine_counts(session)
             decodes = await cluster.engine_counts(session, decodes=True)
+            reasons = await prefill_reasons(session, urls)
     finally:
         for process in processes:
             process.send_signal(signal.SIGTERM)
@@ -509,10 +511,27 @@ async def run(
         ttft_p90_ms=1000 * percentile(ttfts, 0.9),
         max_over_mean=max(counts) / statistics.mean(counts) if sum(counts) else float("nan"),
         decode_local=local / (local + sent) if local + sent else 0.0,
-        extra={"requests_per_engine": counts},
+        extra={"requests_per_engine": counts, "prefill_reasons": reasons},
     )
     print(format_row(result), flush=True)
+    print(f"  {'':<42} prefill decisions: " + ", ".join(f"{k} {v}" for k, v in reasons.items()))
     return result
+
+
+async def prefill_reasons(session: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, int]:
+    """Why the proxies chose their prefill engines (routing_decisions by reason, all of them
+    summed): where a target's hit rate falls short, affinity, spill or cold says why."""
+    reasons: dict[str, int] = {}
+    reason = re.compile(r'reason="(\w+)"')
+    for url in urls:
+        async with session.get(url + "/metrics") as response:
+            text = await response.text()
+        for line in text.splitlines():
+            if line.startswith("mooncake_proxy_routing_decisions_total{") and (
+                'stage="prefill"' in line and (match := reason.search(line)) is not None
+            ):
+                reasons[match[1]] = reasons.get(match[1], 0) + int(float(line.split()[-1]))
+    return dict(sorted(reasons.items()))
 
 
 async def caught_up(session: aiohttp.ClientSession, urls: Sequence[str]) -> None:

@@ -4232,13 +4232,15 @@ def chat_message(message: object) -> object:
 
 def block_chain(data: bytes, size: int = ROUTING_BLOCK_BYTES, seed: int = 0) -> list[int]:
     """A hash per full block, chained with ``seed`` and every block before it (XOR of each
-    block's hash with its position). Python's hash() is C code seeded per process; each
-    process keeps its own index, so the values need not agree between processes."""
+    block's hash with its position). The same in every process, as --peer replicas tell each
+    other these: Python's hash() of bytes is seeded per process, so a block is read by its
+    CRC-32 (zlib's C code, as fast), and hash() takes ints and tuples of ints alike
+    everywhere."""
     count = len(data) // size
     blocks = map(
         data.__getitem__, map(slice, range(0, count * size, size), itertools.count(size, size))
     )
-    hashes = map(hash, zip(itertools.count(), blocks))
+    hashes = map(hash, zip(itertools.count(), map(zlib.crc32, blocks)))
     return list(itertools.accumulate(hashes, operator.xor, initial=seed))[1:]
 
 
@@ -4246,7 +4248,7 @@ def route_key(
     path: str, body: Mapping[str, Any], session_id: str | None, block: int = ROUTING_BLOCK_BYTES
 ) -> RouteKey:
     head, data, befores = prompt_reading(path, body)
-    seed = hash(head)  # in every block's hash: a prompt to another model or with other tools
+    seed = zlib.crc32(head)  # in every block's hash: a prompt to another model or other tools
     if session_id:
         placement = zlib.crc32(b"session\0" + session_id.encode("utf-8", "replace"))
     else:
@@ -4265,7 +4267,8 @@ def turn_id(data: bytes, chain: list[int], length: int, block: int, seed: int) -
     """A hash of the prompt's first ``length`` bytes, from the chain's blocks and the rest:
     a chat's turn, which its later turns name as one before (RouteKey.earlier_turns)."""
     whole = length // block
-    return hash((chain[whole - 1] if whole else seed, length, data[whole * block : length]))
+    rest = zlib.crc32(data[whole * block : length])
+    return hash((chain[whole - 1] if whole else seed, length, rest))
 
 
 def token_chain(tokens: Sequence[int], size: int) -> list[int]:

@@ -11,14 +11,18 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
 import random
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 from yarl import URL
 
@@ -65,6 +69,33 @@ def test_a_chats_next_turn_extends_its_routing_bytes_and_block_chain() -> None:
     assert mp.block_chain(other)[0] != chain_one[0]
     assert mp.prompt_bytes(COMPLETIONS, completion(prompt=[1, 2, 3])).endswith(b"\0" + b"1,2,3")
     assert mp.block_chain(b"x" * 511) == []  # no full block: nothing to match
+
+
+def test_a_prompts_blocks_and_turns_hash_alike_in_every_process() -> None:
+    """--peer replicas tell each other a send's blocks and turns: they must be the numbers
+    the other process computes for the same prompt, whatever its hash seed (str and bytes
+    hash apart in each process; these must not)."""
+    messages = [
+        {"role": "system", "content": "You are terse. " * 80},
+        {"role": "user", "content": "What is KV?"},
+        {"role": "assistant", "content": "A cache."},
+        {"role": "user", "content": "And PD?"},
+    ]
+    body = chat(messages=messages, tools=[{"type": "function", "function": {"name": "f"}}])
+    script = (
+        "import json, sys, mooncake_proxy as mp\n"
+        "key = mp.route_key(sys.argv[1], json.loads(sys.argv[2]), None)\n"
+        "print(json.dumps([key.chain, key.turn, key.earlier_turns]))\n"
+    )
+    keys = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        argv = [sys.executable, "-c", script, CHAT, json.dumps(body)]
+        done = subprocess.run(argv, env=env, capture_output=True, check=True)
+        keys.append(json.loads(done.stdout))
+    key = mp.route_key(CHAT, body, None)
+    assert len(key.chain) >= 2 and key.turn and key.earlier_turns
+    assert keys[0] == keys[1] == [key.chain, key.turn, list(key.earlier_turns)]
 
 
 def test_a_chats_next_turn_names_the_turn_before_it_and_no_other() -> None:
@@ -782,6 +813,25 @@ async def test_replicas_told_of_each_others_sends_count_them_at_once(
             assert blocks >= 5 and await recent(other, "index_blocks") == blocks
             told, heard = (await healthcheck(one))["peers"], (await healthcheck(other))["peers"]
             assert (told["told"], told["heard"], heard["heard"]) == (5, 0, 5)
+
+            async def affinity(proxy: ProxyProcess) -> float:
+                async with session.get(f"{proxy.base}/metrics") as response:
+                    text = await response.text()
+                name, labels = "mooncake_proxy_routing_decisions_total", {"stage": "prefill"}
+                found = [
+                    s.value
+                    for family in text_string_to_metric_families(text)
+                    for s in family.samples
+                    if s.name == name and s.labels == labels | {"reason": "affinity"}
+                ]
+                return sum(found)
+
+            # The blocks it heard are the ones it reads in the same prompt: a match, although
+            # it never sent the prompt itself (another process's hash seed).
+            body = completion(prompt=long_prompt("told 3"))
+            async with session.post(f"{other.base}{COMPLETIONS}", json=body) as response:
+                assert response.status == 200
+            assert await affinity(other) == 1.0
             assert sorted(heard["addresses"]) == sorted(f"127.0.0.1:{port}" for port in ports)
 
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
