@@ -22,8 +22,9 @@ prefix_aware on KV events, alone and as 2 replicas with and without --peer (or 4
 engines (Shape.scale, workloads); several ``--proxy``: each mooncake_proxy.py's targets on
 the same engines, an A/B. Per run: the
 prefill hit rate from the engines' own counters, the oracle's hit rate (one LRU cache holding
-the cluster's whole capacity, fed the same requests in order), client-side TTFT p50/p90, and
-max/mean requests per engine.
+the cluster's whole capacity, fed the same requests in order), client-side TTFT p50/p90,
+max/mean requests per engine, and why the proxies chose their prefill engines (their
+routing_decisions: affinity, spill, cold...).
 
 Workloads: shared-prefix groups (vllm bench serve's prefix_repetition shape), multi-turn chats
 that grow, one chat alone on the cluster (its turns should stay on one engine), a replay of
