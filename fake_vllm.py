@@ -171,7 +171,8 @@ def digest_of(prompt: Any) -> str:
 # What a stream's error event says when error_after_tokens fails it (vLLM's EngineDeadError).
 ENGINE_FAILED = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 # What vLLM 0.32 writes in a stream's last chunk.
-SYSTEM_FINGERPRINT = "vllm-0.32.0-fa6e0001"
+VLLM_VERSION = "0.32.0"
+SYSTEM_FINGERPRINT = f"vllm-{VLLM_VERSION}-fa6e0001"
 # A generated word's token id: this base plus its index in VOCAB.
 WORD_ID_BASE = 50_000
 TOKEN_ID_LIMIT = 1 << 32  # token ids are read as 4-byte integers
@@ -606,6 +607,7 @@ class FakeVllm:
     metrics_status: int = 200  # 404: a server without /metrics
     extra_waiting: int = 0  # added to every engine's vllm:num_requests_waiting
     _blocks: dict[str, PromptBlocks] = field(default_factory=dict)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters loaded: name -> path
 
     def sim(self, rank: int) -> EngineSim:
         while len(self.sims) < self.dp_size:
@@ -666,6 +668,11 @@ class FakeVllm:
         app.router.add_post("/v1/chat/completions", self.handle_completion)
         app.router.add_get("/_fake/kv", self.handle_kv_pull)
         app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/version", self.handle_version)
+        app.router.add_post("/tokenize", self.handle_tokenize)
+        app.router.add_post("/detokenize", self.handle_detokenize)
+        app.router.add_post("/v1/load_lora_adapter", self.handle_load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", self.handle_unload_lora)
         app.router.add_post("/_fake/reset", self.handle_reset)
         app.router.add_post("/_fake/warm", self.handle_warm)
         app.router.add_get("/_fake/stats", self.handle_stats)
@@ -800,8 +807,108 @@ class FakeVllm:
             "owned_by": "vllm",
             "max_model_len": self.max_model_len,
         }
-        payload = compact({"object": "list", "data": [model]})
+        # LoRA adapters, as vLLM lists them: their path as root, the base model as parent.
+        adapters = [
+            {"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": MODEL}
+            for name, path in self.adapters.items()
+        ]
+        payload = compact({"object": "list", "data": [model, *adapters]})
         return web.Response(body=payload, content_type="application/json")
+
+    # --- vLLM's other routes (PROTOCOL.md): what the proxy passes through
+
+    async def handle_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VLLM_VERSION})
+
+    async def json_body(self, request: web.Request) -> dict[str, Any]:
+        """The body as vLLM reads one: a JSON object naming this model, if any, else a
+        BadRequest (an unknown model's 404 among them)."""
+        if request.content_type.lower() != "application/json":
+            raise BadRequest("Unsupported Media Type: Only 'application/json' is allowed")
+        try:
+            body = await request.json()
+        except ValueError:
+            raise BadRequest("body is not JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("body must be an object")
+        model = body.get("model")
+        if model and model != MODEL and model not in self.adapters:
+            message = f"The model `{model}` does not exist."
+            raise BadRequest(message, "model", status=404)
+        self.requests.append(Recorded(request.path, CIMultiDict(request.headers), body, None))
+        return body
+
+    async def handle_tokenize(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's TokenizeResponse: the prompt's (or a chat's) token ids, as this model reads
+        them (model_input), with their count and the model's length limit."""
+        try:
+            body = await self.json_body(request)
+            prompt = body["messages"] if "messages" in body else body.get("prompt")
+            if not isinstance(prompt, str | list):
+                raise BadRequest("prompt or messages is required", "prompt")
+            read = model_input(prompt, self.tokenizer)
+        except BadRequest as bad:
+            return error(bad.status, str(bad), bad.param)
+        ids = list(struct.unpack(f"<{len(read) // TOKEN_BYTES}I", read))
+        return await self.whole(
+            request,
+            {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+             "token_strs": None},
+        )  # fmt: skip
+
+    async def whole(self, request: web.Request, payload: Any) -> web.StreamResponse:
+        """A JSON answer; with die_after_head its head goes out and the process dies."""
+        raw = compact(payload)
+        if not self.die_after_head:
+            return web.Response(body=raw, content_type="application/json")
+        cut = web.StreamResponse(headers={"Content-Type": "application/json"})
+        cut.content_length = len(raw)
+        await cut.prepare(request)
+        assert request.transport is not None
+        request.transport.abort()
+        raise asyncio.CancelledError
+
+    async def handle_detokenize(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's DetokenizeResponse: the text of token ids (the inverse of handle_tokenize)."""
+        try:
+            body = await self.json_body(request)
+            ids = body.get("tokens")
+            if not is_token_prompt(ids) and ids != []:
+                raise BadRequest("tokens must be a list of token ids", "tokens")
+            read = model_input(ids) if ids else b""
+        except BadRequest as bad:
+            return error(bad.status, str(bad), bad.param)
+        if self.tokenizer is not None:
+            return await self.whole(request, {"prompt": self.tokenizer.decode(ids)})
+        return await self.whole(request, {"prompt": read.rstrip(b"\0").decode("utf-8", "replace")})
+
+    async def handle_load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING): a plain-text 200,
+        or an error for a name already loaded."""
+        try:
+            body = await self.json_body(request)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not name or not path:
+                raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.")
+            if name in self.adapters:
+                raise BadRequest(f"The lora adapter '{name}' has already been loaded.")
+        except BadRequest as bad:
+            return error(bad.status, str(bad), bad.param)
+        self.adapters[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def handle_unload_lora(self, request: web.Request) -> web.Response:
+        try:
+            body = await self.json_body(request)
+            name = body.get("lora_name")
+            if not name:
+                raise BadRequest("'lora_name' needs to be provided to unload a LoRA adapter.")
+            if name not in self.adapters:
+                raise BadRequest(f"The lora adapter '{name}' cannot be found.", status=404)
+        except BadRequest as bad:
+            return error(bad.status, str(bad), bad.param)
+        del self.adapters[name]
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def handle_query(self, request: web.Request) -> web.Response:
         self.query_count += 1
@@ -877,7 +984,7 @@ class FakeVllm:
             self.engine_dead = fatal
             return error(500, "The server had an error while processing your request.")
         model = body.get("model")
-        if model and model != MODEL:
+        if model and model != MODEL and model not in self.adapters:
             message = f"The model `{model}` does not exist. Valid aliases: {MODEL}."
             raise BadRequest(message, "model", status=404)
         # vLLM's child requests: one per prompt of a batch and per choice of ``n``.

@@ -163,6 +163,21 @@ ENV_PREFIX: Final = "MOONCAKE_PROXY_"
 
 COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
 
+# vLLM's other routes (0.32, PROTOCOL.md) that answer from one instance: passed through whole to
+# a decode, which computes what they ask itself (handle_passthrough). Each is its own route
+# label; any other path stays a 404.
+PASSTHROUGH_ROUTES: Final = (
+    ("GET", "/version"),
+    *(("POST", path) for path in ("/tokenize", "/detokenize", "/v1/embeddings", "/pooling")),
+    *(("POST", path) for path in ("/classify", "/score", "/v1/score", "/rerank", "/v1/rerank")),
+    *(("POST", path) for path in ("/v2/rerank", "/invocations")),
+    *(("POST", path) for path in ("/v1/audio/transcriptions", "/v1/audio/translations")),
+)
+
+# vLLM's routes that change an instance: sent to every one (handle_every_instance), as the
+# two legs of a request must find the same LoRA adapter on the prefill and on the decode.
+EVERY_INSTANCE_PATHS: Final = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
 REQUEST_ID_HEADER: Final = "X-Request-Id"
 
 DP_RANK_HEADER: Final = "X-data-parallel-rank"
@@ -667,7 +682,8 @@ class ProxyConfig:
     )
     max_in_flight: int = setting(
         0,
-        "PD requests served at once by each process, 0 for no limit; more wait in a queue "
+        "requests served at once by each process (PD and passed through), 0 for no limit; "
+        "more wait in a queue "
         "(a lower X-Vllm-Priority or body priority first, then in order of arrival)",
         at_least(0),
     )
@@ -1419,6 +1435,161 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         return await run_pd_request(request, body)
     finally:
         admission.leave()
+
+
+async def handle_passthrough(request: web.Request) -> web.StreamResponse:
+    """One of vLLM's other routes (PASSTHROUGH_ROUTES): the request whole to one decode, its
+    answer streamed back as it comes. While no byte of an answer came, another decode is
+    tried (an unreachable one leaves the rotation), up to --max-retries times."""
+    state = request.app[STATE_KEY]
+    if state.draining:
+        raise ProxyError(503, "proxy is draining: it is shutting down")
+    body = await read_body(request) if request.can_read_body else bytearray()
+    stats = request[STATS_KEY]
+    headers = passthrough_headers(request, stats.request_id, state.config)
+    try:
+        await state.admission.enter(request_priority(request, {}))
+    except ProxyError as refused:
+        state.metrics.errors.labels("admission", refused.reason).inc()
+        raise
+    tried: set[Backend] = set()
+    try:
+        while True:
+            decode = state.fleet.claim_decode(tried)
+            stats.decode = str(decode.url)
+            try:
+                return await forward_whole(request, decode, bytes(body), headers)
+            except Unreachable as failure:
+                state.metrics.errors.labels("decode", failure.reason).inc()
+                tried.add(decode)
+                state.fleet.take_out(decode, failure.message)
+                if len(tried) > state.config.max_retries:
+                    raise
+                state.metrics.retries.labels("decode").inc()
+            finally:
+                state.fleet.release_decode(decode)
+    finally:
+        state.admission.leave()
+
+
+def passthrough_headers(
+    request: web.Request, request_id: str, config: ProxyConfig
+) -> dict[str, str]:
+    """upstream_headers, with the client's own Content-Type (an audio upload is a form)."""
+    headers = upstream_headers(request.headers, request_id, config)
+    if (content_type := request.headers.get(hdrs.CONTENT_TYPE)) is not None:
+        headers[hdrs.CONTENT_TYPE] = content_type
+    elif not request.can_read_body:
+        del headers[hdrs.CONTENT_TYPE]
+    return headers
+
+
+async def forward_whole(
+    request: web.Request, upstream: Backend, body: bytes, headers: Mapping[str, str]
+) -> web.StreamResponse:
+    """The request to ``upstream`` as the client sent it (its path and query), the answer
+    back as the upstream wrote it: its status, its Content-Type, its body streamed. Raises
+    Unreachable while nothing was answered; once the answer began, a failure cuts the
+    client's connection (its answer is known incomplete) rather than ending it cleanly."""
+    state, config = request.app[STATE_KEY], request.app[STATE_KEY].config
+    url = upstream.url.join(request.rel_url)
+    try:
+        await state.slots.acquire(1, config.pool_timeout)
+    except TimeoutError:
+        raise pool_exhausted(config, f"{upstream.role} {upstream.url}") from None
+    leg = None
+    response = web.StreamResponse()
+    try:
+        async with asyncio.timeout(config.request_timeout):
+            payload = (body,) if body else ()
+            leg = await state.upstreams.send(
+                request.method.encode(), url, header_lines(headers), payload
+            )
+            await leg.head()
+            response.set_status(leg.status, leg.reason.decode("latin-1") or None)
+            response.headers[hdrs.CONTENT_TYPE] = (
+                leg.content_type or b"application/octet-stream"
+            ).decode("latin-1")
+            if leg.content_length is not None:
+                response.content_length = leg.content_length
+            response.headers[REQUEST_ID_HEADER] = request[STATS_KEY].request_id
+            await response.prepare(request)
+            while piece := await leg.next_bytes():
+                await response.write(piece)
+                request[STATS_KEY].bytes_out += len(piece)
+            await response.write_eof()
+        return response
+    except (LegFailed, TimeoutError) as error:
+        failure = transport_error(upstream.role, url, error, upstream)
+        if not response.prepared:
+            raise failure from None
+        log.warning("%s %s: %s", request.method, request[STATS_KEY].path, failure.message)
+        request[STATS_KEY].outcome = f"error:{failure.reason}"
+        if request.transport is not None:
+            request.transport.close()  # the client sees its answer cut, not ended
+        return response
+    except ConnectionResetError:  # the client left mid-answer
+        request[STATS_KEY].outcome = "client_gone"
+        return response
+    finally:
+        if leg is not None:
+            state.upstreams.finish(leg)
+        state.slots.release(1)
+
+
+async def handle_every_instance(request: web.Request) -> web.Response:
+    """vLLM's routes that change an instance (EVERY_INSTANCE_PATHS): sent to every prefill
+    and decode instance at once. 200 with the first instance's answer where every one
+    answered 2xx; else an error naming each that did not, with the status of the first
+    (502 where it could not be reached)."""
+    state = request.app[STATE_KEY]
+    if state.draining:
+        raise ProxyError(503, "proxy is draining: it is shutting down")
+    fleet = state.fleet
+    instances: list[Backend] = [*fleet.prefills, *fleet.decodes]
+    body = bytes(await read_body(request))
+    headers = header_lines(
+        passthrough_headers(request, request[STATS_KEY].request_id, state.config)
+    )
+    answers = await asyncio.gather(
+        *(answer_of(state, request, instance, body, headers) for instance in instances)
+    )
+    failed = [(i, a) for i, a in zip(instances, answers, strict=True) if not 200 <= a[0] < 300]
+    if not failed:
+        status, content_type, answer = answers[0]
+        return web.Response(status=status, body=answer, headers={hdrs.CONTENT_TYPE: content_type})
+    said = "; ".join(
+        f"{i.role} {i.url}: {status} {answer_text(answer)}" for i, (status, _, answer) in failed
+    )
+    message = f"{request.path} failed on {len(failed)} of {len(instances)} instances: {said}"
+    status = failed[0][1][0]
+    raise ProxyError(status if 400 <= status < 500 else 502, message, reason="instances")
+
+
+async def answer_of(
+    state: ProxyState, request: web.Request, instance: Backend, body: bytes, headers: bytes
+) -> tuple[int, str, bytes]:
+    """One instance's whole answer to the client's request: its status, Content-Type and
+    body; 502 and why where it could not be reached."""
+    url = instance.url.join(request.rel_url)
+    leg = None
+    try:
+        async with asyncio.timeout(state.config.request_timeout):
+            leg = await state.upstreams.send(request.method.encode(), url, headers, (body,))
+            answer = await leg.whole()
+        return leg.status, (leg.content_type or b"text/plain").decode("latin-1"), answer
+    except (LegFailed, TimeoutError) as error:
+        return 502, "text/plain", transport_error(instance.role, url, error).message.encode()
+    finally:
+        if leg is not None:
+            state.upstreams.finish(leg)
+
+
+def answer_text(answer: bytes) -> str:
+    """An instance's answer in an error message: an OpenAI error's message, else the text."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        return str(json.loads(answer)["error"]["message"])[:300]
+    return answer.decode("utf-8", "replace")[:300]
 
 
 def require_json(request: web.Request) -> None:
@@ -3175,7 +3346,7 @@ class UpstreamSlots:
 
 
 class Admission:
-    """--max-in-flight: PD requests past it wait for one to finish, the lowest priority value
+    """--max-in-flight: requests past it wait for one to finish, the lowest priority value
     first (vLLM's own order under --scheduling-policy priority), then first come first served;
     a bounded queue and a bounded wait, each answered 429 with Retry-After when exceeded, so a
     saturated cluster pushes back at the door instead of growing vLLM's queues."""
@@ -7400,6 +7571,11 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     for path in COMPLETION_PATHS:
         app.router.add_post(path, handle_completion)
+    for method, path in PASSTHROUGH_ROUTES:
+        app.router.add_route(method, path, handle_passthrough)
+    for path in EVERY_INSTANCE_PATHS:
+        app.router.add_post(path, handle_every_instance)
+    app.router.add_route("*", "/ping", handle_health)  # vLLM's (SageMaker's) readiness
     return app
 
 

@@ -3,7 +3,8 @@
 This file holds the core PD path: the flow itself, prefill and decode failures, the client
 going away, bad input and admission. The other areas have files of their own beside it
 (test_config.py, test_legs.py, test_fleet.py, test_routing.py, test_kv_events.py,
-test_operations.py); what they share is in testing_support.py and conftest.py.
+test_migration.py, test_routes.py, test_operations.py); what they share is in
+testing_support.py and conftest.py.
 
 The fakes (fake_vllm.py) behave as ../shared/PROTOCOL.md says; in particular a decode only
 answers once the prefill with its ``transfer_id`` finished on the engine it names, so every test

@@ -1,0 +1,153 @@
+"""vLLM's routes beside the PD ones: those that answer from one instance, passed through whole
+to a decode (its answer streamed back as written, another decode tried while none answered),
+and those that change an instance (LoRA adapters), sent to every one."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+
+import mooncake_proxy as mp
+from fake_vllm import MODEL, VLLM_VERSION
+from testing_support import (
+    FAST,
+    JSON_TYPE,
+    StartCluster,
+    access_lines,
+    assert_openai_error,
+    fleet_of,
+    sample,
+    scrape,
+)
+
+TOKENIZE = {"model": MODEL, "prompt": "Hello, PD world"}
+
+
+async def test_tokenize_detokenize_and_version_answer_as_the_decode_does(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="mooncake_proxy.access")
+    cluster = await start_cluster()
+    (decode,) = cluster.decodes
+    tokenized = await cluster.client.post("/tokenize", json=TOKENIZE)
+    assert tokenized.status == 200 and tokenized.content_type == "application/json"
+    answer = await tokenized.json()
+    assert answer["count"] == len(answer["tokens"]) > 0 and answer["max_model_len"] == 4096
+    assert tokenized.headers["X-Request-Id"]
+    back = await cluster.client.post("/detokenize", json={"tokens": answer["tokens"]})
+    assert (await back.json())["prompt"] == TOKENIZE["prompt"]
+    version = await cluster.client.get("/version")
+    assert (await version.json()) == {"version": VLLM_VERSION}
+    # Sent to the decode as the client sent it, never to a prefill.
+    assert [r.path for r in decode.requests] == ["/tokenize", "/detokenize"]
+    assert decode.requests[0].body == TOKENIZE and not cluster.prefill_requests()
+    routes = [line["route"] for line in access_lines(caplog)]
+    assert routes == ["/tokenize", "/detokenize", "/version"]
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_requests_total", route="/tokenize", status="200") == 1
+
+
+async def test_an_instances_own_error_comes_back_as_it_wrote_it(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster()
+    unknown = await cluster.client.post("/tokenize", json={**TOKENIZE, "model": "nope"})
+    assert unknown.status == 404
+    assert_openai_error(await unknown.json(), 404)
+    assert "The model `nope` does not exist." in (await unknown.json())["error"]["message"]
+    bad = await cluster.client.post("/detokenize", json={"tokens": "x"})
+    assert bad.status == 400
+    # A path vLLM does not serve stays the proxy's own JSON 404; the proxy serves on.
+    missing = await cluster.client.post("/v1/nothing", json={})
+    assert missing.status == 404
+    assert_openai_error(await missing.json(), 404)
+    assert (await cluster.client.get("/version")).status == 200
+
+
+async def test_a_decode_that_cannot_be_reached_is_passed_over(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(
+        decodes=2, decode_policy=mp.Policy.ROUND_ROBIN, health_interval=60, discovery_interval=60
+    )
+    await cluster.kill(cluster.decodes[0])
+    for _ in range(4):
+        response = await cluster.client.post("/tokenize", json=TOKENIZE)
+        assert response.status == 200, await response.text()
+    assert len(cluster.decodes[1].requests) == 4
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_retries_total", stage="decode") == 1
+    assert [d.url.port for d in fleet_of(cluster).decodes if d.usable] == [
+        int(cluster.decodes[1].api_url.rsplit(":", 1)[1])
+    ]
+
+
+async def test_with_every_decode_gone_the_client_gets_a_clear_error_at_once(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(decodes=2, health_interval=60, discovery_interval=60)
+    for fake in cluster.decodes:
+        await cluster.kill(fake)
+    response = await asyncio.wait_for(cluster.client.post("/tokenize", json=TOKENIZE), FAST)
+    assert response.status in (502, 503)
+    assert_openai_error(await response.json(), response.status)
+
+
+async def test_the_api_key_guards_v1_routes_as_vllm_does(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(api_key="secret")
+    body: dict[str, Any] = {"model": MODEL, "input": "x"}
+    assert (await cluster.client.post("/v1/embeddings", json=body)).status == 401
+    assert (await cluster.client.post("/tokenize", json=TOKENIZE)).status == 200
+
+
+async def test_a_lora_adapter_is_loaded_on_every_instance_and_unloaded_from_every_one(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(prefill_dp=(1, 1), decodes=2)
+    adapter = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+    loaded = await cluster.client.post("/v1/load_lora_adapter", json=adapter)
+    assert loaded.status == 200, await loaded.text()
+    assert await loaded.text() == "Success: LoRA adapter 'sql' added successfully."
+    fakes = [*cluster.prefills, *cluster.decodes]
+    assert all(fake.adapters == {"sql": "/adapters/sql"} for fake in fakes)
+    # Loaded again: each instance refuses it, and the answer says so for each.
+    again = await cluster.client.post("/v1/load_lora_adapter", json=adapter)
+    assert again.status == 400
+    message = (await again.json())["error"]["message"]
+    assert message.count("has already been loaded") == 4 and "4 of 4" in message
+    unloaded = await cluster.client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+    assert unloaded.status == 200 and all(fake.adapters == {} for fake in fakes)
+
+
+async def test_an_instance_that_cannot_take_the_adapter_is_named(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(decodes=2, health_interval=60, discovery_interval=60)
+    await cluster.kill(cluster.decodes[1])
+    adapter = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+    response = await cluster.client.post(
+        "/v1/load_lora_adapter", data=b'{"lora_name":"sql","lora_path":"/adapters/sql"}',
+        headers=JSON_TYPE,
+    )  # fmt: skip
+    assert response.status == 502
+    message = (await response.json())["error"]["message"]
+    assert "1 of 3" in message and cluster.decodes[1].api_url in message
+    loaded = {"sql": adapter["lora_path"]}
+    assert cluster.prefills[0].adapters == cluster.decodes[0].adapters == loaded
+
+
+async def test_an_answer_cut_after_its_head_reaches_the_client_cut(
+    start_cluster: StartCluster,
+) -> None:
+    """The decode dies once its head is out: the client's answer ends short (its connection
+    closed, not a clean end it could take for whole), and the proxy serves on."""
+    cluster = await start_cluster(decode={"die_after_head": True})
+    response = await cluster.client.post("/tokenize", json=TOKENIZE)
+    assert response.status == 200
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await response.read()
+    cluster.decodes[0].die_after_head = False
+    assert (await cluster.client.post("/tokenize", json=TOKENIZE)).status == 200
