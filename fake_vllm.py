@@ -809,13 +809,28 @@ class FakeVllm:
         }
         # LoRA adapters, as vLLM lists them: their path as root, the base model as parent.
         adapters = [
-            {"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": MODEL}
+            {
+                "id": name,
+                "object": "model",
+                "owned_by": "vllm",
+                "root": path,
+                "parent": MODEL,
+                "max_model_len": None,
+            }
             for name, path in self.adapters.items()
         ]
         payload = compact({"object": "list", "data": [model, *adapters]})
         return web.Response(body=payload, content_type="application/json")
 
     # --- vLLM's other routes (PROTOCOL.md): what the proxy passes through
+
+    def unknown_model(self, model: str) -> str:
+        """vLLM 0.32's answer to a model it does not serve (_check_model), on every route."""
+        return f"The model `{model}` does not exist. Valid aliases: {', '.join(self.served)}."
+
+    @property
+    def served(self) -> list[str]:
+        return [MODEL, *self.adapters]
 
     async def handle_version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VLLM_VERSION})
@@ -833,8 +848,7 @@ class FakeVllm:
             raise BadRequest("body must be an object")
         model = body.get("model")
         if model and model != MODEL and model not in self.adapters:
-            message = f"The model `{model}` does not exist."
-            raise BadRequest(message, "model", status=404)
+            raise BadRequest(self.unknown_model(model), "model", status=404)
         self.requests.append(Recorded(request.path, CIMultiDict(request.headers), body, None))
         return body
 
@@ -891,7 +905,10 @@ class FakeVllm:
             if not name or not path:
                 raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.")
             if name in self.adapters:
-                raise BadRequest(f"The lora adapter '{name}' has already been loaded.")
+                raise BadRequest(
+                    f"The lora adapter '{name}' has already been loaded. If you want to load "
+                    "the adapter in place, set 'load_inplace' to True."
+                )
         except BadRequest as bad:
             return error(bad.status, str(bad), bad.param)
         self.adapters[name] = path
@@ -985,8 +1002,7 @@ class FakeVllm:
             return error(500, "The server had an error while processing your request.")
         model = body.get("model")
         if model and model != MODEL and model not in self.adapters:
-            message = f"The model `{model}` does not exist. Valid aliases: {MODEL}."
-            raise BadRequest(message, "model", status=404)
+            raise BadRequest(self.unknown_model(model), "model", status=404)
         # vLLM's child requests: one per prompt of a batch and per choice of ``n``.
         prompts, count = prompts_of(request.path, body), sample_count(body)
         for prompt in prompts:

@@ -407,6 +407,39 @@ def test_a_stream_reaches_the_client_as_vllm_writes_it(cluster: RealCluster, pat
     assert b'"token_ids":null' in proxied and b'"token_ids":[' not in proxied
 
 
+def http_call(base: str, method: str, path: str, body: Any = None) -> tuple[int, str, bytes]:
+    """Status, Content-Type and body of one request, error statuses included."""
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    request = urllib.request.Request(base + path, data, headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, answer.headers["Content-Type"], answer.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers["Content-Type"], error.read()
+
+
+PASSED_THROUGH = [
+    ("GET", "/version", None),
+    ("POST", "/tokenize", {"model": MODEL, "prompt": "the proxy sends the prompt"}),
+    ("POST", "/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/detokenize", {"model": MODEL, "tokens": [5, 6, 7, 8]}),
+    ("POST", "/tokenize", {"model": "no-such-model", "prompt": "x"}),
+    ("POST", "/detokenize", {"model": MODEL, "tokens": "not ids"}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), PASSED_THROUGH)
+def test_vllms_other_routes_answer_through_the_proxy_as_the_server_does(
+    cluster: RealCluster, method: str, path: str, body: Any
+) -> None:
+    """What vLLM answers itself, status, type and bytes, reaches the client through the
+    proxy: an error too."""
+    proxied = http_call(cluster.proxy.url, method, path, body)
+    direct = http_call(cluster.decode.url, method, path, body)
+    assert proxied == direct
+
+
 def test_a_prompt_longer_than_one_kv_block(cluster: RealCluster) -> None:
     prompt = unique_prompt(words=250)
     before = kv_tokens(cluster)
