@@ -42,6 +42,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 MODEL = "fake-model"
+RESPONSES = "/v1/responses"
 # vLLM's API server closes a connection idle this long (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, passed to
 # uvicorn's timeout_keep_alive): the fakes are served with it, so that a client pool keeping
 # idle connections longer meets closed sockets here as it would there.
@@ -125,6 +126,8 @@ def prompts_of(path: str, body: dict[str, Any]) -> list[Any]:
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", "messages")
         return [messages]
+    if path == RESPONSES:
+        return [response_messages(body)]
     if "prompt" not in body:
         raise BadRequest("prompt is required", "prompt")
     prompt = body["prompt"]
@@ -176,6 +179,41 @@ SYSTEM_FINGERPRINT = f"vllm-{VLLM_VERSION}-fa6e0001"
 # A generated word's token id: this base plus its index in VOCAB.
 WORD_ID_BASE = 50_000
 TOKEN_ID_LIMIT = 1 << 32  # token ids are read as 4-byte integers
+
+
+def response_messages(body: dict[str, Any]) -> list[Any]:
+    """A Responses request as the chat vLLM renders it: the instructions a system message, a
+    text input one user message, a list of items as they are."""
+    given = body.get("input")
+    if not isinstance(given, str | list):
+        raise BadRequest("input is required", "input")
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else list(given)
+    if isinstance(body.get("instructions"), str):
+        return [{"role": "system", "content": body["instructions"]}, *items]
+    return items
+
+
+def refuse_stored(body: dict[str, Any]) -> None:
+    """vLLM 0.32 without VLLM_ENABLE_RESPONSES_API_STORE: no stored response to go on from,
+    and no background mode (store itself is quietly taken as false)."""
+    if (previous := body.get("previous_response_id")) is not None:
+        raise BadRequest(f"Response with id '{previous}' not found.", "response_id", 404)
+    if body.get("background") and body.get("store", True):
+        raise BadRequest(
+            "This vLLM engine does not support `store=True` and therefore does not support the "
+            "background mode. To enable these features, set the environment variable "
+            "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
+            "background",
+        )
+
+
+def response_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses request's sampling as generate reads a completion's: its cap is
+    max_output_tokens (vLLM ignores max_tokens and the other completions' fields there)."""
+    ignored = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of")
+    sampling = {key: value for key, value in body.items() if key not in ignored}
+    cap = body.get("max_output_tokens")
+    return sampling | {"max_tokens": 16 if cap is None else cap}
 
 
 def is_token_prompt(prompt: Any) -> bool:
@@ -666,6 +704,7 @@ class FakeVllm:
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_post("/v1/completions", self.handle_completion)
         app.router.add_post("/v1/chat/completions", self.handle_completion)
+        app.router.add_post(RESPONSES, self.handle_completion)
         app.router.add_get("/_fake/kv", self.handle_kv_pull)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/version", self.handle_version)
@@ -1003,6 +1042,8 @@ class FakeVllm:
         model = body.get("model")
         if model and model != MODEL and model not in self.adapters:
             raise BadRequest(self.unknown_model(model), "model", status=404)
+        if request.path == RESPONSES:
+            refuse_stored(body)
         # vLLM's child requests: one per prompt of a batch and per choice of ``n``.
         prompts, count = prompts_of(request.path, body), sample_count(body)
         for prompt in prompts:
@@ -1010,10 +1051,11 @@ class FakeVllm:
             if is_token_prompt(prompt):
                 model_input(prompt)  # refuses ids out of the vocabulary
         children = [prompt for prompt in prompts for _ in range(count)]
+        sampling = response_sampling(body) if request.path == RESPONSES else body
         # With a tokenizer, the model reads (and usage counts) the tokenizer's ids.
         ids = [self.prompt_blocks(p).ids if self.tokenizer is not None else None for p in prompts]
         generations = [
-            generate(prompt, body, choice, self.max_model_len, ids=prompt_ids)
+            generate(prompt, sampling, choice, self.max_model_len, ids=prompt_ids)
             for prompt, prompt_ids in zip(prompts, ids, strict=True)
             for choice in range(count)
         ]
@@ -1229,6 +1271,96 @@ class FakeVllm:
         generations: list[Generation],
         response: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
+        if request.path == RESPONSES:
+            return await self.answer_response(request, body, request_id, generations[0], response)
+        return await self.answer_choices(request, body, request_id, generations, response)
+
+    def response_object(
+        self, body: dict[str, Any], request_id: str, generation: Generation
+    ) -> dict[str, Any]:
+        """A Responses answer as vLLM 0.32 writes it (the fields a client reads): one message
+        of output text; "incomplete" for max_output_tokens where the cap ended it (what a
+        prefill's one token does), and kv_transfer_params null (vLLM's, as a prefill's)."""
+        text = "".join(generation.tokens)
+        length = generation.finish_reason == "length"
+        part: dict[str, Any] = {
+            "annotations": [],
+            "text": text,
+            "type": "output_text",
+            "logprobs": None,
+        }
+        message = {"id": f"msg_{request_id}", "content": [part], "role": "assistant"}
+        message |= {"status": "completed", "type": "message"}
+        tokens = len(generation.tokens)
+        usage: dict[str, Any] = {
+            "input_tokens": generation.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": generation.prompt_tokens + tokens,
+        }
+        return {
+            "id": f"resp_{request_id}",
+            "created_at": int(time.time()),
+            "incomplete_details": {"reason": "max_output_tokens"} if length else None,
+            "instructions": body.get("instructions"),
+            "model": body.get("model", MODEL),
+            "object": "response",
+            "output": [message],
+            "max_output_tokens": body.get("max_output_tokens"),
+            "previous_response_id": None,
+            "status": "incomplete" if length else "completed",
+            "usage": usage,
+            "kv_transfer_params": None,
+        }
+
+    async def answer_response(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        request_id: str,
+        generation: Generation,
+        response: web.StreamResponse | None,
+    ) -> web.StreamResponse:
+        """A Responses answer, whole or streamed: its events in order, each token a delta,
+        and no [DONE]. A mid-stream fault cuts the stream (vLLM 0.32 has no error event that
+        such a stream can carry)."""
+        done = self.response_object(body, request_id, generation)
+        if not body.get("stream"):
+            await asyncio.sleep(self.token_delay * len(generation.tokens))
+            self.begin_sent(request_id, compact(done))
+            return await self.whole(request, done)
+        if response is None:
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream; charset=utf-8"}
+            )
+            await response.prepare(request)
+        events = ResponseEvents(done)
+        for event in events.head():
+            await self.write(response, request_id, event)
+        for position, token in enumerate(generation.tokens):
+            if position in (self.break_after_tokens, self.error_after_tokens) and (
+                self.take_fault()
+            ):
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+            await self.write(response, request_id, events.delta(token))
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+        for event in events.tail():
+            await self.write(response, request_id, event)
+        await response.write_eof()
+        return response
+
+    async def answer_choices(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        request_id: str,
+        generations: list[Generation],
+        response: web.StreamResponse | None = None,
+    ) -> web.StreamResponse:
         """The choices as vLLM 0.32 writes them: one per generation, indexed in order; streamed,
         chunks of one choice each (a chat's role chunks first), the choices' tokens in turn.
         With ``return_token_ids`` each chunk carries its token's id and a choice's first its
@@ -1352,7 +1484,15 @@ class FakeVllm:
         generations: list[Generation],
     ) -> web.StreamResponse:
         """A stream that fails before its first token, as vLLM 0.32's does (seen): a chat's
-        role chunk, then an error event and [DONE]."""
+        role chunk, then an error event and [DONE]. A Responses stream has sent its first
+        events, and is cut: vLLM's has no error event that its stream can carry."""
+        if request.path == RESPONSES:
+            events = ResponseEvents(self.response_object(body, request_id, generations[0]))
+            for event in events.head():
+                await self.write(response, request_id, event)
+            assert request.transport is not None
+            request.transport.abort()
+            raise asyncio.CancelledError
         if request.path.endswith("/chat/completions"):
             base = {
                 "id": f"chatcmpl-{request_id}",
@@ -1373,6 +1513,53 @@ class FakeVllm:
         """One event; ``ids``: it carries token ids (sent_plain gets it with them null)."""
         plain = b"data: " + compact(without_token_ids(obj)) + b"\n\n" if ids else None
         await self.write(response, request_id, b"data: " + compact(obj) + b"\n\n", plain)
+
+
+class ResponseEvents:
+    """A streamed Responses answer's events, as vLLM 0.32 writes them (``event: NAME`` and
+    ``data:`` the event, numbered), for one output message of text."""
+
+    def __init__(self, done: dict[str, Any]) -> None:
+        self.done, self.number = done, 0
+        self.item_id = done["output"][0]["id"]
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, **fields, "sequence_number": self.number}
+        self.number += 1
+        return f"event: {kind}\n".encode() + b"data: " + compact(payload) + b"\n\n"
+
+    def head(self) -> list[bytes]:
+        """What goes out before the first token: the response begun, its message and part."""
+        begun = self.done | {"status": "in_progress", "output": [], "usage": None}
+        begun |= {"incomplete_details": None, "kv_transfer_params": None}
+        item = {"id": self.item_id, "content": [], "role": "assistant", "status": "in_progress"}
+        item["type"] = "message"
+        part = {"annotations": [], "text": "", "type": "output_text", "logprobs": []}
+        place = {"item_id": self.item_id, "output_index": 0}
+        return [
+            self.event("response.created", response=begun),
+            self.event("response.in_progress", response=begun),
+            self.event("response.output_item.added", item=item, output_index=0),
+            self.event("response.content_part.added", content_index=0, part=part, **place),
+        ]
+
+    def delta(self, token: str) -> bytes:
+        return self.event(
+            "response.output_text.delta", content_index=0, delta=token,
+            item_id=self.item_id, logprobs=[], output_index=0,
+        )  # fmt: skip
+
+    def tail(self) -> list[bytes]:
+        message = self.done["output"][0]
+        part = message["content"][0]
+        place = {"item_id": self.item_id, "output_index": 0}
+        return [
+            self.event("response.output_text.done", content_index=0, logprobs=[],
+                       text=part["text"], **place),
+            self.event("response.content_part.done", content_index=0, part=part, **place),
+            self.event("response.output_item.done", item=message, output_index=0),
+            self.event("response.completed", response=self.done),
+        ]  # fmt: skip
 
 
 def role_chunk(base: dict[str, Any], index: int, generation: Generation, ids: bool) -> Any:

@@ -1,6 +1,7 @@
 """mooncake-proxy: a prefill/decode (PD) disaggregation proxy for vLLM's MooncakeConnector.
 
-Clients send ordinary OpenAI requests (``/v1/completions``, ``/v1/chat/completions``). For each
+Clients send ordinary OpenAI requests (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/responses``). For each
 one the proxy picks a prefill engine (a prefill instance and one of its data-parallel ranks) and
 a decode instance, mints a unique ``transfer_id`` and sends both legs at once: the prefill
 computes the prompt's KV cache with ``max_tokens`` 1, the decode pulls that KV through Mooncake
@@ -162,6 +163,13 @@ LISTEN_BACKLOG: Final = 1024
 ENV_PREFIX: Final = "MOONCAKE_PROXY_"
 
 COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
+
+# OpenAI's Responses API, which vLLM serves in PD as the completions (PROTOCOL.md: the prefill's
+# cap is max_output_tokens, and its events are named and end without [DONE]).
+RESPONSES_PATH: Final = "/v1/responses"
+
+# The routes whose requests take the PD flow.
+PD_PATHS: Final = (*COMPLETION_PATHS, RESPONSES_PATH)
 
 # vLLM's other routes (0.32, PROTOCOL.md) that answer from one instance: passed through whole to
 # a decode, which computes what they ask itself (handle_passthrough). Each is its own route
@@ -1251,14 +1259,20 @@ class ProxyError(Exception):
             response.headers[hdrs.RETRY_AFTER] = str(self.retry_after)
         return response
 
-    def sse_frame(self) -> bytes:
-        """The in-band error vLLM itself sends once a stream's 200 has gone out."""
+    def sse_frame(self, named: bool = False) -> bytes:
+        """The in-band error vLLM itself sends once a stream's 200 has gone out. ``named``: a
+        Responses stream's, an ``error`` event and no [DONE] (vLLM 0.32 has none, and cuts
+        such a stream; the OpenAI SDK raises on a data line with an error)."""
+        payload = self.payload()
         if self.body is not None:
             with contextlib.suppress(ValueError):
                 upstream = json.loads(self.body)
                 if isinstance(upstream, dict) and isinstance(upstream.get("error"), dict):
-                    return b"data: " + json.dumps(upstream).encode() + b"\n\ndata: [DONE]\n\n"
-        return b"data: " + json.dumps(self.payload()).encode() + b"\n\ndata: [DONE]\n\n"
+                    payload = upstream
+        data = json.dumps(payload).encode()
+        if named:
+            return b"event: error\ndata: " + data + b"\n\n"
+        return b"data: " + data + b"\n\ndata: [DONE]\n\n"
 
 
 @dataclass(eq=False)
@@ -1421,6 +1435,8 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     body = parse_request_json(await read_body(request))
     if isinstance(model := body.get("model"), str):
         request[STATS_KEY].model = model[:100]
+    if request.path == RESPONSES_PATH:
+        refuse_stored_responses(body)
     state = request.app[STATE_KEY]
     admission = state.admission
     try:
@@ -1590,6 +1606,30 @@ def answer_text(answer: bytes) -> str:
     with contextlib.suppress(ValueError, AttributeError, TypeError):
         return str(json.loads(answer)["error"]["message"])[:300]
     return answer.decode("utf-8", "replace")[:300]
+
+
+def refuse_stored_responses(body: Mapping[str, Any]) -> None:
+    """A Responses request that needs a response kept on one server: 400, saying why. The
+    proxy sends a request's prefill and decode to two servers, and the next request of a
+    conversation to others again, so none holds what another stored (SGLang's gateway
+    answers so too). The conversation's items can be sent in ``input`` instead."""
+    if body.get("previous_response_id") is not None:
+        raise ProxyError(
+            400,
+            "previous_response_id is not supported through the PD proxy: the response it names "
+            "is stored on one vLLM server, and this request's prefill and decode run on others; "
+            "send the conversation's items in 'input' instead",
+            param="previous_response_id",
+            reason="stored_response",
+        )
+    if lax_bool(body.get("background")):
+        raise ProxyError(
+            400,
+            "background is not supported through the PD proxy: a background response is stored "
+            "on the vLLM server that runs it, which later requests through the proxy do not reach",
+            param="background",
+            reason="stored_response",
+        )
 
 
 def require_json(request: web.Request) -> None:
@@ -1897,6 +1937,8 @@ class Exchange:
         exchange.path = request.path
         if body.get("stream") is True:
             why = "it goes to a decode alone" if alone else None
+            if request.path == RESPONSES_PATH:  # its events are not rebuilt from token ids
+                why = why or "a Responses stream is not continued elsewhere"
             why = why or unmigratable(body, state.config.migration_limit)
             if why is None:
                 exchange.journal = StreamJournal(request.path, body)
@@ -1912,6 +1954,8 @@ class Exchange:
         match blocks the engines hold (a long prompt is tokenized in a thread, off the loop)."""
         state = self.state
         if self.route is None or not state.fleet.hears_kv_events:
+            return
+        if self.request.path == RESPONSES_PATH:  # vLLM's rendering of its items: not ours
             return
         if (tokens := prompt_token_ids(self.request.path, self.body)) is not None:
             self.route = dataclasses.replace(self.route, tokens=tokens)
@@ -2071,7 +2115,7 @@ class Exchange:
         self.stats.outcome = f"stream_error:{error.reason}"
         log.warning("stream already started, ending it with an error: %s", error.message)
         if response.headers.get(hdrs.CONTENT_TYPE, "").startswith(SSE_CONTENT_TYPE):
-            frame = error.sse_frame()
+            frame = error.sse_frame(named=self.request.path == RESPONSES_PATH)
             self.stats.bytes_out += len(frame)
             with contextlib.suppress(ConnectionError):
                 await response.write(frame)
@@ -2117,7 +2161,8 @@ class Attempt:
     def send_prefill(self, engine: PrefillEngine) -> asyncio.Task[None]:
         """Step 4's prefill leg, as a task beside the decode; its claims go when it ends."""
         exchange = self.exchange
-        payload = exchange.payload(prefill_body(exchange.body, self.transfer_id))
+        leg = prefill_body(exchange.body, self.transfer_id, exchange.path)
+        payload = exchange.payload(leg)
         rank = b"%s: %d\r\n" % (DP_RANK_HEADER.encode(), engine.dp_rank)
         self.prefill_span, headers = self.leg_span("prefill", engine.instance)
         headers += rank
@@ -2440,14 +2485,30 @@ class KvLoadFailed(ProxyError):
 
 async def until_first_token(leg: HttpLeg, data: bytes, attempt: Attempt, url: URL) -> bytes:
     """A PD stream's bytes up to its first event that carries a token (or all of it, if it
-    ended without one); KvLoadFailed if an error event comes first."""
+    ended without one); KvLoadFailed if an error event comes first, or if a Responses stream
+    is cut before it: vLLM ends one whose generation failed so, with no error event."""
     while (start := stream_start(data)) is None:
-        if not (more := await leg.next_bytes()):
+        try:
+            more = await leg.next_bytes()
+        except LegFailed as error:
+            if data.startswith(RESPONSE_STREAM_HEAD):
+                raise KvLoadFailed.of(attempt, url, f"its stream was cut ({error})") from None
+            raise
+        if not more:
             return data
         data += more
     if isinstance(start, str):
         raise KvLoadFailed.of(attempt, url, start)
     return data
+
+
+# vLLM's first event of a streamed Responses answer, and those that carry no token yet: it
+# sends them as soon as it takes the request, before the KV arrived.
+RESPONSE_STREAM_HEAD: Final = b"event: response.created\n"
+RESPONSE_PREAMBLE: Final = frozenset(
+    (b"response.created", b"response.in_progress", b"response.output_item.added",
+     b"response.content_part.added")
+)  # fmt: skip
 
 
 def stream_start(data: bytes) -> str | bool | None:
@@ -2457,6 +2518,13 @@ def stream_start(data: bytes) -> str | bool | None:
     start = 0
     while (end := data.find(b"\n\n", start)) >= 0:  # each whole event, the first first
         event, start = data[start:end], end + 2
+        if event.startswith(b"event:"):  # a Responses stream's: the name says what it holds
+            name = event[6 : event.find(b"\n")].strip() if b"\n" in event else b""
+            if name in RESPONSE_PREAMBLE:
+                continue
+            if name in (b"error", b"response.failed"):
+                return response_error(event)
+            return True
         for line in event.split(b"\n"):
             if not line.startswith(b"data:"):
                 continue  # a comment (": keep-alive") or another field
@@ -2476,6 +2544,17 @@ def stream_start(data: bytes) -> str | bool | None:
             if not (isinstance(choices, list) and choices and all(map(says_nothing, choices))):
                 return True
     return None
+
+
+def response_error(event: bytes) -> str:
+    """The message of a Responses stream's error event, or of its response.failed."""
+    data = event[event.find(b"\ndata:") + 6 :] if b"\ndata:" in event else b"{}"
+    with contextlib.suppress(ValueError, AttributeError):
+        payload = json.loads(data)
+        failed = payload.get("response") or {}
+        error = payload.get("error") or failed.get("error") or {}
+        return str(payload.get("message") or error.get("message") or "an error event")
+    return "an error event"
 
 
 def says_nothing(choice: object) -> bool:
@@ -3016,6 +3095,8 @@ def prefill_outcome(body: bytes) -> tuple[str | None, int]:
         payload = json.loads(body)
     except ValueError:
         return "answered 2xx with a body that is not JSON", 0
+    if isinstance(payload, dict) and payload.get("object") == "response":
+        return response_outcome(payload)
     choices = payload.get("choices") if isinstance(payload, dict) else None
     if not isinstance(choices, list) or not choices:
         return "answered 2xx without choices", 0
@@ -3028,6 +3109,22 @@ def prefill_outcome(body: bytes) -> tuple[str | None, int]:
             ), 0
     usage = payload.get("usage")
     tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return None, tokens if isinstance(tokens, int) else 0
+
+
+def response_outcome(payload: Mapping[str, Any]) -> tuple[str | None, int]:
+    """prefill_outcome for a Responses prefill: vLLM reports the one token that ended by length
+    as status "incomplete", for max_output_tokens."""
+    details = payload.get("incomplete_details")
+    reason = details.get("reason") if isinstance(details, dict) else None
+    status = payload.get("status")
+    if status != "incomplete" or reason != "max_output_tokens":
+        return (
+            f"ended with status {status!r} ({reason or 'no reason'}) instead of 'incomplete' "
+            "for max_output_tokens, so vLLM frees its KV cache instead of sending it"
+        ), 0
+    usage = payload.get("usage")
+    tokens = usage.get("input_tokens") if isinstance(usage, dict) else None
     return None, tokens if isinstance(tokens, int) else 0
 
 
@@ -3069,18 +3166,22 @@ def transfer_id_for(request_id: str) -> str:
     return f"xfer-{request_id}"
 
 
-def prefill_body(body: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
+def prefill_body(body: Mapping[str, Any], transfer_id: str, path: str = "") -> dict[str, Any]:
     """The prefill leg: one length-capped token whose only purpose is the KV cache.
 
     The prefill pushes KV only if its single token ends the request by length. EOS, a stop
     string or a stop token would end it "stopped" and free the KV unsent, so everything that
     can stop it early is removed; the token itself is discarded (the decode samples its own).
+    A Responses request's cap is max_output_tokens, and its one token is not to be stored.
     """
     prefill = dict(body)
     for key in ("stream_options", "min_tokens", "stop", "stop_token_ids"):
         prefill.pop(key, None)
     prefill["stream"] = False
-    prefill["max_tokens"] = 1
+    if path == RESPONSES_PATH:
+        prefill["max_output_tokens"], prefill["store"] = 1, False
+    else:
+        prefill["max_tokens"] = 1
     if "max_completion_tokens" in prefill:
         prefill["max_completion_tokens"] = 1
     prefill["ignore_eos"] = True
@@ -3128,7 +3229,7 @@ def fans_out(path: str, body: Mapping[str, Any]) -> str | None:
             return name
     if lax_bool(body.get("use_beam_search")):
         return "use_beam_search"
-    if not path.endswith("/chat/completions") and is_prompt_batch(body.get("prompt")):
+    if path == COMPLETION_PATHS[0] and is_prompt_batch(body.get("prompt")):
         return "prompt"
     return None
 
@@ -3164,6 +3265,7 @@ def is_prompt_batch(prompt: object) -> bool:
 LEG_FIELDS: Final = (
     *("stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens"),
     *("stop", "stop_token_ids", "ignore_eos", "kv_transfer_params", "return_token_ids"),
+    *("max_output_tokens", "store"),
 )
 
 # A leg's body as it goes on the wire, in pieces written one after the other.
@@ -4219,10 +4321,11 @@ def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, bytes, li
     of the rest each of its turns before an answer sent, the latest first, at most
     EARLIER_TURNS (none where none answered yet; None for a completion)."""
     head = str(body.get("model", "")).encode() + b"\0"
-    if path.endswith("/chat/completions"):
+    chat = path.endswith("/chat/completions")
+    if chat or path == RESPONSES_PATH:
         if tools := body.get("tools"):
             head += encode_json({"tools": tools}) + b"\n"
-        messages = body.get("messages")
+        messages = body.get("messages") if chat else response_messages(body)
         messages = messages if isinstance(messages, list) else []
         lines = [message_line(m) for m in messages]
         ends = itertools.accumulate(map(len, lines), initial=0)
@@ -4238,12 +4341,24 @@ def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, bytes, li
     return head, b"", None
 
 
+def response_messages(body: Mapping[str, Any]) -> list[object]:
+    """A Responses request's instructions and input as a chat's messages: the instructions a
+    system message, a text input one user message, a list of items as they are."""
+    given = body.get("input")
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    items = items if isinstance(items, list) else []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        return [{"role": "system", "content": instructions}, *items]
+    return items
+
+
 def is_answer(message: object) -> bool:
     return isinstance(message, dict) and message.get("role") == "assistant"
 
 
 def message_line(message: object) -> bytes:
-    if not isinstance(message, dict):
+    if not isinstance(message, dict) or "role" not in message:  # a Responses item, a call...
         return encode_json({"message": message}) + b"\n"
     fields = ("role", "content", "name", "tool_calls", "tool_call_id")
     return encode_json({"m": [message.get(key) for key in fields]}) + b"\n"
@@ -5993,7 +6108,7 @@ def _in_flight(target: Target) -> int:
 
 def route_urls(base: URL) -> dict[str, URL]:
     # Built once per instance so the hot path never parses or joins a URL.
-    paths = (*COMPLETION_PATHS, "/v1/models", "/health", "/metrics")
+    paths = (*PD_PATHS, "/v1/models", "/health", "/metrics")
     return {path: base.with_path(path) for path in paths}
 
 
@@ -7215,7 +7330,7 @@ class Metrics:
         """Make every series whose labels are known before any request, at 0 (as
         prometheus_client advises), so that dashboards and alerts find them on a proxy that
         has not met them yet instead of reading "no data"."""
-        for route in COMPLETION_PATHS:
+        for route in PD_PATHS:
             for status in PD_STATUSES:
                 self.of(self.requests, route, status)
             for histogram in (self.duration, self.first_byte, self.first_token):
@@ -7569,7 +7684,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/healthcheck", handle_healthcheck)
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/v1/models", handle_models)
-    for path in COMPLETION_PATHS:
+    for path in PD_PATHS:
         app.router.add_post(path, handle_completion)
     for method, path in PASSTHROUGH_ROUTES:
         app.router.add_route(method, path, handle_passthrough)

@@ -1,10 +1,13 @@
-"""vLLM's routes beside the PD ones: those that answer from one instance, passed through whole
-to a decode (its answer streamed back as written, another decode tried while none answered),
-and those that change an instance (LoRA adapters), sent to every one."""
+"""vLLM's routes beside completions and chat: the Responses API in PD (its prefill capped by
+max_output_tokens, its named events held until the first token); those that answer from one
+instance, passed through whole to a decode (its answer streamed back as written, another
+decode tried while none answered); and those that change an instance (LoRA adapters), sent
+to every one."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -151,3 +154,139 @@ async def test_an_answer_cut_after_its_head_reaches_the_client_cut(
         await response.read()
     cluster.decodes[0].die_after_head = False
     assert (await cluster.client.post("/tokenize", json=TOKENIZE)).status == 200
+
+
+# --- the Responses API in PD
+
+RESPONSES = "/v1/responses"
+
+
+def response_body(**extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "instructions": "You are terse. " * 40, "input": "What is PD?"}
+    return body | {"max_output_tokens": 8} | extra
+
+
+def named_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """A Responses stream's events: each one's name and data."""
+    events = []
+    for frame in raw.split(b"\n\n"):
+        if frame:
+            name, data = frame.split(b"\n", 1)
+            assert name.startswith(b"event: ") and data.startswith(b"data: "), frame
+            events.append((name[7:].decode(), json.loads(data[6:])))
+    return events
+
+
+def streamed_text(events: list[tuple[str, dict[str, Any]]]) -> str:
+    return "".join(e["delta"] for name, e in events if name == "response.output_text.delta")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_response_is_prefilled_moved_and_answered_as_the_decode_alone_answers(
+    start_cluster: StartCluster, stream: bool
+) -> None:
+    cluster = await start_cluster()
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    body = response_body(stream=stream)
+    answer = await cluster.client.post(RESPONSES, json=body)
+    assert answer.status == 200, await answer.text()
+    raw = await answer.read()
+    # The prefill computed one token, for its KV, and stored nothing; the decode pulled it.
+    (prefilled,) = prefill.requests
+    assert prefilled.body["max_output_tokens"] == 1 and prefilled.body["store"] is False
+    assert prefilled.body["stream"] is False and prefilled.body["ignore_eos"] is True
+    assert prefilled.body["kv_transfer_params"]["do_remote_decode"] is True
+    (decoded,) = decode.requests
+    assert decoded.body["max_output_tokens"] == 8 and decoded.body["stream"] is stream
+    assert decoded.body["kv_transfer_params"]["do_remote_prefill"] is True
+    assert prefill.transfers_served == 1
+    # As the decode answers the same request alone.
+    session = cluster.client.session
+    async with session.post(f"{decode.api_url}{RESPONSES}", json=body) as alone:
+        local = await alone.read()
+    if not stream:
+        proxied, direct = json.loads(raw), json.loads(local)
+        assert proxied["output"][0]["content"] == direct["output"][0]["content"]
+        assert proxied["usage"] == direct["usage"] and proxied["status"] == "incomplete"
+        return
+    assert answer.content_type == "text/event-stream"
+    events, local_events = named_events(raw), named_events(local)
+    assert [name for name, _ in events] == [name for name, _ in local_events]
+    assert streamed_text(events) == streamed_text(local_events) != ""
+    assert events[-1][0] == "response.completed" and b"[DONE]" not in raw
+
+
+async def test_a_failed_kv_pull_before_the_first_token_is_tried_again(
+    start_cluster: StartCluster,
+) -> None:
+    """vLLM cuts a Responses stream whose generation failed, after its first events: the
+    proxy held those, and starts the pair again; the client sees one whole stream, and the
+    decode stays in the rotation (a failed pull is no sign it is down)."""
+    cluster = await start_cluster(decode={"fail_pulls": 1})
+    answer = await cluster.client.post(RESPONSES, json=response_body(stream=True))
+    assert answer.status == 200
+    events = named_events(await answer.read())
+    assert [name for name, _ in events].count("response.created") == 1
+    assert events[-1][0] == "response.completed" and streamed_text(events)
+    assert len(cluster.decodes[0].pull_failures) == 1 and len(cluster.decodes[0].requests) == 2
+    assert all(d.usable for d in fleet_of(cluster).decodes)
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_errors_total", stage="decode", reason="kv_load") == 1
+
+
+async def test_a_prefill_that_did_not_end_by_its_cap_fails_at_once(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(prefill={"force_finish_reason": "stop"})
+    answer = await asyncio.wait_for(cluster.client.post(RESPONSES, json=response_body()), FAST)
+    assert answer.status == 502
+    message = (await answer.json())["error"]["message"]
+    assert "status 'completed'" in message and "max_output_tokens" in message
+
+
+async def test_a_decode_lost_mid_stream_ends_the_stream_with_an_error_event(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(decode={"break_after_tokens": 3})
+    answer = await cluster.client.post(RESPONSES, json=response_body(stream=True))
+    assert answer.status == 200
+    events = named_events(await answer.read())
+    assert len(streamed_text(events).split()) == 3
+    name, error = events[-1]
+    assert name == "error" and "not continued elsewhere" in error["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "stored", [{"previous_response_id": "resp_1"}, {"background": True}], ids=["previous", "bg"]
+)
+async def test_a_response_that_needs_a_stored_one_is_refused_with_the_reason(
+    start_cluster: StartCluster, stored: dict[str, Any]
+) -> None:
+    cluster = await start_cluster()
+    answer = await cluster.client.post(RESPONSES, json=response_body(**stored))
+    assert answer.status == 400
+    payload = await answer.json()
+    assert_openai_error(payload, 400)
+    (field,) = stored
+    assert payload["error"]["param"] == field and "PD proxy" in payload["error"]["message"]
+    assert not cluster.prefill_requests() and not cluster.decodes[0].requests
+
+
+async def test_a_conversations_next_response_goes_where_its_turns_are_cached(
+    start_cluster: StartCluster,
+) -> None:
+    """Its input holds the turns before it, as a chat's messages do: the next request goes to
+    the engine that holds them, among four."""
+    cluster = await start_cluster(prefill_dp=(4,))
+    turns: list[dict[str, Any]] = []
+    for question in ("What is PD?", "And KV?", "And a decode?"):
+        turns.append({"role": "user", "content": f"{question} " * 60})
+        answer = await cluster.client.post(RESPONSES, json=response_body(input=turns))
+        assert answer.status == 200
+        text = (await answer.json())["output"][0]["content"][0]["text"]
+        turns.append({"role": "assistant", "content": text})
+    ranks = [r.headers.get("X-data-parallel-rank") for r in cluster.prefills[0].requests]
+    assert len(ranks) == 3 and len(set(ranks)) == 1
+    samples = await scrape(cluster)
+    affinity = {"stage": "prefill", "reason": "affinity"}
+    assert sample(samples, "mooncake_proxy_routing_decisions_total", **affinity) == 2

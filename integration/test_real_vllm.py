@@ -407,6 +407,46 @@ def test_a_stream_reaches_the_client_as_vllm_writes_it(cluster: RealCluster, pat
     assert b'"token_ids":null' in proxied and b'"token_ids":[' not in proxied
 
 
+def response_of(base: str, body: dict[str, Any]) -> tuple[str, int, str]:
+    """A Responses answer's text, input tokens and status, streamed (its deltas, and the
+    response.completed event's usage) or not."""
+    status, _, raw = http_call(base, "POST", "/v1/responses", body)
+    assert status == 200, raw[:500]
+    if not body.get("stream"):
+        answer = json.loads(raw)
+        text = "".join(p["text"] for item in answer["output"] for p in item.get("content", []))
+        return text, answer["usage"]["input_tokens"], answer["status"]
+    assert b"[DONE]" not in raw
+    deltas, done = [], None
+    for frame in raw.split(b"\n\n"):
+        if not frame:
+            continue
+        name, data = frame.split(b"\n", 1)
+        event = json.loads(data.removeprefix(b"data: "))
+        if name == b"event: response.output_text.delta":
+            deltas.append(event["delta"])
+        elif name == b"event: response.completed":
+            done = event["response"]
+    assert done is not None, raw[-500:]
+    return "".join(deltas), done["usage"]["input_tokens"], done["status"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_response_equals_the_decodes_own_and_its_kv_came_over_mooncake(
+    cluster: RealCluster, stream: bool
+) -> None:
+    """/v1/responses through both legs: the prefill capped by max_output_tokens, the KV pulled
+    by the decode (its counter of prompt tokens from a KV transfer grew by the prompt), the
+    answer the decode's own for the same request sent to it alone."""
+    body: dict[str, Any] = {"model": MODEL, "input": unique_prompt(), "max_output_tokens": 12}
+    body |= {"temperature": 0, "stream": stream}
+    before = kv_tokens(cluster)
+    text, input_tokens, status = response_of(cluster.proxy.url, body)
+    transferred = kv_tokens(cluster) - before
+    assert (text, input_tokens, status) == response_of(cluster.decode.url, body)
+    assert text and transferred == input_tokens
+
+
 def http_call(base: str, method: str, path: str, body: Any = None) -> tuple[int, str, bytes]:
     """Status, Content-Type and body of one request, error statuses included."""
     data = json.dumps(body).encode() if body is not None else None
