@@ -361,6 +361,11 @@ def parse_decodes(groups: Sequence[Sequence[str]]) -> tuple[URL, ...]:
     return tuple(parse_backend_url(text) for group in groups for text in group)
 
 
+def header_words(groups: Sequence[Sequence[str]]) -> tuple[str, ...]:
+    """Words for a response header's list (CORS origins, methods, headers): one line each."""
+    return tuple(header_value(word.rstrip(",")) for group in groups for word in group)
+
+
 def dns_names(role: str) -> Callable[[Sequence[Sequence[str]]], tuple[DnsName, ...]]:
     def parse(groups: Sequence[Sequence[str]]) -> tuple[DnsName, ...]:
         return tuple(parse_dns_name(role, text) for group in groups for text in group)
@@ -870,6 +875,52 @@ class ProxyConfig:
     protect_metrics: bool = setting(
         False, "require the --api-key on /metrics too (/health and /healthcheck stay open)", switch
     )
+    # TLS as vLLM's own server has it: the proxy often takes its place in front of clients.
+    ssl_keyfile: str | None = setting(
+        None, "serve HTTPS with this private key (PEM), with --ssl-certfile", text_value,
+        metavar="FILE", restart=True,
+    )  # fmt: skip
+    ssl_certfile: str | None = setting(
+        None, "serve HTTPS with this certificate chain (PEM), with --ssl-keyfile", text_value,
+        metavar="FILE", restart=True,
+    )  # fmt: skip
+    ssl_ca_certs: str | None = setting(
+        None,
+        "with HTTPS, require clients to present a certificate signed by one of these CAs "
+        "(PEM): mutual TLS",
+        text_value,
+        metavar="FILE",
+        restart=True,
+    )
+    # CORS as vLLM's flags say it, but off unless asked: vLLM allows every origin by default,
+    # which lets any web page a user opens call an unguarded cluster from their browser.
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        "let web pages from these origins call the proxy from a browser (CORS; repeatable, "
+        "'*' for any); none by default",
+        header_words,
+        metavar="ORIGIN",
+        repeat="words",
+    )
+    allowed_methods: tuple[str, ...] = setting(
+        ("*",), "with --allowed-origins, the methods they may use ('*': any)", header_words,
+        metavar="METHOD", repeat="words",
+    )  # fmt: skip
+    allowed_headers: tuple[str, ...] = setting(
+        ("*",), "with --allowed-origins, the headers they may send ('*': any)", header_words,
+        metavar="HEADER", repeat="words",
+    )  # fmt: skip
+    allow_credentials: bool = setting(
+        False, "with --allowed-origins, let browsers send their cookies and credentials", switch
+    )
+    upstream_ca_certs: str | None = setting(
+        None,
+        "trust these CA certificates (PEM) for https:// instances, in place of the system's "
+        "(a private CA)",
+        text_value,
+        metavar="FILE",
+        restart=True,
+    )
     # The unit's TimeoutStopSec is longer.
     shutdown_timeout: float = setting(
         30.0,
@@ -955,6 +1006,13 @@ class ProxyConfig:
             raise ConfigError("--kv-events-replay-port needs --kv-events-port")
         if self.protect_metrics and not self.api_key:
             raise ConfigError("--protect-metrics needs --api-key: it is the key /metrics asks for")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ConfigError("--ssl-keyfile and --ssl-certfile go together: HTTPS needs both")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ConfigError("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile (HTTPS)")
+        server_tls(self)  # files that cannot be read say so now, not at the first client
+        if self.upstream_ca_certs is not None:
+            upstream_tls(self)
 
     @property
     def dns_names(self) -> tuple[DnsName, ...]:
@@ -1773,6 +1831,64 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             raise ProxyError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
     response: web.StreamResponse = await handler(request)
     return response
+
+
+# What a preflight's answer allows where --allowed-methods is '*' (Starlette's, as vLLM's).
+CORS_ALL_METHODS: Final = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+
+
+@web.middleware
+async def cors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With --allowed-origins, a browser's preflight (OPTIONS with Origin and
+    Access-Control-Request-Method) is answered here, before any key is asked for (browsers
+    send none with it); the other answers get their CORS headers as they are prepared
+    (cors_headers), streams too."""
+    config = request.app[STATE_KEY].config
+    origin = request.headers.get(hdrs.ORIGIN)
+    asked = request.headers.get(hdrs.ACCESS_CONTROL_REQUEST_METHOD)
+    if not config.allowed_origins or request.method != "OPTIONS" or not origin or not asked:
+        return await handler(request)
+    refused = []
+    if not cors_allows(config.allowed_origins, origin):
+        refused.append("origin")
+    if "*" not in config.allowed_methods and asked.upper() not in config.allowed_methods:
+        refused.append("method")
+    wanted = request.headers.get(hdrs.ACCESS_CONTROL_REQUEST_HEADERS, "")
+    names = {name.strip().lower() for name in wanted.split(",") if name.strip()}
+    allowed = {name.lower() for name in config.allowed_headers}
+    if "*" not in allowed and not names <= allowed:
+        refused.append("headers")
+    if refused:
+        return web.Response(status=400, text=f"Disallowed CORS {', '.join(refused)}")
+    methods = config.allowed_methods
+    listed = CORS_ALL_METHODS if "*" in methods else ", ".join(methods)
+    headers = {hdrs.ACCESS_CONTROL_ALLOW_METHODS: listed, hdrs.ACCESS_CONTROL_MAX_AGE: "600"}
+    if wanted:
+        headers[hdrs.ACCESS_CONTROL_ALLOW_HEADERS] = (
+            wanted if "*" in allowed else ", ".join(config.allowed_headers)
+        )
+    return web.Response(status=200, text="OK", headers=headers)
+
+
+def cors_allows(origins: Sequence[str], origin: str) -> bool:
+    return "*" in origins or origin in origins
+
+
+async def cors_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """on_response_prepare: an allowed origin's answer says so (Access-Control-Allow-Origin,
+    and credentials where allowed), as its headers go out, for every answer."""
+    if not isinstance(request, web.Request):
+        return
+    config = request.app[STATE_KEY].config
+    origin = request.headers.get(hdrs.ORIGIN)
+    if not config.allowed_origins or not origin or not cors_allows(config.allowed_origins, origin):
+        return
+    exact = config.allow_credentials or "*" not in config.allowed_origins
+    response.headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = origin if exact else "*"
+    if exact:
+        response.headers.add(hdrs.VARY, "Origin")
+    if config.allow_credentials:
+        response.headers[hdrs.ACCESS_CONTROL_ALLOW_CREDENTIALS] = "true"
 
 
 @web.middleware
@@ -3829,12 +3945,14 @@ class UpstreamPool:
     kept: vLLM aborts a request whose connection closes.
     """
 
-    def __init__(self, connect_timeout: float, keepalive_timeout: float) -> None:
+    def __init__(
+        self, connect_timeout: float, keepalive_timeout: float, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.connect_timeout, self.keepalive_timeout = connect_timeout, keepalive_timeout
         self._idle: dict[str, dict[HttpLeg, None]] = {}  # by host:port, oldest first
         self._heads: dict[tuple[bytes, URL], bytes] = {}
         self._sweep: asyncio.TimerHandle | None = None
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls
 
     async def send(self, method: bytes, url: URL, headers: bytes, body: LegPayload = ()) -> HttpLeg:
         """A request on its way on a kept connection or a new one; LegFailed if none opens.
@@ -4132,7 +4250,39 @@ async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
             access_log=None,  # the proxy writes its own access line, with PD fields
         )
 
-    return await loop.create_server(connection, sock=sock, backlog=LISTEN_BACKLOG)
+    tls = server_tls(config)
+    return await loop.create_server(connection, sock=sock, backlog=LISTEN_BACKLOG, ssl=tls)
+
+
+def server_tls(config: ProxyConfig) -> ssl.SSLContext | None:
+    """The listener's TLS (--ssl-certfile, --ssl-keyfile; with --ssl-ca-certs, clients must
+    present a certificate those CAs signed), or None for plain HTTP."""
+    if config.ssl_certfile is None or config.ssl_keyfile is None:
+        return None
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        tls.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+        if config.ssl_ca_certs is not None:
+            tls.load_verify_locations(config.ssl_ca_certs)
+            tls.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as error:
+        raise ConfigError(f"cannot serve HTTPS: {tls_problem(error)}") from None
+    return tls
+
+
+def upstream_tls(config: ProxyConfig) -> ssl.SSLContext:
+    """How the legs, health checks and scrapes check an https:// instance: the system's trust
+    store, or --upstream-ca-certs in its place."""
+    try:
+        return ssl.create_default_context(cafile=config.upstream_ca_certs)
+    except (OSError, ssl.SSLError) as error:
+        raise ConfigError(f"--upstream-ca-certs: {tls_problem(error)}") from None
+
+
+def tls_problem(error: OSError | ssl.SSLError) -> str:
+    if isinstance(error, FileNotFoundError | PermissionError):
+        return f"{error.strerror}: {error.filename}"
+    return str(error)
 
 
 # ================================================================================================
@@ -7606,7 +7756,10 @@ def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
     """Health checks, discovery and scrapes: aiohttp's client, off the request path (the legs
     have UpstreamPool) and uncapped (--max-connections counts client traffic only)."""
     connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=0, keepalive_timeout=config.keepalive_timeout
+        limit=0,
+        limit_per_host=0,
+        keepalive_timeout=config.keepalive_timeout,
+        ssl=upstream_tls(config),
     )
     return aiohttp.ClientSession(
         connector=connector,
@@ -7623,7 +7776,9 @@ def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
 async def pools_ctx(app: web.Application) -> AsyncIterator[None]:
     """The two connection pools, for the app's lifetime."""
     state, config = app[STATE_KEY], app[STATE_KEY].config
-    state.upstreams = UpstreamPool(config.connect_timeout, config.keepalive_timeout)
+    state.upstreams = UpstreamPool(
+        config.connect_timeout, config.keepalive_timeout, upstream_tls(config)
+    )
     state.health_session = upstream_session(config)
     yield
     state.upstreams.close()
@@ -7658,11 +7813,12 @@ async def lingering_prefills_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(config: ProxyConfig) -> web.Application:
     app = web.Application(
-        middlewares=[access_middleware, error_middleware, auth_middleware],
+        middlewares=[access_middleware, cors_middleware, error_middleware, auth_middleware],
         # Bodies are checked against --max-request-bytes in read_body, with a clear 413.
         client_max_size=config.max_request_bytes,
     )
     app[STATE_KEY] = ProxyState(config)
+    app.on_response_prepare.append(cors_headers)
     # Order matters: cleanup runs in reverse, so discovery stops before the pools close.
     app.cleanup_ctx.extend(
         (
@@ -8260,7 +8416,9 @@ FLAG_GROUPS: Final = (
     ("limits: what clients may ask, and how long they may take", ("max_request_bytes",
         "max_in_flight", "max_queue", "queue_timeout", "header_timeout", "body_timeout",
         "body_min_rate", "max_client_connections", "client_keepalive_timeout")),
-    ("access: who may call the proxy", ("api_key", "protect_metrics")),
+    ("access: who may call the proxy, and how", ("api_key", "protect_metrics", "ssl_keyfile",
+        "ssl_certfile", "ssl_ca_certs", "upstream_ca_certs", "allowed_origins",
+        "allowed_methods", "allowed_headers", "allow_credentials")),
 )  # fmt: skip
 
 

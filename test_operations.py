@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import trustme
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from pytest_aiohttp import AiohttpServer
@@ -1290,3 +1292,183 @@ async def query_finds(session: aiohttp.ClientSession, port: int, expr: str) -> b
         return False  # not listening yet
     assert payload["status"] == "success", (expr, payload)
     return bool(payload["data"]["result"])
+
+
+# --- TLS: the proxy's own listener, its clients' certificates, and a private CA upstream
+
+
+async def https_status(url: str, tls: ssl.SSLContext, body: dict[str, Any] | None = None) -> int:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request("POST" if body else "GET", url, json=body, ssl=tls) as response,
+    ):
+        await response.read()
+        return response.status
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+async def test_the_proxy_serves_https_and_asks_clients_for_certificates_when_told(
+    aiohttp_server: AiohttpServer, tmp_path: Path, loop: str
+) -> None:
+    """Certificates made here (trustme): a CA, the proxy's for 127.0.0.1, a client's. With
+    --ssl-certfile/--ssl-keyfile the proxy answers over TLS only; with --ssl-ca-certs too, only
+    clients whose certificate that CA signed."""
+    ca = trustme.CA()
+    server, client = ca.issue_cert("127.0.0.1"), ca.issue_cert("client@example.com")
+    server.private_key_pem.write_to_path(key := tmp_path / "key.pem")
+    server.cert_chain_pems[0].write_to_path(cert := tmp_path / "cert.pem")
+    ca.cert_pem.write_to_path(ca_file := tmp_path / "ca.pem")
+    trusting = ssl.create_default_context()
+    ca.configure_trust(trusting)
+    flags = ["--loop", loop, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
+    proxy, _ = await ProxyProcess.start(aiohttp_server, *flags, ready=False)
+    try:
+        await proxy.log.wait_for("listening on", 15)
+        https = proxy.base.replace("http://", "https://")
+        await eventually_async(lambda: https_status(f"{https}/health", trusting), 200)
+        status = await https_status(f"{https}/v1/completions", trusting, completion())
+        assert status == 200
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):  # an unknown CA
+            await https_status(f"{https}/health", ssl.create_default_context())
+        with pytest.raises(aiohttp.ClientError):  # plain HTTP on the TLS port
+            await https_status(f"{proxy.base}/health", trusting)
+    finally:
+        await proxy.stop()
+    flags += ["--ssl-ca-certs", str(ca_file)]
+    proxy, _ = await ProxyProcess.start(aiohttp_server, *flags, ready=False)
+    try:
+        await proxy.log.wait_for("listening on", 15)
+        https = proxy.base.replace("http://", "https://")
+        with pytest.raises(aiohttp.ClientError):  # no certificate: the handshake fails
+            await https_status(f"{https}/health", trusting)
+        client.configure_cert(trusting)
+        await eventually_async(lambda: https_status(f"{https}/health", trusting), 200)
+        assert await https_status(f"{https}/v1/completions", trusting, completion()) == 200
+    finally:
+        await proxy.stop()
+
+
+async def eventually_async(ask: Any, expected: Any, seconds: float = 15) -> None:
+    async with asyncio.timeout(seconds):
+        while True:
+            with contextlib.suppress(aiohttp.ClientError):
+                if await ask() == expected:
+                    return
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+async def test_instances_behind_a_private_ca_are_served_with_upstream_ca_certs(
+    aiohttp_server: AiohttpServer, tmp_path: Path, loop: str
+) -> None:
+    """The prefill and the decode over https:// with certificates of a CA the system does
+    not know: refused as untrusted without --upstream-ca-certs, served with it."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(ca_file := tmp_path / "ca.pem")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(tls)
+    prefill, decode = FakeVllm("prefill"), FakeVllm("decode", kv_timeout=KV_TIMEOUT)
+    api = await aiohttp_server(prefill.api_app(), ssl=tls)
+    bootstrap = await aiohttp_server(prefill.bootstrap_app())
+    prefill.api_url = f"https://127.0.0.1:{api.port}"
+    prefill.worker_url = f"http://127.0.0.1:{bootstrap.port}"  # Mooncake's own channel
+    decode_api = await aiohttp_server(decode.api_app(), ssl=tls)
+    fleet = ["--prefill", prefill.api_url, str(bootstrap.port)]
+    fleet += ["--decode", f"https://127.0.0.1:{decode_api.port}", "--loop", loop]
+    untrusted = await ProxyProcess.launch(*fleet, "--discovery-interval", "0.2", ready=False)
+    try:
+        await untrusted.log.wait_for("CERTIFICATE_VERIFY_FAILED", 15)
+    finally:
+        await untrusted.stop()
+    proxy = await ProxyProcess.launch(*fleet, "--upstream-ca-certs", str(ca_file))
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{proxy.base}/v1/completions", json=completion()) as answer,
+        ):
+            assert answer.status == 200, await answer.text()
+        assert len(decode.requests) == 1 and len(prefill.requests) == 1
+    finally:
+        await proxy.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+        (["--ssl-keyfile", "missing.pem", "--ssl-certfile", "missing.pem"], "No such file"),
+        (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs needs --ssl-certfile"),
+        (["--upstream-ca-certs", "missing.pem"], "--upstream-ca-certs"),
+    ],
+)
+def test_tls_files_that_cannot_serve_stop_the_daemon_with_the_reason(
+    flags: list[str], says: str
+) -> None:
+    fleet = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "mooncake_proxy.py"), *fleet, *flags],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
+
+
+# --- CORS: browsers' calls from the origins allowed, as vLLM's flags say them
+
+
+PREFLIGHT = {
+    "Origin": "https://app.example",
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type",
+}
+
+
+async def test_without_allowed_origins_no_answer_lets_a_browser_in(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster()
+    preflight = await cluster.client.options(COMPLETIONS, headers=PREFLIGHT)
+    assert preflight.status == 405 and "Access-Control-Allow-Origin" not in preflight.headers
+    origin = {"Origin": "https://app.example"}
+    answer = await cluster.client.post(COMPLETIONS, json=completion(), headers=origin)
+    assert answer.status == 200 and "Access-Control-Allow-Origin" not in answer.headers
+
+
+async def test_an_allowed_origin_passes_its_preflight_and_reads_its_stream(
+    start_cluster: StartCluster,
+) -> None:
+    """Its preflight is answered without the key (browsers send none with it), another
+    origin's is refused, and the answers, a stream among them, name the origin."""
+    cluster = await start_cluster(allowed_origins=("https://app.example",), api_key="k")
+    preflight = await cluster.client.options(COMPLETIONS, headers=PREFLIGHT)
+    assert preflight.status == 200, await preflight.text()
+    assert preflight.headers["Access-Control-Allow-Origin"] == "https://app.example"
+    assert "POST" in preflight.headers["Access-Control-Allow-Methods"]
+    assert (
+        preflight.headers["Access-Control-Allow-Headers"]
+        == PREFLIGHT["Access-Control-Request-Headers"]
+    )
+    other = await cluster.client.options(
+        COMPLETIONS, headers=PREFLIGHT | {"Origin": "https://evil.example"}
+    )
+    assert other.status == 400 and "Access-Control-Allow-Origin" not in other.headers
+    headers = {"Origin": "https://app.example", "Authorization": "Bearer k"}
+    stream = await cluster.client.post(COMPLETIONS, json=completion(stream=True), headers=headers)
+    assert stream.status == 200 and b"[DONE]" in await stream.read()
+    assert stream.headers["Access-Control-Allow-Origin"] == "https://app.example"
+    assert "Origin" in stream.headers.getall("Vary")
+    refused = await cluster.client.post(COMPLETIONS, json=completion(), headers=PREFLIGHT)
+    assert refused.status == 401  # the key is still asked for; the browser may read why
+    assert refused.headers["Access-Control-Allow-Origin"] == "https://app.example"
+
+
+async def test_any_origin_is_named_as_any_unless_credentials_are_allowed(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(allowed_origins=("*",))
+    origin = {"Origin": "https://anywhere.example"}
+    answer = await cluster.client.get("/v1/models", headers=origin)
+    assert answer.headers["Access-Control-Allow-Origin"] == "*"
+    cluster = await start_cluster(allowed_origins=("*",), allow_credentials=True)
+    answer = await cluster.client.get("/v1/models", headers=origin)
+    assert answer.headers["Access-Control-Allow-Origin"] == "https://anywhere.example"
+    assert answer.headers["Access-Control-Allow-Credentials"] == "true"
