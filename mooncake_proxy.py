@@ -1621,6 +1621,8 @@ async def handle_every_instance(request: web.Request) -> web.Response:
         raise ProxyError(503, "proxy is draining: it is shutting down")
     fleet = state.fleet
     instances: list[Backend] = [*fleet.prefills, *fleet.decodes]
+    if not instances:  # DNS names that resolve to none yet
+        raise ProxyError(503, "no prefill or decode instance is known yet")
     body = bytes(await read_body(request))
     headers = header_lines(
         passthrough_headers(request, request[STATS_KEY].request_id, state.config)
@@ -3946,13 +3948,14 @@ class UpstreamPool:
     """
 
     def __init__(
-        self, connect_timeout: float, keepalive_timeout: float, tls: ssl.SSLContext | None = None
+        self, connect_timeout: float, keepalive_timeout: float, cafile: str | None = None
     ) -> None:
         self.connect_timeout, self.keepalive_timeout = connect_timeout, keepalive_timeout
         self._idle: dict[str, dict[HttpLeg, None]] = {}  # by host:port, oldest first
         self._heads: dict[tuple[bytes, URL], bytes] = {}
         self._sweep: asyncio.TimerHandle | None = None
-        self._tls = tls
+        self._cafile = cafile  # --upstream-ca-certs, in place of the system's trust store
+        self._tls: ssl.SSLContext | None = None
 
     async def send(self, method: bytes, url: URL, headers: bytes, body: LegPayload = ()) -> HttpLeg:
         """A request on its way on a kept connection or a new one; LegFailed if none opens.
@@ -4038,8 +4041,8 @@ class UpstreamPool:
             self._sweep = loop.call_later(self.keepalive_timeout, self._close_expired)
 
     def tls(self) -> ssl.SSLContext:
-        if self._tls is None:
-            self._tls = ssl.create_default_context()
+        if self._tls is None:  # made at the first https:// upstream: it reads the CA store
+            self._tls = ssl.create_default_context(cafile=self._cafile)
         return self._tls
 
 
@@ -7759,7 +7762,7 @@ def upstream_session(config: ProxyConfig) -> aiohttp.ClientSession:
         limit=0,
         limit_per_host=0,
         keepalive_timeout=config.keepalive_timeout,
-        ssl=upstream_tls(config),
+        ssl=upstream_tls(config) if config.upstream_ca_certs else True,  # True: the system's
     )
     return aiohttp.ClientSession(
         connector=connector,
@@ -7777,7 +7780,7 @@ async def pools_ctx(app: web.Application) -> AsyncIterator[None]:
     """The two connection pools, for the app's lifetime."""
     state, config = app[STATE_KEY], app[STATE_KEY].config
     state.upstreams = UpstreamPool(
-        config.connect_timeout, config.keepalive_timeout, upstream_tls(config)
+        config.connect_timeout, config.keepalive_timeout, config.upstream_ca_certs
     )
     state.health_session = upstream_session(config)
     yield
