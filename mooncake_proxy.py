@@ -1692,6 +1692,19 @@ def refuse_stored_responses(body: Mapping[str, Any]) -> None:
         )
 
 
+async def handle_stored_response(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id} and POST .../cancel: vLLM's routes for a stored response, which
+    the proxy never has (refuse_stored_responses): vLLM's 404, saying why."""
+    raise ProxyError(
+        404,
+        f"Response with id '{request.match_info['response_id']}' not found: responses are not "
+        "stored through the PD proxy (the server that would hold one is not the one this "
+        "request would reach)",
+        param="response_id",
+        reason="stored_response",
+    )
+
+
 def require_json(request: web.Request) -> None:
     """A body declared JSON, as vLLM requires before it reads one (its answer, and status, to
     anything else; a form or text/plain re-sent as JSON would only meet that answer later)."""
@@ -7845,6 +7858,8 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     for path in PD_PATHS:
         app.router.add_post(path, handle_completion)
+    app.router.add_get(RESPONSES_PATH + "/{response_id}", handle_stored_response)
+    app.router.add_post(RESPONSES_PATH + "/{response_id}/cancel", handle_stored_response)
     for method, path in PASSTHROUGH_ROUTES:
         app.router.add_route(method, path, handle_passthrough)
     for path in EVERY_INSTANCE_PATHS:

@@ -270,6 +270,10 @@ async def test_a_response_that_needs_a_stored_one_is_refused_with_the_reason(
     (field,) = stored
     assert payload["error"]["param"] == field and "PD proxy" in payload["error"]["message"]
     assert not cluster.prefill_requests() and not cluster.decodes[0].requests
+    for method, path in (("GET", "/v1/responses/resp_1"), ("POST", "/v1/responses/r/cancel")):
+        answer = await cluster.client.request(method, path)
+        assert answer.status == 404
+        assert "not stored through the PD proxy" in (await answer.json())["error"]["message"]
 
 
 async def test_a_conversations_next_response_goes_where_its_turns_are_cached(
