@@ -1095,10 +1095,7 @@ class FakeVllm:
         response: web.StreamResponse | None = None
         if stream:
             # vLLM sends 200 and its headers at once, before the KV has arrived.
-            response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream; charset=utf-8"}
-            )
-            await response.prepare(request)
+            response = await event_stream(request)
             self.begin_sent(request_id)
             if self.keepalive_first:
                 await self.write(response, request_id, b": keep-alive\n\n")
@@ -1331,10 +1328,7 @@ class FakeVllm:
             self.begin_sent(request_id, compact(done))
             return await self.whole(request, done)
         if response is None:
-            response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream; charset=utf-8"}
-            )
-            await response.prepare(request)
+            response = await event_stream(request)
         events = ResponseEvents(done)
         for event in events.head():
             await self.write(response, request_id, event)
@@ -1406,19 +1400,9 @@ class FakeVllm:
             payload["kv_transfer_params"] = None
             raw = compact(payload)
             self.begin_sent(request_id, raw, compact(without_token_ids(payload)) if ids else None)
-            if self.die_after_head:  # killed as it writes its answer: the head is out
-                cut = web.StreamResponse(headers={"Content-Type": "application/json"})
-                cut.content_length = len(raw)
-                await cut.prepare(request)
-                assert request.transport is not None
-                request.transport.abort()
-                raise asyncio.CancelledError
-            return web.Response(body=raw, content_type="application/json")
+            return await self.whole(request, payload)
         if response is None:
-            response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream; charset=utf-8"}
-            )
-            await response.prepare(request)
+            response = await event_stream(request)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if chat:
             for index, generation in enumerate(generations):
@@ -1513,6 +1497,13 @@ class FakeVllm:
         """One event; ``ids``: it carries token ids (sent_plain gets it with them null)."""
         plain = b"data: " + compact(without_token_ids(obj)) + b"\n\n" if ids else None
         await self.write(response, request_id, b"data: " + compact(obj) + b"\n\n", plain)
+
+
+async def event_stream(request: web.Request) -> web.StreamResponse:
+    """A stream's 200 and headers, sent (vLLM sends them before its first event)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    return response
 
 
 class ResponseEvents:

@@ -1438,11 +1438,15 @@ STATE_KEY: Final = web.AppKey("state", ProxyState)
 # ================================================================================================
 
 
+def require_serving(state: ProxyState) -> None:
+    if state.draining:
+        raise ProxyError(503, "proxy is draining: it is shutting down")
+
+
 def require_ready(request: web.Request) -> Fleet:
     state = request.app[STATE_KEY]
     fleet = state.fleet
-    if state.draining:
-        raise ProxyError(503, "proxy is draining: it is shutting down")
+    require_serving(state)
     if not fleet.ready:
         missing = "prefill engine" if not fleet.engine_count else "decode instance"
         raise ProxyError(503, f"proxy is not ready: no usable {missing}")
@@ -1516,8 +1520,7 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
     answer streamed back as it comes. While no byte of an answer came, another decode is
     tried (an unreachable one leaves the rotation), up to --max-retries times."""
     state = request.app[STATE_KEY]
-    if state.draining:
-        raise ProxyError(503, "proxy is draining: it is shutting down")
+    require_serving(state)
     body = await read_body(request) if request.can_read_body else bytearray()
     stats = request[STATS_KEY]
     headers = passthrough_headers(request, stats.request_id, state.config)
@@ -1617,8 +1620,7 @@ async def handle_every_instance(request: web.Request) -> web.Response:
     answered 2xx; else an error naming each that did not, with the status of the first
     (502 where it could not be reached)."""
     state = request.app[STATE_KEY]
-    if state.draining:
-        raise ProxyError(503, "proxy is draining: it is shutting down")
+    require_serving(state)
     fleet = state.fleet
     instances: list[Backend] = [*fleet.prefills, *fleet.decodes]
     if not instances:  # DNS names that resolve to none yet
