@@ -646,6 +646,8 @@ class FakeVllm:
     extra_waiting: int = 0  # added to every engine's vllm:num_requests_waiting
     _blocks: dict[str, PromptBlocks] = field(default_factory=dict)
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters loaded: name -> path
+    model: str = MODEL  # --served-model-name: what it serves, and what requests must name
+    models_status: int = 200  # another: /v1/models fails so
 
     def sim(self, rank: int) -> EngineSim:
         while len(self.sims) < self.dp_size:
@@ -748,7 +750,7 @@ class FakeVllm:
             return web.Response(status=self.metrics_status)
         lines = []
         for rank in range(self.dp_size):
-            sim, labels = self.sim(rank), f'engine="{rank}",model_name="{MODEL}"'
+            sim, labels = self.sim(rank), f'engine="{rank}",model_name="{self.model}"'
             running = sim.running if self.role == "prefill" else self.running
             # As vLLM's: the blocks running requests hold. Cached blocks no request uses are
             # free to evict, so a cache full of them is not a full KV cache.
@@ -840,8 +842,10 @@ class FakeVllm:
     async def handle_models(self, request: web.Request) -> web.Response:
         if (denied := self.check_auth(request)) is not None:
             return denied
+        if self.models_status != 200:
+            return error(self.models_status, "models are not listed here")
         model = {
-            "id": MODEL,
+            "id": self.model,
             "object": "model",
             "owned_by": "vllm",
             "max_model_len": self.max_model_len,
@@ -853,7 +857,7 @@ class FakeVllm:
                 "object": "model",
                 "owned_by": "vllm",
                 "root": path,
-                "parent": MODEL,
+                "parent": self.model,
                 "max_model_len": None,
             }
             for name, path in self.adapters.items()
@@ -864,12 +868,12 @@ class FakeVllm:
     # --- vLLM's other routes (PROTOCOL.md): what the proxy passes through
 
     def unknown_model(self, model: str) -> str:
-        """vLLM 0.32's answer to a model it does not serve (_check_model), on every route."""
-        return f"The model `{model}` does not exist. Valid aliases: {', '.join(self.served)}."
+        """vLLM 0.32's answer to a model it does not serve (_check_model), on every route: its
+        aliases are its served model names, not its adapters."""
+        return f"The model `{model}` does not exist. Valid aliases: {self.model}."
 
-    @property
-    def served(self) -> list[str]:
-        return [MODEL, *self.adapters]
+    def serves(self, model: object) -> bool:
+        return not model or model == self.model or model in self.adapters
 
     async def handle_version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": VLLM_VERSION})
@@ -885,9 +889,8 @@ class FakeVllm:
             raise BadRequest("body is not JSON") from None
         if not isinstance(body, dict):
             raise BadRequest("body must be an object")
-        model = body.get("model")
-        if model and model != MODEL and model not in self.adapters:
-            raise BadRequest(self.unknown_model(model), "model", status=404)
+        if not self.serves(model := body.get("model")):
+            raise BadRequest(self.unknown_model(str(model)), "model", status=404)
         self.requests.append(Recorded(request.path, CIMultiDict(request.headers), body, None))
         return body
 
@@ -1039,9 +1042,8 @@ class FakeVllm:
         if (fatal := self.check_kv_params(params)) is not None:
             self.engine_dead = fatal
             return error(500, "The server had an error while processing your request.")
-        model = body.get("model")
-        if model and model != MODEL and model not in self.adapters:
-            raise BadRequest(self.unknown_model(model), "model", status=404)
+        if not self.serves(model := body.get("model")):
+            raise BadRequest(self.unknown_model(str(model)), "model", status=404)
         if request.path == RESPONSES:
             refuse_stored(body)
         # vLLM's child requests: one per prompt of a batch and per choice of ``n``.

@@ -1374,7 +1374,8 @@ class ProxyState:
         self.admission = Admission(config.max_in_flight, config.max_queue, config.queue_timeout)
         self.metrics = Metrics(self)
         self.peers: Peers | None = None  # with --peer (peers_ctx)
-        self.fleet.prefill_router.observe = self.fleet.decode_router.observe = self.metrics.routed
+        self.fleet.observe = self.metrics.routed
+        self.fleet.configure(self.config)  # every Router tells the metrics of its decisions
         self.sync_members()
 
     def read_rest(self, reading: TokenReading) -> None:
@@ -1495,11 +1496,14 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     require_ready(request)
     require_json(request)
     body = parse_request_json(await read_body(request))
-    if isinstance(model := body.get("model"), str):
+    state = request.app[STATE_KEY]
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    if model is not None:
         request[STATS_KEY].model = model[:100]
+    serving = state.fleet.serving(model)  # vLLM's 404 for a model none serves, before a wait
+    request[STATS_KEY].model_label = state.metrics.model_label(serving.model)
     if request.path == RESPONSES_PATH:
         refuse_stored_responses(body)
-    state = request.app[STATE_KEY]
     admission = state.admission
     try:
         waited = await admission.enter(request_priority(request, body))
@@ -1523,6 +1527,8 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
     require_serving(state)
     body = await read_body(request) if request.can_read_body else bytearray()
     stats = request[STATS_KEY]
+    model = named_model(request, body)
+    state.fleet.serving(model)  # vLLM's 404 for a model no instance serves
     headers = passthrough_headers(request, stats.request_id, state.config)
     try:
         await state.admission.enter(request_priority(request, {}))
@@ -1532,7 +1538,7 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
     tried: set[Backend] = set()
     try:
         while True:
-            decode = state.fleet.claim_decode(tried)
+            decode = state.fleet.claim_decode(tried, model=model)
             stats.decode = str(decode.url)
             try:
                 return await forward_whole(request, decode, bytes(body), headers)
@@ -1547,6 +1553,19 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
                 state.fleet.release_decode(decode)
     finally:
         state.admission.leave()
+
+
+def named_model(request: web.Request, body: bytearray) -> str | None:
+    """The model a passed-through JSON body names, if any: a decode that serves it answers.
+    (A form's, as an audio upload's, is not read: those go where a request naming none does.)"""
+    if not body or request.content_type != "application/json":
+        return None
+    try:
+        fields = json.loads(body)
+    except ValueError:
+        return None  # vLLM's own answer to it is passed back
+    model = fields.get("model") if isinstance(fields, dict) else None
+    return model if isinstance(model, str) else None
 
 
 def passthrough_headers(
@@ -1616,16 +1635,49 @@ async def forward_whole(
 
 async def handle_every_instance(request: web.Request) -> web.Response:
     """vLLM's routes that change an instance (EVERY_INSTANCE_PATHS): sent to every prefill
-    and decode instance at once. 200 with the first instance's answer where every one
-    answered 2xx; else an error naming each that did not, with the status of the first
-    (502 where it could not be reached)."""
+    and decode instance that should hold the adapter (adapter_holders) at once. 200 with the
+    first instance's answer where every one answered 2xx; else an error naming each that did
+    not, with the status of the first (502 where it could not be reached). Either way their
+    models are read again before the answer: a request for the adapter may follow at once."""
     state = request.app[STATE_KEY]
     require_serving(state)
-    fleet = state.fleet
-    instances: list[Backend] = [*fleet.prefills, *fleet.decodes]
+    body = bytes(await read_body(request))
+    instances, body = adapter_holders(state.fleet, request.path, body)
     if not instances:  # DNS names that resolve to none yet
         raise ProxyError(503, "no prefill or decode instance is known yet")
-    body = bytes(await read_body(request))
+    try:
+        return await every_instance(request, instances, body)
+    finally:
+        limits = state.config.upstream_timeout(state.config.health_timeout)
+        await asyncio.gather(*(learn_models(state, instance, limits) for instance in instances))
+
+
+def adapter_holders(fleet: Fleet, path: str, body: bytes) -> tuple[list[Backend], bytes]:
+    """Where a LoRA adapter is loaded or unloaded, and the body to send there. A load goes to
+    every instance, or, where it names a base ``model`` (the proxy's own field, taken out),
+    to those that run that model: an adapter fits one base model's weights. An unload goes
+    to the instances that list the adapter, or to every one where none does."""
+    instances: list[Backend] = [*fleet.prefills, *fleet.decodes]
+    with contextlib.suppress(ValueError):
+        fields = json.loads(body)
+        if not isinstance(fields, dict):
+            return instances, body
+        if path == "/v1/load_lora_adapter" and isinstance(base := fields.pop("model", None), str):
+            body = encode_json(fields)
+            runs = [b for b in instances if b.served is not None and b.served.model == base]
+            if not runs:
+                bases = (b.model for b in instances if b.served is not None)
+                raise unknown_model(base, dict.fromkeys(bases))
+            return runs, body
+        if path == "/v1/unload_lora_adapter" and isinstance(name := fields.get("lora_name"), str):
+            return [b for b in instances if b.served and name in b.served] or instances, body
+    return instances, body
+
+
+async def every_instance(
+    request: web.Request, instances: Sequence[Backend], body: bytes
+) -> web.Response:
+    state = request.app[STATE_KEY]
     headers = header_lines(
         passthrough_headers(request, request[STATS_KEY].request_id, state.config)
     )
@@ -1716,7 +1768,13 @@ def require_json(request: web.Request) -> None:
 
 
 async def handle_models(request: web.Request) -> web.Response:
+    """Every model an instance serves, LoRA adapters with their parent, as vLLM lists them:
+    each model's card as the first instance to list it wrote it. Until the instances' models
+    are known (learn_models), one decode's own answer."""
     fleet = require_ready(request)
+    if cards := fleet.known_models():
+        payload = {"object": "list", "data": list(cards.values())}
+        return web.Response(body=encode_json(payload), content_type="application/json")
     state = request.app[STATE_KEY]
     config = state.config
     decode = fleet.claim_decode()
@@ -2035,6 +2093,7 @@ class Exchange:
     journal: StreamJournal | None = None
     unmigratable: str | None = None
     path: str = ""  # what the legs ask for: the client's path; a continuation's completions
+    model: str | None = None  # what the client named: which instances serve it (Fleet.serving)
     response: RelayResponse = field(default_factory=RelayResponse)
     writer: AbstractStreamWriter | None = None  # the response's, once prepared
     relaying: bool = False  # the attempt's tokens reach the client: it can no longer retry
@@ -2058,6 +2117,9 @@ class Exchange:
                 user if isinstance(user, str) else None
             )
             route = route_key(request.path, body, session, state.config.prefix_block_bytes)
+            model = body.get("model")
+            if isinstance(model, str) and (adapter := state.fleet.serving(model).adapter):
+                route = dataclasses.replace(route, adapter=adapter_seed(adapter))
         lines = header_lines(headers)  # the first attempt's, rendered before any claim
         if (alone := fans_out(request.path, body)) is not None:
             state.metrics.of(state.metrics.prefill_skipped, alone).inc()
@@ -2068,6 +2130,7 @@ class Exchange:
         retries = state.config.max_retries
         exchange = cls(request, state, body, stats, headers, lines, shared, retries, route, alone)
         exchange.path = request.path
+        exchange.model = model if isinstance(model := body.get("model"), str) else None
         if body.get("stream") is True:
             why = "it goes to a decode alone" if alone else None
             if request.path == RESPONSES_PATH:  # its events are not rebuilt from token ids
@@ -2094,7 +2157,8 @@ class Exchange:
             self.route = dataclasses.replace(self.route, tokens=tokens)
         elif (tokenizer := state.tokenizer) is not None:
             views = state.fleet.kv_views()
-            reading = TokenReading(tokenizer, self.request.path, self.body, views)
+            path, seed = self.request.path, self.route.adapter
+            reading = TokenReading(tokenizer, path, self.body, views, seed)
             if self.route.length > INLINE_TOKENS:
                 await asyncio.to_thread(reading.read)
             else:
@@ -2159,9 +2223,10 @@ class Exchange:
         """A prefill engine (None for a decode alone) and a decode, among those not tried."""
         fleet = self.state.fleet
         try:
-            engine = None if self.alone else fleet.claim_prefill(self.tried, self.route)
+            model = self.model
+            engine = None if self.alone else fleet.claim_prefill(self.tried, self.route, model)
             try:
-                return engine, fleet.claim_decode(self.tried, self.route)
+                return engine, fleet.claim_decode(self.tried, self.route, model)
             except ProxyError:
                 if engine is not None:
                     fleet.release_prefill(engine)
@@ -2391,7 +2456,7 @@ class Attempt:
                 raise failure
             exchange.fail_over("decode", self.decode, failure)
             try:
-                decode = fleet.claim_decode(exchange.tried, exchange.route)
+                decode = fleet.claim_decode(exchange.tried, exchange.route, exchange.model)
             except ProxyError:
                 raise exchange.exhausted() from None
             fleet.release_decode(self.decode)
@@ -4461,10 +4526,13 @@ class RouteKey:
     # of many engines that hold its head are weighed (Router.among), so that the prompts of
     # one system prompt spread over all of them.
     spread: int = 0
+    # Where it names a LoRA adapter, adapter_seed of its name: the adapter's KV blocks, as
+    # KV events say, serve only requests that name it (HeldBlocks.stored chains them so).
+    adapter: int = 0
 
     def token_chain(self, size: int) -> list[int]:
         if (chain := self.token_chains.get(size)) is None:
-            chain = self.token_chains[size] = token_chain(self.tokens or (), size)
+            chain = self.token_chains[size] = token_chain(self.tokens or (), size, self.adapter)
         return chain
 
     def token_blocks(self, size: int) -> float:
@@ -4725,23 +4793,29 @@ def turn_id(data: bytes, chain: list[int], length: int, block: int, seed: int) -
     return hash((chain[whole - 1] if whole else seed, length, rest))
 
 
-def token_chain(tokens: Sequence[int], size: int) -> list[int]:
+def adapter_seed(name: str | None) -> int:
+    """A LoRA adapter's token chains start from this, the base model's from 0: the same ids
+    under another adapter are other KV. The same in every process (crc32, not hash())."""
+    return zlib.crc32(name.encode("utf-8", "replace"), 0x10AA) if name else 0
+
+
+def token_chain(tokens: Sequence[int], size: int, seed: int = 0) -> list[int]:
     """A hash per full block of ``size`` token ids, chained with every block before it, the
     same way as HeldBlocks.stored hashes the token ids of vLLM's BlockStored events. Hashes of
     ints and tuples of ints are the same in every process (unlike those of str and bytes)."""
     chain: list[int] = []
-    extend_chain(chain, tokens, size)
+    extend_chain(chain, tokens, size, seed)
     return chain
 
 
-def extend_chain(chain: list[int], tokens: Sequence[int], size: int) -> None:
+def extend_chain(chain: list[int], tokens: Sequence[int], size: int, seed: int = 0) -> None:
     """Append to ``chain`` (token_chain's of a prefix of ``tokens``) the blocks it lacks."""
     start = len(chain)
     rest = iter(tokens[start * size : len(tokens) // size * size])
     # One iterator zipped with itself: tuples of ``size`` ids, as many as whole blocks.
     blocks = zip(itertools.count(start), zip(*[rest] * size, strict=True))
     hashes = itertools.accumulate(
-        map(hash, blocks), operator.xor, initial=chain[-1] if chain else 0
+        map(hash, blocks), operator.xor, initial=chain[-1] if chain else seed
     )
     chain += itertools.islice(hashes, 1, None)
 
@@ -5137,7 +5211,8 @@ class Roster:
             self.bit(target)
         for target in [t for t in self.slot_of if t not in targets]:
             slot = self.slot_of.pop(target)
-            target.index.attach(None, 0)
+            if target.index.holders is self.held:  # unless another Roster took it (regroup)
+                target.index.attach(None, 0)
             held = target.feed.held if target.feed is not None else None
             if held is not None and held.holders is self.reported and held.bit == 1 << slot:
                 held.attach(None, 0)  # unless a new engine of its instance took the feed
@@ -5662,9 +5737,11 @@ class TokenReading:
         path: str,
         body: Mapping[str, Any],
         views: list[HeldBlocks],
+        seed: int = 0,
     ) -> None:
         self.tokenizer, self.path, self.body = tokenizer, path, body
         self.views = views
+        self.seed = seed  # RouteKey.adapter
         self.tokens: list[int] | None = None  # None: not a prompt this can tokenize
         self.chains: dict[int, list[int]] = {view.block_size: [] for view in views}
         self.share = 0.0
@@ -5681,7 +5758,7 @@ class TokenReading:
                 self.tokens += ids
                 self.share = read / max(len(text), 1)
                 for size, chain in self.chains.items():
-                    extend_chain(chain, self.tokens, size)
+                    extend_chain(chain, self.tokens, size, self.seed)
                 if self.past_held():
                     return
         except Exception:  # text the tokenizer refuses (a lone surrogate): vLLM answers it
@@ -5777,11 +5854,12 @@ class HeldBlocks:
                 self.clear()
             elif kind == "BlockRemoved":
                 self.removed(event["block_hashes"])
-            elif not (event.get("lora_id") or event.get("lora_name")):
-                # A LoRA's blocks serve only requests that name it.
+            elif not event.get("lora_id") or event.get("lora_name"):
+                # A LoRA's blocks serve only requests that name it (by name: an id alone,
+                # as older vLLM sends, names none a request could).
                 self.stored(
                     event["parent_block_hash"], event["block_hashes"], event["token_ids"],
-                    event["block_size"], event.get("extra_keys") or (),
+                    event["block_size"], event.get("extra_keys") or (), event.get("lora_name"),
                 )  # fmt: skip
         except (KeyError, TypeError, AttributeError) as missing:
             raise ValueError(f"{kind} without a usable {missing}") from None
@@ -5802,11 +5880,11 @@ class HeldBlocks:
                 evicted = []
             if not event.stores:
                 self.clear()
-            elif not (event.lora_id or event.lora_name):
+            elif not event.lora_id or event.lora_name:
                 try:
                     self.stored(
                         event.parent_block_hash, event.block_hashes, event.token_ids,
-                        event.block_size, event.extra_keys or (),
+                        event.block_size, event.extra_keys or (), event.lora_name,
                     )  # fmt: skip
                 except ValueError as error:
                     problems.append(str(error))
@@ -5821,6 +5899,7 @@ class HeldBlocks:
         tokens: Sequence[int],
         size: int,
         extra_keys: Sequence[object] = (),
+        lora_name: str | None = None,
     ) -> None:
         if not isinstance(size, int) or size <= 0 or not isinstance(tokens, list):
             raise ValueError(f"BlockStored with block_size {size!r}")
@@ -5833,7 +5912,7 @@ class HeldBlocks:
             self.clear()  # all it said before was such partial entries
             self.block_size = size
         if parent is None:
-            chain, position = 0, 0
+            chain, position = adapter_seed(lora_name), 0
         elif (parent_chain := self.known.get(parent)) is not None:
             chain, position = parent_chain, self.chains[parent_chain] // POSITION + 1
         else:
@@ -6280,6 +6359,46 @@ def route_urls(base: URL) -> dict[str, URL]:
     return {path: base.with_path(path) for path in paths}
 
 
+@dataclass(frozen=True, slots=True)
+class Served:
+    """The models an instance serves, as its ``/v1/models`` lists them: each id with its card
+    (for the proxy's own /v1/models) and its ``parent``, the base model of a LoRA adapter.
+
+    ``model`` is the first base model: what the instance runs (further base ids are aliases
+    of it, vLLM's --served-model-name), and the routing group its targets belong to."""
+
+    cards: tuple[dict[str, Any], ...]
+    parents: dict[str, str | None]  # id -> parent (None for a base model)
+    model: str
+
+    def __contains__(self, model: object) -> bool:
+        return model in self.parents
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Served) and self.parents == other.parents
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.parents))
+
+
+def parse_served(payload: object) -> Served:
+    """A /v1/models answer as vLLM writes it; ValueError naming what is wrong with another."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("no list of models in its data")
+    cards = tuple(card for card in data if isinstance(card, dict))
+    parents: dict[str, str | None] = {}
+    for card in cards:
+        model, parent = card.get("id"), card.get("parent")
+        if not isinstance(model, str) or not isinstance(parent, str | None):
+            raise ValueError(f"a model card without a string id: {str(card)[:80]}")
+        parents.setdefault(model, parent)
+    model = next((m for m, parent in parents.items() if parent is None), None)
+    if model is None:
+        raise ValueError("no base model listed")
+    return Served(cards, parents, model)
+
+
 class Backend:
     """An upstream instance's place in the rotation, moved by health checks and refusals.
 
@@ -6321,6 +6440,18 @@ class Backend:
         # Told why, when what it held is lost (it went down, or restarted): decodes waiting
         # for a prefill's KV there.
         self.down_watchers: set[Callable[[str], None]] = set()
+        # What it serves (learn_models); None until its /v1/models was read: it then serves
+        # whatever a request names, as every instance did before the proxy knew models.
+        self.served: Served | None = None
+        self.models_error: str | None = None  # why its /v1/models could not be read
+
+    @property
+    def model(self) -> str:
+        """Its routing group: the model it runs, "" while that is not known."""
+        return self.served.model if self.served is not None else ""
+
+    def serves(self, model: str) -> bool:
+        return self.served is None or model in self.served
 
     @property
     def named(self) -> tuple[str, URL, str]:
@@ -6485,6 +6616,38 @@ def choose_index(
     return best
 
 
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """Where a model's requests go (Fleet.serving): the usable prefill engines and decodes that
+    serve it, and each stage's Router, that of the instances that run it."""
+
+    engines: tuple[PrefillEngine, ...]
+    decodes: tuple[DecodeInstance, ...]
+    prefill_router: Router
+    decode_router: Router
+    model: str | None = None
+    adapter: str | None = None  # the model, where it is a LoRA adapter (its KV events' blocks)
+
+
+def serves(serving: Serving) -> str:
+    """For a 503: the model the request named, where the fleet knows models."""
+    return f" serves model `{serving.model}`" if serving.model is not None else ""
+
+
+def largest_group(backends: Iterable[Backend]) -> str:
+    """The model most of ``backends`` run (Backend.model), the first one's on a tie."""
+    counts = collections.Counter(backend.model for backend in backends)
+    return max(counts, key=counts.__getitem__) if counts else ""
+
+
+def unknown_model(model: str, known: Iterable[str]) -> ProxyError:
+    """vLLM's own answer to a model it does not serve (its _check_model), for the fleet."""
+    message = f"The model `{model}` does not exist. Valid aliases: {', '.join(known)}."
+    # Written as vLLM writes it (Starlette's compact JSON): a client sees the same bytes.
+    body = json.dumps(error_body(404, message, "model"), separators=(",", ":"), ensure_ascii=False)
+    return ProxyError(404, message, param="model", body=body.encode(), reason="unknown_model")
+
+
 class Fleet:
     """The instances the configuration and DNS name, which of them are usable, and what is in
     flight on each.
@@ -6513,14 +6676,21 @@ class Fleet:
         self._by_name: tuple[tuple[PrefillEngine, ...], dict[str, PrefillEngine]] = ((), {})
         self._decodes: tuple[DecodeInstance, ...] = ()
         self.panics: set[str] = set()  # the roles in a panic (unless_panic)
-        fresh_for = 3 * config.load_interval  # a scrape older than this is not trusted
-        balance = config.balance_factor
-        self.prefill_router = Router("prefill", config.prefill_load_weight, balance, fresh_for)
-        self.decode_router = Router("decode", config.decode_load_weight, balance, fresh_for)
+        # A Router per stage and routing group: the instances that run one model (Served.model;
+        # "" while unknown). A target is in one group's Roster, whose reverse indexes it feeds;
+        # a request names a model, and is routed in its group (serving).
+        self.routers: dict[tuple[str, str], Router] = {}
+        self.observe: Callable[[str, Choice, RouteKey | None], None] | None = None  # metrics
+        self.tell: Callable[[Target, RouteKey, float], None] | None = None  # --peer
+        # Where each model's requests go, rebuilt with the rotation (regroup); ``None`` for a
+        # request that names none, and for any model while no instance's models are known.
+        self._serving: dict[str | None, Serving] = {}
+        self._anything: Serving | None = None
         self.prefill_policy, self.decode_policy = config.policies
         # Prompt bytes per token, learnt from the prefills' answers: sizes the indexes by the
         # engines' KV capacity, which /metrics gives in tokens.
         self.bytes_per_token = 4.0
+        self.regroup()
 
     def engines_by_name(self) -> dict[str, PrefillEngine]:
         """The usable prefill engines by Target.name, the same in every replica (--peer)."""
@@ -6534,12 +6704,40 @@ class Fleet:
         """A reloaded configuration's routing settings (members come with set_members)."""
         self.config = config
         self.prefill_policy, self.decode_policy = config.policies
-        for router, weight in (
-            (self.prefill_router, config.prefill_load_weight),
-            (self.decode_router, config.decode_load_weight),
-        ):
-            router.load_weight, router.balance = weight, config.balance_factor
-            router.fresh_for = 3 * config.load_interval
+        for (stage, _), router in self.routers.items():
+            self.tune(router, stage)
+
+    def tune(self, router: Router, stage: str) -> None:
+        config = self.config
+        router.load_weight = (
+            config.prefill_load_weight if stage == "prefill" else config.decode_load_weight
+        )
+        router.balance, router.fresh_for = config.balance_factor, 3 * config.load_interval
+        router.observe = self.observe
+        router.tell = self.tell if stage == "prefill" else None
+
+    def router(self, stage: str, group: str) -> Router:
+        """The stage's Router for a routing group (Backend.model), made at its first use."""
+        if (router := self.routers.get((stage, group))) is None:
+            config = self.config
+            router = self.routers[stage, group] = Router(stage, 1.0, config.balance_factor, 0.0)
+            self.tune(router, stage)
+        return router
+
+    @property
+    def prefill_router(self) -> Router:
+        """The Router of the requests that name no model (of every request, with one model)."""
+        return self.serving(None).prefill_router
+
+    @property
+    def decode_router(self) -> Router:
+        return self.serving(None).decode_router
+
+    def router_of(self, target: Target) -> Router:
+        """The Router whose Roster holds ``target``: its instance's group's."""
+        if isinstance(target, PrefillEngine):
+            return self.router("prefill", target.instance.model)
+        return self.router("decode", cast(DecodeInstance, target).model)
 
     def set_members(
         self, prefills: Sequence[PrefillSpec], decodes: Sequence[URL], origins: Mapping[URL, str]
@@ -6634,12 +6832,84 @@ class Fleet:
         # Kept where nothing changed: a router sums its targets again for a new tuple.
         self._engines = self._engines if engines == self._engines else engines
         self._decodes = self._decodes if decodes == self._decodes else decodes
-        # Targets new to the fleet join routing, those no longer in it (an engine that
-        # restarted is a new one) leave it.
-        self.prefill_router.roster.enlist({e for p in self.prefills for e in p.engines})
-        self.decode_router.roster.enlist(set(self.decodes))
+        self.regroup()
         if any(backend.leaving for backend in (*self.prefills, *self.decodes)):
             self.changed.set()  # one may be let go now
+
+    def regroup(self) -> None:
+        """Each routing group's Roster takes its targets: those new to the fleet join routing,
+        those no longer in it (an engine that restarted is a new one) or gone to another
+        group (a new model) leave it. Then where each model's requests go (serving)."""
+        groups: dict[tuple[str, str], set[Target]] = {key: set() for key in self.routers}
+        for instance in self.prefills:
+            groups.setdefault(("prefill", instance.model), set()).update(instance.engines)
+        for decode in self.decodes:
+            groups.setdefault(("decode", decode.model), set()).add(decode)
+        for (stage, group), targets in groups.items():
+            self.router(stage, group).roster.enlist(targets)
+            if not targets and group:
+                del self.routers[stage, group]  # a model no instance runs any more
+        self._serving, self._anything = self.views()
+
+    def views(self) -> tuple[dict[str | None, Serving], Serving | None]:
+        """Where each model's requests go (serving_of), and a request that names none: to the
+        model of the first prefill, as vLLM takes its first. While some instance's models are
+        not known, it serves whatever is asked, as before the proxy knew models: the view of
+        every usable target, for the models no known instance lists and those naming none."""
+        backends = (*self.prefills, *self.decodes)
+        models = dict.fromkeys(m for b in backends if b.served for m in b.served.parents)
+        views: dict[str | None, Serving] = {model: self.serving_of(model) for model in models}
+        if views and all(b.served is not None for b in backends):
+            first = next((p.model for p in self.prefills if p.model in views), next(iter(models)))
+            views[None] = views[first]
+            return views, None
+        routers = (self.router("prefill", ""), self.router("decode", ""))
+        views[None] = anything = Serving(self._engines, self._decodes, *routers)
+        return views, anything
+
+    def serving_of(self, model: str) -> Serving:
+        """Where requests for ``model`` go: the usable targets that serve it, in the routing
+        group of the instances that run it (where several groups list it, as an alias, the
+        largest). The tuples of its view before, or the fleet's, where they are the same: a
+        Router re-reads a new tuple whole."""
+        prefill_group = largest_group(p for p in self.prefills if p.served and model in p.served)
+        decode_group = largest_group(d for d in self.decodes if d.served and model in d.served)
+        engines = tuple(
+            e for e in self._engines
+            if e.instance.model == prefill_group and e.instance.serves(model)
+        )  # fmt: skip
+        decodes = tuple(d for d in self._decodes if d.model == decode_group and d.serves(model))
+        before = self._serving.get(model)
+        for earlier in (self._engines, before.engines if before else ()):
+            engines = earlier if engines == earlier else engines
+        for earlier_decodes in (self._decodes, before.decodes if before else ()):
+            decodes = earlier_decodes if decodes == earlier_decodes else decodes
+        parent = next(
+            (b.served.parents[model] for b in (*self.prefills, *self.decodes)
+             if b.served is not None and model in b.served),
+            None,
+        )  # fmt: skip
+        return Serving(
+            engines, decodes, self.router("prefill", prefill_group),
+            self.router("decode", decode_group), model, model if parent is not None else None,
+        )  # fmt: skip
+
+    def serving(self, model: str | None) -> Serving:
+        """Where a request for ``model`` goes; vLLM's 404 for a model no instance serves."""
+        if (view := self._serving.get(model)) is not None:
+            return view
+        if self._anything is not None:
+            return self._anything
+        bases = (m for m, card in self.known_models().items() if card.get("parent") is None)
+        raise unknown_model(str(model), bases)
+
+    def known_models(self) -> dict[str, dict[str, Any]]:
+        """Every model some instance lists, with its card (the first instance's)."""
+        cards: dict[str, dict[str, Any]] = {}
+        for backend in (*self.decodes, *self.prefills):
+            for card in backend.served.cards if backend.served is not None else ():
+                cards.setdefault(card["id"], card)
+        return cards
 
     def unless_panic(self, backends: Sequence[B]) -> tuple[B, ...]:
         """The role's instances in the rotation, and, in a panic, those out only because their
@@ -6707,38 +6977,40 @@ class Fleet:
     # each other's load; every claim is released when its leg ends.
 
     def claim_prefill(
-        self, avoid: Collection[Backend] = (), key: RouteKey | None = None
+        self, avoid: Collection[Backend] = (), key: RouteKey | None = None, model: str | None = None
     ) -> PrefillEngine:
-        engines = self._engines
+        serving = self.serving(model)
+        engines = serving.engines
         if avoid:  # passed over while another is left (see claim_decode)
             engines = tuple(e for e in engines if e.instance not in avoid) or engines
         if not engines:
-            raise ProxyError(503, "no usable prefill engine")
-        engine = engines[self.prefill_router.pick(engines, self.prefill_policy, key).index]
+            raise ProxyError(503, f"no usable prefill engine{serves(serving)}")
+        engine = engines[serving.prefill_router.pick(engines, self.prefill_policy, key).index]
         engine.instance.in_flight += 1
         return engine
 
     def release_prefill(self, engine: PrefillEngine) -> None:
-        self.prefill_router.release(engine)
+        self.router_of(engine).release(engine)
         engine.instance.in_flight -= 1
         if engine.instance.leaving:
             self.changed.set()
 
     def claim_decode(
-        self, avoid: Collection[Backend] = (), key: RouteKey | None = None
+        self, avoid: Collection[Backend] = (), key: RouteKey | None = None, model: str | None = None
     ) -> DecodeInstance:
-        decodes = self._decodes
+        serving = self.serving(model)
+        decodes = serving.decodes
         if avoid:
             # Those tried are passed over while another is left. One that could not be
             # reached is out of the rotation anyway; one whose KV load failed stays in it
             # and, the last one left, may be tried again.
             decodes = tuple(d for d in decodes if d not in avoid) or decodes
         if not decodes:
-            raise ProxyError(503, "no usable decode instance")
-        return decodes[self.decode_router.pick(decodes, self.decode_policy, key).index]
+            raise ProxyError(503, f"no usable decode instance{serves(serving)}")
+        return decodes[serving.decode_router.pick(decodes, self.decode_policy, key).index]
 
     def release_decode(self, decode: DecodeInstance) -> None:
-        self.decode_router.release(decode)
+        self.router_of(decode).release(decode)
         if decode.leaving:
             self.changed.set()
 
@@ -6789,11 +7061,15 @@ def check_error(stage: str, url: URL, error: BaseException) -> CheckFailed:
 
 
 async def get_checked(
-    session: aiohttp.ClientSession, stage: str, url: URL, limits: aiohttp.ClientTimeout
+    session: aiohttp.ClientSession,
+    stage: str,
+    url: URL,
+    limits: aiohttp.ClientTimeout,
+    headers: Mapping[str, str] | None = None,
 ) -> bytes:
     """GET for a check: the body of a 2xx answer, else CheckFailed saying why not."""
     try:
-        async with session.get(url, timeout=limits) as answer:
+        async with session.get(url, timeout=limits, headers=headers) as answer:
             body = await answer.read()
     except (aiohttp.ClientError, TimeoutError) as error:
         raise check_error(stage, url, error) from None
@@ -6855,6 +7131,7 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
             backend.lost_all("restarted (new engine ids)")
         # Swapped in one assignment: no request after this names an old engine id.
         fleet.set_engines(backend, engine_ids)
+    await learn_models(state, backend, limits)
     if backend.check_passed(config.healthy_after):
         fleet.refresh()
         extra = ""
@@ -6863,6 +7140,31 @@ async def check_backend(app: web.Application, backend: Backend) -> None:
                 f": {len(backend.engines)} DP rank(s), engine ids {', '.join(backend.engine_ids)}"
             )
         log.info("%s %s is usable%s", backend.role, backend.url, extra)
+
+
+async def learn_models(state: ProxyState, backend: Backend, limits: aiohttp.ClientTimeout) -> None:
+    """What the instance serves, read from its /v1/models at every passing check, so that a
+    LoRA adapter loaded or unloaded there counts within --health-interval. A page that cannot
+    be read keeps what was known, and does not fail the check: routing by model is a
+    refinement of health, not part of it."""
+    headers: dict[str, str] = {}
+    if authorization := upstream_authorization({}, state.config):
+        headers[hdrs.AUTHORIZATION] = authorization
+    url = backend.routes["/v1/models"]
+    try:
+        page = await get_checked(state.health_session, "models", url, limits, headers)
+        served = parse_served(json.loads(page))
+    except ValueError as error:  # CheckFailed among them
+        if str(error) != backend.models_error:
+            known = "keeps the models it was known for" if backend.served else "serves any model"
+            log.warning("%s %s: models unknown (%s): it %s", *backend.named[:2], error, known)
+        backend.models_error = str(error)
+        return
+    backend.models_error = None
+    if served != backend.served:
+        log.info("%s %s serves %s", backend.role, backend.url, ", ".join(served.parents))
+        backend.served = served
+        state.fleet.refresh()
 
 
 def count_failed_check(
@@ -7021,8 +7323,8 @@ async def watch_load(app: web.Application) -> None:
         ):
             if isinstance(outcome, Exception):  # a bug must not end the scrapes
                 log.error("scraping load failed: %r", outcome)
-        fleet.prefill_router.rescan()
-        fleet.decode_router.rescan()
+        for router in fleet.routers.values():
+            router.rescan()
         await asyncio.sleep(max(0.0, state.config.load_interval - (time.monotonic() - started)))
 
 
@@ -7077,9 +7379,9 @@ class Peers(asyncio.DatagramProtocol):
             return
         if replica == self.id:
             return
-        router = self.state.fleet.prefill_router
+        fleet = self.state.fleet
         for engine, key, uncached in (send for send in heard if send is not None):
-            router.heard(engine, key, uncached)
+            fleet.router_of(engine).heard(engine, key, uncached)
             self.heard += 1
 
     def flush(self) -> None:
@@ -7145,7 +7447,8 @@ async def peers_ctx(app: web.Application) -> AsyncIterator[None]:
     except OSError as error:  # it still tells its own sends, from another port
         log.error("--peer: cannot hear peers on UDP %s:%d: %s", *where, error.strerror or error)
         await loop.create_datagram_endpoint(lambda: peers, local_addr=(config.host, 0))
-    state.fleet.prefill_router.tell = peers.tell
+    state.fleet.tell = peers.tell
+    state.fleet.configure(state.fleet.config)  # every prefill Router tells the peers its sends
     tasks = [asyncio.create_task(tell_peers(peers)), asyncio.create_task(look_up_peers(peers))]
     try:
         yield
@@ -7153,7 +7456,8 @@ async def peers_ctx(app: web.Application) -> AsyncIterator[None]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        state.fleet.prefill_router.tell = None
+        state.fleet.tell = None
+        state.fleet.configure(state.fleet.config)
         if peers.transport is not None:
             peers.transport.close()
 
@@ -7315,6 +7619,7 @@ class RequestStats:
     started: float = field(default_factory=time.monotonic)
     request_id: str = "-"
     model: str = "-"
+    model_label: str = "-"  # the metrics' (Metrics.model_label): "-" where it names none known
     prefill: str = "-"
     decode: str = "-"
     first_byte: float | None = None
@@ -7351,6 +7656,11 @@ STATS_KEY: Final = web.RequestKey("stats", RequestStats)
 
 
 GaugeMode = Literal["livemin", "livemax", "livesum"]
+
+# The ``model`` label's values: the fleet's models, as many as this, then "other"; NO_MODEL
+# while the fleet's models are not known, and on routes that name none.
+MODEL_LABELS: Final = 32
+NO_MODEL: Final = "-"
 
 # Label values a fresh proxy makes its series for (Metrics.start_series): the statuses PD
 # requests are most often answered with, the reasons a leg fails for (beside http_<status>),
@@ -7416,17 +7726,18 @@ class Metrics:
     # (each has its own registry), which then stands in its place on the instance.
     # fmt: off
     requests = Metric(Counter, "requests",
-        "Client requests by route and final HTTP status.", ("route", "status"))
+        "Client requests by route, final HTTP status and model (MODEL_LABELS).",
+        ("route", "status", "model"))
     errors = Metric(Counter, "errors",
         "Failed legs (stage prefill/decode) and clients gone (stage client), by reason.",
         ("stage", "reason"))
     duration = Metric(Histogram, "request_duration_seconds",
-        "End-to-end time of a client request.", ("route",))
+        "End-to-end time of a client request.", ("route", "model"))
     first_byte = Metric(Histogram, "time_to_first_byte_seconds",
         "Time until the first response body byte reached the client.", ("route",))
     first_token = Metric(Histogram, "time_to_first_token_seconds",
         "Arrival to the first token frame relayed to the client (a streamed answer's first SSE "
-        "event); for an answer not streamed, to the whole answer.", ("route",))
+        "event); for an answer not streamed, to the whole answer.", ("route", "model"))
     inter_token = Metric(Histogram, "inter_token_latency_seconds",
         "Gaps between the SSE events of a streamed answer as they were relayed (events that "
         "arrived together count a gap of 0).", ("route",), buckets=TOKEN_GAP_BUCKETS)
@@ -7487,6 +7798,7 @@ class Metrics:
             if isinstance(row, Metric):
                 self.__dict__[attribute] = row.make(own)
         self.rejected_counted = 0
+        self.models_met: set[str] = set()  # model_label's
         self.engine_series: set[tuple[str, str, str]] = set()
         self.start_series(state.config)
         self.registry = own
@@ -7500,9 +7812,10 @@ class Metrics:
         has not met them yet instead of reading "no data"."""
         for route in PD_PATHS:
             for status in PD_STATUSES:
-                self.of(self.requests, route, status)
-            for histogram in (self.duration, self.first_byte, self.first_token):
-                self.of(histogram, route)
+                self.of(self.requests, route, status, NO_MODEL)
+            for histogram in (self.duration, self.first_token):
+                self.of(histogram, route, NO_MODEL)
+            self.of(self.first_byte, route)
             self.of(self.inter_token, route)
             self.of(self.kv_wait, route)
         for stage, reasons in LEG_ERRORS.items():
@@ -7578,6 +7891,18 @@ class Metrics:
         if (child := self._children.get(key)) is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def model_label(self, model: str | None) -> str:
+        """The ``model`` label of a request to ``model`` (a model the fleet serves, or None):
+        its name, for the first MODEL_LABELS models met, "other" past them, so that a fleet of
+        many LoRA adapters cannot grow the series without end."""
+        if model is None:
+            return NO_MODEL
+        if model not in self.models_met:
+            if len(self.models_met) >= MODEL_LABELS:
+                return "other"
+            self.models_met.add(model)
+        return model
 
     def routed(self, stage: str, choice: Choice, key: RouteKey | None) -> None:
         self.of(self.routing, stage, choice.reason).inc()
@@ -7662,13 +7987,13 @@ def loggable_path(request: web.BaseRequest) -> str:
 def record_request(app: web.Application, stats: RequestStats, status: int) -> None:
     now = time.monotonic()
     metrics = app[STATE_KEY].metrics
-    metrics.of(metrics.requests, stats.route, str(status)).inc()
+    metrics.of(metrics.requests, stats.route, str(status), stats.model_label).inc()
     if stats.span is not None:
         stats.span.set_attribute("http.response.status_code", status)
         stats.span.end()
     probe = stats.route in PROBE_ROUTES
     if not probe:
-        metrics.of(metrics.duration, stats.route).observe(now - stats.started)
+        metrics.of(metrics.duration, stats.route, stats.model_label).observe(now - stats.started)
         first_byte = (stats.first_byte or now) - stats.started
         metrics.of(metrics.first_byte, stats.route).observe(first_byte)
         if stats.first_token is not None:
@@ -7689,7 +8014,8 @@ def record_request(app: web.Application, stats: RequestStats, status: int) -> No
 def record_token_times(metrics: Metrics, stats: RequestStats) -> None:
     """The latency a client felt: its first token, the KV wait before it, the gaps after."""
     assert stats.first_token is not None
-    metrics.of(metrics.first_token, stats.route).observe(stats.first_token - stats.started)
+    ttft = stats.first_token - stats.started
+    metrics.of(metrics.first_token, stats.route, stats.model_label).observe(ttft)
     if stats.token_gaps is not None:
         metrics.token_gaps(stats.route, stats.token_gaps)
         if stats.prefill_answered is not None:

@@ -77,7 +77,8 @@ def test_kv_events_and_a_requests_tokens_hash_alike(tokenizer: Any) -> None:
         held.apply(event)
     assert held.unplaced == 2
     assert held.match(mp.token_chain(orphan.ids, BLOCK_TOKENS)) == 0
-    # The array form older vLLM sends; LoRA blocks, offloaded copies and other groups skipped.
+    # The array form older vLLM sends; LoRA blocks named by id alone (a request names an
+    # adapter), offloaded copies and other groups skipped.
     first = ["BlockStored", [b"h1"], None, orphan.ids[:BLOCK_TOKENS], BLOCK_TOKENS, None]
     held.apply([*first[:1], [b"cpu copy"], *first[2:], "CPU"])
     assert held.match(mp.token_chain(orphan.ids, BLOCK_TOKENS)) == 0
@@ -85,7 +86,7 @@ def test_kv_events_and_a_requests_tokens_hash_alike(tokenizer: Any) -> None:
     assert held.match(mp.token_chain(orphan.ids, BLOCK_TOKENS)) == 1
     second = EngineSim(64).kv_events(orphan, [1], [])[0] | {"parent_block_hash": b"h1"}
     skipped_ones = (
-        {"lora_name": "adapter"}, {"medium": "CPU"}, {"group_idx": 1}, {"extra_keys": ["salt"]},
+        {"lora_id": 2}, {"medium": "CPU"}, {"group_idx": 1}, {"extra_keys": ["salt"]},
     )  # fmt: skip
     for skipped in skipped_ones:
         held.apply(second | skipped)
@@ -98,6 +99,29 @@ def test_kv_events_and_a_requests_tokens_hash_alike(tokenizer: Any) -> None:
         held.apply({"type": "Something"})
     held.apply({"type": "AllBlocksCleared"})
     assert held.match(chain) == 0 and len(held) == 0
+
+
+def test_a_lora_adapters_blocks_count_only_for_requests_that_name_it(tokenizer: Any) -> None:
+    """vLLM's block hashes include the adapter: the same prompt under another adapter, or
+    under none, is other KV. Its events name the adapter (lora_name); a request that names
+    it chains its token ids from the adapter's seed, as HeldBlocks chains those blocks."""
+    prompt = prompt_blocks("the adapter reads the prompt . " * 12, tokenizer)
+    assert prompt.ids is not None
+    blocks = len(prompt.chain)
+    held = mp.HeldBlocks()
+    for event in EngineSim(64).kv_events(prompt, list(range(blocks)), []):
+        held.apply(event | {"lora_id": 1, "lora_name": "sql"})
+    base = mp.RouteKey(0, [], 0, False, tokens=prompt.ids)
+    sql = mp.RouteKey(0, [], 0, False, tokens=prompt.ids, adapter=mp.adapter_seed("sql"))
+    other = mp.RouteKey(0, [], 0, False, tokens=prompt.ids, adapter=mp.adapter_seed("chat"))
+    assert held.match(sql.token_chain(BLOCK_TOKENS)) == blocks
+    assert held.match(base.token_chain(BLOCK_TOKENS)) == 0
+    assert held.match(other.token_chain(BLOCK_TOKENS)) == 0
+    # The base model's blocks of the same prompt are held apart, and match base requests only.
+    for event in EngineSim(64).kv_events(prompt, list(range(2)), []):
+        held.apply(event | {"block_hashes": [b"base-" + h for h in event["block_hashes"]]})
+    assert held.match(base.token_chain(BLOCK_TOKENS)) == 2
+    assert held.match(sql.token_chain(BLOCK_TOKENS)) == blocks
 
 
 def test_partial_block_entries_leave_the_engines_block_size_alone(tokenizer: Any) -> None:
@@ -127,8 +151,10 @@ def test_partial_block_entries_leave_the_engines_block_size_alone(tokenizer: Any
 
 def vllm_batches() -> list[list[Any]]:
     """Batches as vLLM publishes them ([ts, events, dp_rank]), events as maps (vLLM 0.32) or
-    arrays (older vLLM), with what a view skips: LoRA, offloaded and other-group blocks,
-    extra keys, partial entries, blocks whose parent it never heard of."""
+    arrays (older vLLM), with what a view skips: LoRA blocks named by id alone, offloaded and
+    other-group blocks, extra keys, partial entries, blocks whose parent it never heard of;
+    and a LoRA adapter's blocks named (6, then 13 after it), which it holds on their own
+    chain."""
     ids = list(range(100, 100 + 8 * BLOCK_TOKENS))
 
     def stored(hashes: list[Any], parent: Any, start: int, **more: Any) -> dict[str, Any]:
@@ -141,11 +167,11 @@ def vllm_batches() -> list[list[Any]]:
     return [
         [1.0, [stored([1, 2], None, 0, extra_keys=[None, None]), stored([3], 2, 2)], 0],
         [2.0, [removed, stored([4, 5], 2, 2, extra_keys=[None, ["salt"]])]],
-        [3.0, [stored([6], 2, 2, lora_name="adapter"), stored([7], 2, 2, lora_id=3),
+        [3.0, [stored([6], None, 0, lora_name="adapter"), stored([7], 2, 2, lora_id=3),
                stored([8], 2, 2, medium="CPU"), stored([9], 2, 2, group_idx=1),
                stored([10], 99, 2), stored([b"tail"], 5, 4, block_size=8)], 0],
         [4.0, [["BlockStored", [11, 12], 4, ids[64:96], BLOCK_TOKENS, None, "GPU"],
-               ["BlockStored", [13], 12, ids[96:112], BLOCK_TOKENS, None, "GPU", "adapter"],
+               ["BlockStored", [13], 6, ids[16:32], BLOCK_TOKENS, 1, "GPU", "adapter"],
                ["BlockStored", [14], 12, ids[96:112], BLOCK_TOKENS, None, "GPU", None, None, 1],
                ["BlockRemoved", [1], "CPU"], ["BlockRemoved", [4, 99], "GPU"]]],
         [5.0, [{"type": "AllBlocksCleared"}], 0],
@@ -173,7 +199,10 @@ def test_typed_and_untyped_batches_leave_the_same_view() -> None:
         for name in ("chains", "known", "block_size", "unplaced", "stored_total"):
             assert getattr(typed_feed.held, name) == getattr(untyped_feed.held, name), (seq, name)
         if seq == 3:  # 1-4, 11, 12 stored, 3 and 4 removed (1 only as an offloaded copy)
-            assert sorted(typed_feed.held.known, key=str) == [1, 11, 12, 2]
+            assert sorted(typed_feed.held.known, key=str) == [1, 11, 12, 13, 2, 6]
+            ids = list(range(100, 100 + 2 * BLOCK_TOKENS))  # vllm_batches' first two blocks
+            adapter = mp.token_chain(ids, BLOCK_TOKENS, mp.adapter_seed("adapter"))
+            assert typed_feed.held.match(adapter) == 2
             assert typed_feed.held.unplaced == 1 and typed_feed.held.block_size == BLOCK_TOKENS
     assert len(typed_feed.held) == 0  # cleared; then a block_size of True (1): a partial entry
     assert typed_feed.problem is None and typed_feed.batches == 8

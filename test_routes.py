@@ -14,13 +14,17 @@ import aiohttp
 import pytest
 
 import mooncake_proxy as mp
-from fake_vllm import MODEL, VLLM_VERSION
+from fake_vllm import MODEL, VLLM_VERSION, FakeVllm
 from testing_support import (
+    COMPLETIONS,
     FAST,
     JSON_TYPE,
+    Cluster,
     StartCluster,
     access_lines,
     assert_openai_error,
+    completion,
+    eventually,
     fleet_of,
     sample,
     scrape,
@@ -294,3 +298,132 @@ async def test_a_conversations_next_response_goes_where_its_turns_are_cached(
     samples = await scrape(cluster)
     affinity = {"stage": "prefill", "reason": "affinity"}
     assert sample(samples, "mooncake_proxy_routing_decisions_total", **affinity) == 2
+
+
+# --- several models and LoRA adapters behind one proxy
+
+
+TWO_MODELS = {
+    "prefill_dp": (1, 1),
+    "decodes": 2,
+    "each_prefill": ({"model": "tiny-a"}, {"model": "tiny-b"}),
+    "each_decode": ({"model": "tiny-a"}, {"model": "tiny-b"}),
+}
+
+
+async def known_models(cluster: Cluster, *models: str) -> None:
+    """Wait until the proxy read every instance's /v1/models (learn_models)."""
+    backends = [*fleet_of(cluster).prefills, *fleet_of(cluster).decodes]
+    await eventually(lambda: all(b.served is not None for b in backends))
+    assert set(fleet_of(cluster).known_models()) >= set(models)
+
+
+def models_sent(fake: FakeVllm) -> set[str | None]:
+    return {r.body.get("model") for r in fake.requests if r.path == COMPLETIONS}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_each_model_goes_to_the_pair_that_serves_it(
+    start_cluster: StartCluster, stream: bool
+) -> None:
+    cluster = await start_cluster(**TWO_MODELS)
+    await known_models(cluster, "tiny-a", "tiny-b")
+    for model in ("tiny-a", "tiny-b") * 3:
+        answer = await cluster.client.post(COMPLETIONS, json=completion(model=model, stream=stream))
+        assert answer.status == 200, await answer.text()
+        assert model.encode() in await answer.read()
+    # Each pair saw its own model only, both legs: a KV cache never crosses models.
+    for index, model in enumerate(("tiny-a", "tiny-b")):
+        assert (
+            models_sent(cluster.prefills[index]) == models_sent(cluster.decodes[index]) == {model}
+        )
+        assert cluster.prefills[index].transfers_served == 3
+    # A request that names no model goes where vLLM's first served name is: the first pair's.
+    body = completion()
+    del body["model"]
+    assert (await cluster.client.post(COMPLETIONS, json=body)).status == 200
+    assert len(cluster.decodes[0].requests) == 4 and len(cluster.decodes[1].requests) == 3
+    samples = await scrape(cluster)
+    for model in ("tiny-a", "tiny-b"):
+        requests = sample(samples, "mooncake_proxy_requests_total", model=model, status="200")
+        assert requests == (3 if model == "tiny-b" else 4)
+
+
+async def test_a_model_no_instance_serves_gets_vllms_404_and_the_list_is_the_union(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(**TWO_MODELS)
+    await known_models(cluster, "tiny-a", "tiny-b")
+    for path in (COMPLETIONS, "/v1/chat/completions", RESPONSES, "/tokenize"):
+        missing = await cluster.client.post(path, json={"model": "nope", "prompt": "x"})
+        assert missing.status == 404, path
+        error = (await missing.json())["error"]
+        assert_openai_error({"error": error}, 404)
+        assert error["type"] == "NotFoundError" and error["param"] == "model"
+        assert error["message"] == "The model `nope` does not exist. Valid aliases: tiny-a, tiny-b."
+    assert not any(fake.requests for fake in (*cluster.prefills, *cluster.decodes))
+    listed = await (await cluster.client.get("/v1/models")).json()
+    assert listed["object"] == "list"
+    assert [card["id"] for card in listed["data"]] == ["tiny-a", "tiny-b"]
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_requests_total", status="404", model="-") == 4
+
+
+async def test_a_models_instances_out_of_the_rotation_give_a_503_that_names_it(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(**TWO_MODELS, health_interval=60, discovery_interval=60)
+    await known_models(cluster, "tiny-a", "tiny-b")
+    await cluster.kill(cluster.decodes[1])
+    fleet_of(cluster).take_out(fleet_of(cluster).decodes[1], "killed by the test")
+    answer = await cluster.client.post(COMPLETIONS, json=completion(model="tiny-b"))
+    assert answer.status == 503
+    assert (
+        "no usable decode instance serves model `tiny-b`"
+        in (await answer.json())["error"]["message"]
+    )
+    # The other model is served on.
+    assert (await cluster.client.post(COMPLETIONS, json=completion(model="tiny-a"))).status == 200
+
+
+async def test_an_adapter_loaded_for_one_base_model_is_routed_to_its_instances(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(**TWO_MODELS)
+    await known_models(cluster, "tiny-a", "tiny-b")
+    adapter = {"lora_name": "sql", "lora_path": "/adapters/sql", "model": "tiny-a"}
+    loaded = await cluster.client.post("/v1/load_lora_adapter", json=adapter)
+    assert loaded.status == 200, await loaded.text()
+    # On tiny-a's instances only, and vLLM was not sent the proxy's own field.
+    assert [bool(f.adapters) for f in (*cluster.prefills, *cluster.decodes)] == [1, 0, 1, 0]
+    loads = [r for r in cluster.prefills[0].requests if r.path == "/v1/load_lora_adapter"]
+    assert "model" not in loads[0].body
+    # Known at once: a request for it follows the load without waiting for a check.
+    for _ in range(3):
+        answer = await cluster.client.post(COMPLETIONS, json=completion(model="sql"))
+        assert answer.status == 200, await answer.text()
+    assert models_sent(cluster.prefills[0]) == models_sent(cluster.decodes[0]) == {"sql"}
+    listed = await (await cluster.client.get("/v1/models")).json()
+    card = next(card for card in listed["data"] if card["id"] == "sql")
+    assert card["parent"] == "tiny-a"
+    # A base model the fleet does not run: vLLM's 404, loaded nowhere.
+    wrong = await cluster.client.post("/v1/load_lora_adapter", json={**adapter, "model": "x"})
+    assert wrong.status == 404
+    unloaded = await cluster.client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+    assert unloaded.status == 200, await unloaded.text()
+    gone = await cluster.client.post(COMPLETIONS, json=completion(model="sql"))
+    assert gone.status == 404
+
+
+async def test_an_instance_whose_models_cannot_be_read_serves_any_model(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = await start_cluster(decode={"models_status": 500})
+    fleet = fleet_of(cluster)
+    await eventually(lambda: fleet.prefills[0].served is not None)
+    assert fleet.decodes[0].served is None and "models unknown" in caplog.text
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    # A model the proxy cannot rule out goes on: the instances' own 404 answers it.
+    other = await cluster.client.post(COMPLETIONS, json=completion(model="whatever"))
+    assert other.status == 404
+    assert "Valid aliases: fake-model." in (await other.json())["error"]["message"]

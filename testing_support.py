@@ -194,7 +194,14 @@ async def scrape(
 
 
 def sample(samples: dict[Any, float], name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sum of a series' samples whose labels include ``labels``: a counter by route is
+    the sum over its models."""
+    wanted = labels.items()
+    return sum(
+        value
+        for (named, pairs), value in samples.items()
+        if named == name and wanted <= dict(pairs).items()
+    )
 
 
 def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:

@@ -68,6 +68,7 @@ class Server:
     bootstrap_port: int | None = None
     process: subprocess.Popen[bytes] | None = None
     kv_events: list[str] = field(default_factory=list)  # the proxy's --kv-events entry for it
+    model: str = MODEL  # the name it serves its model under (--served-model-name)
 
     def start(self) -> None:
         with self.log.open("ab") as log:
@@ -120,7 +121,7 @@ class Server:
         timed out on them), and the tests' requests should not be those."""
         client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
         client.with_options(timeout=120).completions.create(
-            model=MODEL, prompt="warm up", max_tokens=2
+            model=self.model, prompt="warm up", max_tokens=2
         )
 
 
@@ -141,7 +142,13 @@ def stall_in(decode: Server, since: int) -> str | None:
 
 
 def vllm_server(
-    root: Path, logs: Path, role: str, max_len: int, *extra: str, name: str | None = None
+    root: Path,
+    logs: Path,
+    role: str,
+    max_len: int,
+    *extra: str,
+    name: str | None = None,
+    model: str = MODEL,
 ) -> Server:
     port, bootstrap = free_port(), free_port()
     libs = f"{root}/sysroot/usr/lib/x86_64-linux-gnu:{root}/sysroot/lib/x86_64-linux-gnu"
@@ -169,13 +176,14 @@ def vllm_server(
     }
     argv = [
         f"{root}/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
-        "--model", f"{root}/tiny", "--served-model-name", MODEL,
+        "--model", f"{root}/tiny", "--served-model-name", model,
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", str(max_len), "--dtype", "float32", "--enforce-eager",
         "--kv-transfer-config", json.dumps(kv_config), *extra,
     ]  # fmt: skip
     name = name or role
-    return Server(name, argv, env, logs / f"{name}.log", f"http://127.0.0.1:{port}", bootstrap)
+    url = f"http://127.0.0.1:{port}"
+    return Server(name, argv, env, logs / f"{name}.log", url, bootstrap, model=model)
 
 
 @dataclass
