@@ -43,6 +43,7 @@ from multidict import CIMultiDict
 
 MODEL = "fake-model"
 RESPONSES = "/v1/responses"
+GENERATE = "/inference/v1/generate"  # with --enable-scale-out: token ids in, token ids out
 # vLLM's API server closes a connection idle this long (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, passed to
 # uvicorn's timeout_keep_alive): the fakes are served with it, so that a client pool keeping
 # idle connections longer meets closed sockets here as it would there.
@@ -128,6 +129,10 @@ def prompts_of(path: str, body: dict[str, Any]) -> list[Any]:
         return [messages]
     if path == RESPONSES:
         return [response_messages(body)]
+    if path == GENERATE:
+        if not is_token_prompt(ids := body.get("token_ids")):
+            raise BadRequest("token_ids must be a non-empty list of token ids", "token_ids")
+        return [ids]
     if "prompt" not in body:
         raise BadRequest("prompt is required", "prompt")
     prompt = body["prompt"]
@@ -205,6 +210,20 @@ def refuse_stored(body: dict[str, Any]) -> None:
             "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
             "background",
         )
+
+
+def sampling_of(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Where a request's sampling fields are: a generate request's in its sampling_params
+    (required, as vLLM's GenerateRequest has it), a Responses request's as response_sampling
+    reads them, the completions' in the body."""
+    if path == RESPONSES:
+        return response_sampling(body)
+    if path != GENERATE:
+        return body
+    sampling = body.get("sampling_params")
+    if not isinstance(sampling, dict):
+        raise BadRequest("sampling_params is required: an object", "sampling_params")
+    return sampling
 
 
 def response_sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -707,6 +726,7 @@ class FakeVllm:
         app.router.add_post("/v1/completions", self.handle_completion)
         app.router.add_post("/v1/chat/completions", self.handle_completion)
         app.router.add_post(RESPONSES, self.handle_completion)
+        app.router.add_post(GENERATE, self.handle_completion)
         app.router.add_get("/_fake/kv", self.handle_kv_pull)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/version", self.handle_version)
@@ -1047,13 +1067,13 @@ class FakeVllm:
         if request.path == RESPONSES:
             refuse_stored(body)
         # vLLM's child requests: one per prompt of a batch and per choice of ``n``.
-        prompts, count = prompts_of(request.path, body), sample_count(body)
+        sampling = sampling_of(request.path, body)
+        prompts, count = prompts_of(request.path, body), sample_count(sampling)
         for prompt in prompts:
             refuse_unencodable(prompt)
             if is_token_prompt(prompt):
                 model_input(prompt)  # refuses ids out of the vocabulary
         children = [prompt for prompt in prompts for _ in range(count)]
-        sampling = response_sampling(body) if request.path == RESPONSES else body
         # With a tokenizer, the model reads (and usage counts) the tokenizer's ids.
         ids = [self.prompt_blocks(p).ids if self.tokenizer is not None else None for p in prompts]
         generations = [
@@ -1360,17 +1380,21 @@ class FakeVllm:
         """The choices as vLLM 0.32 writes them: one per generation, indexed in order; streamed,
         chunks of one choice each (a chat's role chunks first), the choices' tokens in turn.
         With ``return_token_ids`` each chunk carries its token's id and a choice's first its
-        prompt's (a chat's role chunk); without, the same fields are null."""
+        prompt's (a chat's role chunk); without, the same fields are null. A generate request's
+        (tokens mode) carry token ids only, in its own shape (generate_choice)."""
         chat = request.path.endswith("/chat/completions")
-        ids = bool(body.get("return_token_ids"))
+        tokens_only = request.path == GENERATE
+        ids = bool(body.get("return_token_ids")) and not tokens_only
         created = int(time.time())
-        base = {
+        base: dict[str, Any] = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
             "model": body.get("model", MODEL),
         }
-        count = sample_count(body)
+        if tokens_only:
+            base = {"request_id": f"generate-tokens-{request_id}"}
+        count = sample_count(sampling_of(request.path, body))
         prompt_tokens = sum(g.prompt_tokens for g in generations[::count])  # once per prompt
         completion_tokens = sum(len(g.tokens) for g in generations)
         usage = {  # in vLLM's order
@@ -1381,6 +1405,10 @@ class FakeVllm:
         if not body.get("stream"):
             longest = max(len(g.tokens) for g in generations)
             await asyncio.sleep(self.token_delay * longest)  # generating them
+            if tokens_only:
+                payload = generate_answer(base, body, created, usage, generations)
+                self.begin_sent(request_id, compact(payload))
+                return await self.whole(request, payload)
             choices = []
             for index, generation in enumerate(generations):
                 text = "".join(generation.tokens)
@@ -1430,6 +1458,11 @@ class FakeVllm:
                 finish = generation.finish_reason if last else None
                 shown = ids and not self.hide_token_ids
                 token_ids = [generation.token_ids[position]] if shown else None
+                if tokens_only:
+                    choice = generate_choice(index, finish, [generation.token_ids[position]])
+                    chunk = {**base, "usage": None, "output_mode": "tokens", "choices": [choice]}
+                    await self.frame(response, request_id, chunk)
+                    continue
                 if chat:
                     choice = {"index": index, "delta": {"content": token}, "logprobs": None}
                     choice["finish_reason"] = finish
@@ -1451,7 +1484,10 @@ class FakeVllm:
             assert request.transport is not None
             request.transport.abort()
             return response
-        if include_usage:
+        if include_usage and tokens_only:
+            chunk = {**base, "usage": usage, "output_mode": "tokens", "choices": []}
+            await self.frame(response, request_id, chunk)
+        elif include_usage:
             chunk = {**base, "choices": [], "usage": usage}
             chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
             await self.frame(response, request_id, chunk)
@@ -1499,6 +1535,32 @@ class FakeVllm:
         """One event; ``ids``: it carries token ids (sent_plain gets it with them null)."""
         plain = b"data: " + compact(without_token_ids(obj)) + b"\n\n" if ids else None
         await self.write(response, request_id, b"data: " + compact(obj) + b"\n\n", plain)
+
+
+def generate_choice(index: int, finish: str | None, token_ids: list[int]) -> dict[str, Any]:
+    """A generate answer's choice (tokens mode), its fields in vLLM 0.32's order."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "stop_reason": None}
+    choice |= {"token_ids": token_ids, "routed_experts": None, "sampling_mask": None}
+    return choice | {"weight_versions": None, "logprobs": None}
+
+
+def generate_answer(
+    base: dict[str, Any],
+    body: dict[str, Any],
+    created: int,
+    usage: dict[str, Any],
+    generations: list[Generation],
+) -> dict[str, Any]:
+    """A whole generate answer as vLLM 0.32 writes its GenerateTokensResponse."""
+    choices = [
+        generate_choice(index, generation.finish_reason, generation.token_ids)
+        for index, generation in enumerate(generations)
+    ]
+    payload = {**base, "model": body.get("model", MODEL), "created": created, "usage": usage}
+    for name in ("prompt_logprobs", "prompt_token_id_logprobs", "prompt_token_ids"):
+        payload[name] = None
+    payload |= {"mm_placeholders": None, "metrics": None, "kv_transfer_params": None}
+    return payload | {"ec_transfer_params": None, "output_mode": "tokens", "choices": choices}
 
 
 async def event_stream(request: web.Request) -> web.StreamResponse:

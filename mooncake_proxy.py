@@ -1,7 +1,7 @@
 """mooncake-proxy: a prefill/decode (PD) disaggregation proxy for vLLM's MooncakeConnector.
 
 Clients send ordinary OpenAI requests (``/v1/completions``, ``/v1/chat/completions``,
-``/v1/responses``). For each
+``/v1/responses``, and vLLM's token-in/token-out ``/inference/v1/generate``). For each
 one the proxy picks a prefill engine (a prefill instance and one of its data-parallel ranks) and
 a decode instance, mints a unique ``transfer_id`` and sends both legs at once: the prefill
 computes the prompt's KV cache with ``max_tokens`` 1, the decode pulls that KV through Mooncake
@@ -168,19 +168,38 @@ COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
 # cap is max_output_tokens, and its events are named and end without [DONE]).
 RESPONSES_PATH: Final = "/v1/responses"
 
+# vLLM's token-in/token-out route (served with --enable-scale-out), PD as the completions but
+# for where the fields are: the prompt is token_ids, the cap and stops are in sampling_params.
+GENERATE_PATH: Final = "/inference/v1/generate"
+
 # The routes whose requests take the PD flow.
-PD_PATHS: Final = (*COMPLETION_PATHS, RESPONSES_PATH)
+PD_PATHS: Final = (*COMPLETION_PATHS, RESPONSES_PATH, GENERATE_PATH)
 
 # vLLM's other routes (0.32, PROTOCOL.md) that answer from one instance: passed through whole to
 # a decode, which computes what they ask itself (handle_passthrough). Each is its own route
 # label; any other path stays a 404.
 PASSTHROUGH_ROUTES: Final = (
     ("GET", "/version"),
+    ("GET", "/tokenizer_info"),  # with vLLM's --enable-tokenizer-info-endpoint
     *(("POST", path) for path in ("/tokenize", "/detokenize", "/v1/embeddings", "/pooling")),
     *(("POST", path) for path in ("/classify", "/score", "/v1/score", "/rerank", "/v1/rerank")),
     *(("POST", path) for path in ("/v2/rerank", "/invocations")),
     *(("POST", path) for path in ("/v1/audio/transcriptions", "/v1/audio/translations")),
+    # Anthropic's Messages API: generation, but computed by the decode alone (vLLM takes no
+    # kv_transfer_params there), and its errors in Anthropic's shape (ANTHROPIC_PATHS).
+    *(("POST", path) for path in ("/v1/messages", "/v1/messages/count_tokens")),
+    # With --enable-scale-out: a request rendered to token ids, and token ids back to text.
+    *(
+        ("POST", f"/v1/{api}/{way}")
+        for api in ("completions", "chat/completions", "messages")
+        for way in ("render", "derender")
+        if (api, way) != ("messages", "derender")
+    ),
 )
+
+# Routes whose errors vLLM writes in Anthropic's shape: the proxy does not answer an unknown
+# model there itself (an instance does, in that shape).
+ANTHROPIC_PATHS: Final = ("/v1/messages", "/v1/messages/count_tokens")
 
 # vLLM's routes that change an instance: sent to every one (handle_every_instance), as the
 # two legs of a request must find the same LoRA adapter on the prefill and on the decode.
@@ -1528,7 +1547,12 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
     body = await read_body(request) if request.can_read_body else bytearray()
     stats = request[STATS_KEY]
     model = named_model(request, body)
-    state.fleet.serving(model)  # vLLM's 404 for a model no instance serves
+    try:
+        state.fleet.serving(model)  # vLLM's 404 for a model no instance serves
+    except ProxyError:
+        if request.path not in ANTHROPIC_PATHS:
+            raise
+        model = None  # any decode answers it, in Anthropic's shape
     headers = passthrough_headers(request, stats.request_id, state.config)
     try:
         await state.admission.enter(request_priority(request, {}))
@@ -1895,10 +1919,12 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With --api-key, /v1/* (and /metrics with --protect-metrics) need the bearer key."""
+    """With --api-key, /v1/* and /inference/* (and /metrics with --protect-metrics) need the
+    bearer key."""
     config = request.app[STATE_KEY].config
     if config.api_key and (
-        request.path.startswith("/v1/") or (config.protect_metrics and request.path == "/metrics")
+        request.path.startswith(("/v1/", "/inference/"))  # as vLLM's --api-key guards them
+        or (config.protect_metrics and request.path == "/metrics")
     ):
         supplied = request.headers.get(hdrs.AUTHORIZATION, "").encode()
         # Constant time: how much of a guess matched must not show in the answer's timing.
@@ -2110,6 +2136,7 @@ class Exchange:
             stats.span = state.tracing.request_span(request.headers, stats.route)
             stats.span.set_attribute("mooncake.request_id", stats.request_id)
             stats.trace_id = trace_id_of_span(stats.span)
+        model = body.get("model") if isinstance(body.get("model"), str) else None
         route = None
         if state.fleet.routes_by_prefix:
             user = body.get("user")
@@ -2117,8 +2144,7 @@ class Exchange:
                 user if isinstance(user, str) else None
             )
             route = route_key(request.path, body, session, state.config.prefix_block_bytes)
-            model = body.get("model")
-            if isinstance(model, str) and (adapter := state.fleet.serving(model).adapter):
+            if model is not None and (adapter := state.fleet.serving(model).adapter):
                 route = dataclasses.replace(route, adapter=adapter_seed(adapter))
         lines = header_lines(headers)  # the first attempt's, rendered before any claim
         if (alone := fans_out(request.path, body)) is not None:
@@ -2129,12 +2155,13 @@ class Exchange:
         shared = None if size is not None and size < LEG_BODY_COPY_LIMIT else SharedBody.of(body)
         retries = state.config.max_retries
         exchange = cls(request, state, body, stats, headers, lines, shared, retries, route, alone)
-        exchange.path = request.path
-        exchange.model = model if isinstance(model := body.get("model"), str) else None
+        exchange.path, exchange.model = request.path, model
         if body.get("stream") is True:
             why = "it goes to a decode alone" if alone else None
             if request.path == RESPONSES_PATH:  # its events are not rebuilt from token ids
                 why = why or "a Responses stream is not continued elsewhere"
+            if request.path == GENERATE_PATH:  # a continuation is a completion's request
+                why = why or "a generate stream is not continued elsewhere"
             why = why or unmigratable(body, state.config.migration_limit)
             if why is None:
                 exchange.journal = StreamJournal(request.path, body)
@@ -3370,23 +3397,39 @@ def prefill_body(body: Mapping[str, Any], transfer_id: str, path: str = "") -> d
     The prefill pushes KV only if its single token ends the request by length. EOS, a stop
     string or a stop token would end it "stopped" and free the KV unsent, so everything that
     can stop it early is removed; the token itself is discarded (the decode samples its own).
-    A Responses request's cap is max_output_tokens, and its one token is not to be stored.
+    A Responses request's cap is max_output_tokens, and its one token is not to be stored; a
+    generate request's cap and stops are in its sampling_params.
     """
     prefill = dict(body)
     for key in ("stream_options", "min_tokens", "stop", "stop_token_ids"):
         prefill.pop(key, None)
     prefill["stream"] = False
-    if path == RESPONSES_PATH:
-        prefill["max_output_tokens"], prefill["store"] = 1, False
+    if path == GENERATE_PATH:
+        if "sampling_params" in body:  # required: vLLM refuses a request without
+            prefill["sampling_params"] = capped_sampling(body["sampling_params"])
     else:
-        prefill["max_tokens"] = 1
-    if "max_completion_tokens" in prefill:
-        prefill["max_completion_tokens"] = 1
-    prefill["ignore_eos"] = True
+        if path == RESPONSES_PATH:
+            prefill["max_output_tokens"], prefill["store"] = 1, False
+        else:
+            prefill["max_tokens"] = 1
+        if "max_completion_tokens" in prefill:
+            prefill["max_completion_tokens"] = 1
+        prefill["ignore_eos"] = True
     prefill["kv_transfer_params"] = PrefillKvTransferParams(
         do_remote_decode=True, do_remote_prefill=False, transfer_id=transfer_id
     )
     return prefill
+
+
+def capped_sampling(given: object) -> object:
+    """A generate request's sampling_params for its prefill: one token, ended by length (as
+    prefill_body does to a completion's fields). What is not an object goes as it came, for
+    vLLM to refuse."""
+    if not isinstance(given, dict):
+        return given
+    sampling = {k: v for k, v in given.items() if k not in ("min_tokens", "stop", "stop_token_ids")}
+    sampling["max_tokens"], sampling["ignore_eos"] = 1, True
+    return sampling
 
 
 def decode_body(body: Mapping[str, Any], engine: PrefillEngine, transfer_id: str) -> dict[str, Any]:
@@ -3422,8 +3465,10 @@ SAMPLE_COUNTS: Final = ("n", "best_of")
 def fans_out(path: str, body: Mapping[str, Any]) -> str | None:
     """Why vLLM would split this request (the field that says so), or None if it would not.
     Values are read as vLLM's validation reads them: "3" and 3.0 are 3."""
+    fields = body.get("sampling_params") if path == GENERATE_PATH else body
+    fields = fields if isinstance(fields, dict) else {}
     for name in SAMPLE_COUNTS:
-        if lax_int(body.get(name)) > 1:
+        if lax_int(fields.get(name)) > 1:
             return name
     if lax_bool(body.get("use_beam_search")):
         return "use_beam_search"
@@ -3463,7 +3508,7 @@ def is_prompt_batch(prompt: object) -> bool:
 LEG_FIELDS: Final = (
     *("stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens"),
     *("stop", "stop_token_ids", "ignore_eos", "kv_transfer_params", "return_token_ids"),
-    *("max_output_tokens", "store"),
+    *("max_output_tokens", "store", "sampling_params"),
 )
 
 # A leg's body as it goes on the wire, in pieces written one after the other.
@@ -4567,7 +4612,7 @@ def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, bytes, li
         ends = itertools.accumulate(map(len, lines), initial=0)
         befores = [end for end, m in zip(ends, messages, strict=False) if is_answer(m)]
         return head, b"".join(lines), befores[: -EARLIER_TURNS - 1 : -1]
-    prompt = body.get("prompt")
+    prompt = body.get("token_ids" if path == GENERATE_PATH else "prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch: it is placed by its first prompt
     if isinstance(prompt, str):
@@ -4601,10 +4646,11 @@ def message_line(message: object) -> bytes:
 
 
 def prompt_token_ids(path: str, body: Mapping[str, Any]) -> list[int] | None:
-    """A completion's prompt given as token ids (a batch: its first), which need no tokenizer."""
+    """A completion's prompt given as token ids (a batch: its first), or a generate request's,
+    which need no tokenizer."""
     if path.endswith("/chat/completions"):
         return None
-    prompt = body.get("prompt")
+    prompt = body.get("token_ids" if path == GENERATE_PATH else "prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         prompt = prompt[0]
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):

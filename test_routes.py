@@ -427,3 +427,97 @@ async def test_an_instance_whose_models_cannot_be_read_serves_any_model(
     other = await cluster.client.post(COMPLETIONS, json=completion(model="whatever"))
     assert other.status == 404
     assert "Valid aliases: fake-model." in (await other.json())["error"]["message"]
+
+
+# --- /inference/v1/generate: token ids in, token ids out, in PD
+
+GENERATE = "/inference/v1/generate"
+
+
+def generate_body(stream: bool = False, **sampling: Any) -> dict[str, Any]:
+    sampling = {"max_tokens": 8, "temperature": 0, "stop_token_ids": [7], **sampling}
+    return {"model": MODEL, "token_ids": [11, 12, 13, 14, 15], "sampling_params": sampling,
+            "stream": stream}  # fmt: skip
+
+
+def generated_ids(raw: bytes, stream: bool) -> list[int]:
+    if not stream:
+        return [t for choice in json.loads(raw)["choices"] for t in choice["token_ids"]]
+    events = [json.loads(line[6:]) for line in raw.split(b"\n\n") if line.startswith(b"data: {")]
+    choices = [choice for event in events for choice in event.get("choices", ())]
+    return [t for choice in choices for t in choice["token_ids"]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_generate_request_is_prefilled_moved_and_answered_as_the_decode_alone(
+    start_cluster: StartCluster, stream: bool
+) -> None:
+    cluster = await start_cluster()
+    (prefill,), (decode,) = cluster.prefills, cluster.decodes
+    body = generate_body(stream)
+    answer = await cluster.client.post(GENERATE, json=body)
+    assert answer.status == 200, await answer.text()
+    raw = await answer.read()
+    # The prefill's cap and stops are in its sampling_params: one token, ended by length.
+    (prefilled,) = prefill.requests
+    assert prefilled.body["sampling_params"] == {"max_tokens": 1, "temperature": 0,
+                                                 "ignore_eos": True}  # fmt: skip
+    assert prefilled.body["stream"] is False and "ignore_eos" not in prefilled.body
+    assert prefilled.body["kv_transfer_params"]["do_remote_decode"] is True
+    (decoded,) = decode.requests
+    assert decoded.body["sampling_params"] == body["sampling_params"]
+    assert decoded.body["kv_transfer_params"]["do_remote_prefill"] is True
+    assert prefill.transfers_served == 1
+    async with cluster.client.session.post(f"{decode.api_url}{GENERATE}", json=body) as alone:
+        local = await alone.read()
+    assert generated_ids(raw, stream) == generated_ids(local, stream) != []
+    assert raw.endswith(b"data: [DONE]\n\n") == stream
+
+
+async def test_a_generate_request_with_several_samples_goes_to_a_decode_alone(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster()
+    body = generate_body(n=2, temperature=1.0)
+    answer = await cluster.client.post(GENERATE, json=body)
+    assert answer.status == 200, await answer.text()
+    assert len((await answer.json())["choices"]) == 2
+    assert not cluster.prefill_requests()
+    assert "kv_transfer_params" not in cluster.decodes[0].requests[0].body
+
+
+async def test_a_generate_streams_failed_kv_pull_is_tried_again_and_its_faults_end_it_clearly(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(decode={"fail_pulls": 1})
+    answer = await cluster.client.post(GENERATE, json=generate_body(stream=True))
+    assert answer.status == 200
+    raw = await answer.read()
+    assert len(generated_ids(raw, True)) == 8 and raw.count(b'"error"') == 0
+    assert len(cluster.decodes[0].pull_failures) == 1 and len(cluster.decodes[0].requests) == 2
+    # A request vLLM refuses (no sampling_params) gets its words, from the prefill at once.
+    refused = await cluster.client.post(GENERATE, json={"model": MODEL, "token_ids": [1]})
+    assert refused.status == 400 and "sampling_params" in await refused.text()
+    # Past the first token, a decode that dies ends the stream with an error and no retry.
+    cluster.decodes[0].break_after_tokens = 3
+    cut = await cluster.client.post(GENERATE, json=generate_body(stream=True))
+    raw = await cut.read()
+    assert len(generated_ids(raw, True)) == 3
+    assert b"not continued elsewhere" in raw and raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_anthropics_route_is_passed_on_even_for_a_model_the_proxy_does_not_know(
+    start_cluster: StartCluster,
+) -> None:
+    """vLLM answers an unknown model on /v1/messages in Anthropic's error shape: the proxy
+    does not answer it in OpenAI's itself, but lets an instance (here a fake without the
+    route, whose plain 404 comes back as it wrote it)."""
+    cluster = await start_cluster()
+    await known_models(cluster, MODEL)
+    body = {"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    answer = await cluster.client.post("/v1/messages", json=body)
+    assert answer.status == 404 and answer.content_type == "text/plain"
+    # Elsewhere the same model is the proxy's own NotFoundError.
+    assert (await cluster.client.post("/tokenize", json=body)).content_type == JSON_TYPE[
+        "Content-Type"
+    ]

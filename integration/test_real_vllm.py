@@ -201,8 +201,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
     root = Path(os.environ["VLLM_ENV_ROOT"])
     logs = Path(os.environ.get("REAL_VLLM_LOGS") or tmp_path_factory.mktemp("logs"))
     logs.mkdir(parents=True, exist_ok=True)
-    prefill = vllm_server(root, logs, "kv_producer", PREFILL_MAX_MODEL_LEN)
-    decode = vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN)
+    # --enable-scale-out: vLLM's token-in/token-out /inference/v1/generate, in PD too.
+    prefill = vllm_server(root, logs, "kv_producer", PREFILL_MAX_MODEL_LEN, "--enable-scale-out")
+    decode = vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, "--enable-scale-out")
     proxy_port = free_port()
     # The proxy as users start it.
     argv = [sys.executable, str(PROXY), "--port", str(proxy_port), "--decode", decode.url]
@@ -469,6 +470,32 @@ def test_a_response_equals_the_decodes_own_and_its_kv_came_over_mooncake(
     assert text and transferred == input_tokens
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_generate_request_equals_the_decodes_own_and_its_kv_came_over_mooncake(
+    cluster: RealCluster, stream: bool
+) -> None:
+    """/inference/v1/generate (token ids in and out) through both legs: the prefill capped in
+    its sampling_params, the KV pulled by the decode, the token ids the decode's own."""
+    prompt = [int(d) + 10 for d in str(uuid.uuid4().int)[:24]]  # a fresh prompt
+    body: dict[str, Any] = {"model": MODEL, "token_ids": prompt, "stream": stream}
+    body["sampling_params"] = {"max_tokens": 12, "temperature": 0}
+    before = kv_tokens(cluster)
+    status, _, raw = http_call(cluster.proxy.url, "POST", "/inference/v1/generate", body)
+    transferred = kv_tokens(cluster) - before
+    assert status == 200, raw
+    own = http_call(cluster.decode.url, "POST", "/inference/v1/generate", body)
+    assert own[0] == 200 and generated(raw, stream) == generated(own[2], stream) != []
+    assert transferred == len(prompt)
+
+
+def generated(raw: bytes, stream: bool) -> list[int]:
+    """The token ids of a generate answer, whole or streamed."""
+    if not stream:
+        return [t for choice in json.loads(raw)["choices"] for t in choice["token_ids"]]
+    events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    return [t for e in events for choice in e.get("choices", ()) for t in choice["token_ids"]]
+
+
 def http_call(base: str, method: str, path: str, body: Any = None) -> tuple[int, str, bytes]:
     """Status, Content-Type and body of one request, error statuses included."""
     data = json.dumps(body).encode() if body is not None else None
@@ -481,6 +508,8 @@ def http_call(base: str, method: str, path: str, body: Any = None) -> tuple[int,
         return error.code, error.headers["Content-Type"], error.read()
 
 
+HELLO = {"role": "user", "content": "hi"}
+
 PASSED_THROUGH = [
     ("GET", "/version", None),
     ("POST", "/tokenize", {"model": MODEL, "prompt": "the proxy sends the prompt"}),
@@ -488,6 +517,9 @@ PASSED_THROUGH = [
     ("POST", "/detokenize", {"model": MODEL, "tokens": [5, 6, 7, 8]}),
     ("POST", "/tokenize", {"model": "no-such-model", "prompt": "x"}),
     ("POST", "/detokenize", {"model": MODEL, "tokens": "not ids"}),
+    ("POST", "/v1/messages/count_tokens", {"model": MODEL, "messages": [HELLO]}),
+    # An unknown model on Anthropic's route: vLLM's answer in Anthropic's shape, not the proxy's.
+    ("POST", "/v1/messages", {"model": "no-such-model", "max_tokens": 4, "messages": [HELLO]}),
 ]
 
 
