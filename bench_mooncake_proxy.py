@@ -128,6 +128,11 @@ def fake_app(role: str) -> web.Application:
     async def query(request: web.Request) -> web.Response:
         return web.json_response({"0": {"engine_id": "bench-engine_dp0", "worker_addr": {}}})
 
+    async def models(request: web.Request) -> web.Response:
+        # As vLLM lists its model: the proxy routes each request to the instances that serve it.
+        card = {"id": "bench", "object": "model", "owned_by": "vllm", "root": "bench"}
+        return web.json_response({"object": "list", "data": [card | {"parent": None}]})
+
     async def completion(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if role == "prefill":
@@ -154,6 +159,7 @@ def fake_app(role: str) -> web.Application:
     app = web.Application(client_max_size=1 << 30)
     app.router.add_get("/health", health)
     app.router.add_get("/query", query)
+    app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completion)
     app.router.add_post("/v1/chat/completions", completion)
     return app
