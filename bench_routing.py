@@ -598,11 +598,13 @@ def costs_fleet(instances: int = INSTANCES, dp: int = DP, decodes: int = DECODES
         decodes=tuple(URL(f"http://10.0.1.{i}:8200") for i in range(1, decodes + 1)),
     )
     fleet = mp.Fleet(config)
+    # Every instance's /v1/models read, as a running proxy has it: decisions are the model's.
+    served = mp.parse_served({"data": [{"id": "fake-model", "parent": None}]})
     for instance in fleet.prefills:
         fleet.set_engines(instance, [f"{instance.url}_dp{r}" for r in range(dp)])
-        instance.usable = True
+        instance.usable, instance.served = True, served
     for decode in fleet.decodes:
-        decode.usable = True
+        decode.usable, decode.served = True, served
     fleet.refresh()
     return fleet
 
