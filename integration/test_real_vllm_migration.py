@@ -234,8 +234,10 @@ class Pacer:
         self.read += 1
         self.moved.set()
         with self.lock:
+            if self.victim is None:
+                return  # no decode held it when its head came: nothing to kill (Trial.void)
             if self.read == self.kill_after:
-                assert self.victim is not None and self.victim.process is not None
+                assert self.victim.process is not None
                 signal_group(self.victim, signal.SIGKILL)
                 self.killed_at, self.killed_time = self.read, time.monotonic()
                 self.running = False
