@@ -138,6 +138,22 @@ def _fast_dumps() -> Callable[[Any], bytes] | None:
 # orjson encodes a 1 MiB prompt in 50 us where the stdlib takes 3 ms, twice per request.
 FAST_DUMPS: Final = _fast_dumps()
 
+
+def _fast_loads() -> Callable[[bytes | bytearray | memoryview], Any] | None:
+    try:
+        from orjson import loads
+    except ImportError:
+        return None
+    return loads
+
+
+# And parses one in 0.4 ms where the stdlib takes 1.5 ms (and 0.4 us a 200-byte body, 1.8),
+# up to this size. Past it the stdlib parses: measured on a 16 MiB body, a request's peak
+# memory was 3.1 times the body through orjson, 2.6 through the stdlib (which lets the bytes
+# go before it builds the objects), and at that size memory is what counts.
+FAST_LOADS_LIMIT: Final = 4 << 20
+FAST_LOADS: Final = _fast_loads()
+
 # Byte-stable identity that tools launching the proxy record as evidence (the seed's values).
 ID: Final = "inferlab-vllm-mooncake-proxy"
 
@@ -3554,6 +3570,18 @@ def parse_request_json(raw: bytes | bytearray) -> dict[str, Any]:
     """
     if not raw or raw.isspace():
         raise ProxyError(400, "request body is empty: expected a JSON object")
+    body: object = None
+    if FAST_LOADS is not None and len(raw) <= FAST_LOADS_LIMIT:
+        # orjson reads strict UTF-8 JSON as the stdlib does; what it refuses (other encodings,
+        # a BOM, lone surrogates, integers past 64 bits, NaN, deep nesting) is read below,
+        # which accepts or refuses it as before, with the stdlib's words. Read through a view:
+        # given a bytearray itself, orjson copies it first; the view goes before the bytes.
+        with contextlib.suppress(ValueError), memoryview(raw) as view:
+            body = FAST_LOADS(view)
+    if isinstance(body, dict):
+        if isinstance(raw, bytearray):
+            raw.clear()
+        return body
     try:
         # What json.loads does with bytes, done here so the bytes can go before parsing.
         text = raw.decode(json.detect_encoding(raw), "surrogatepass")

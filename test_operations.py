@@ -1024,6 +1024,44 @@ def test_leg_bodies_encode_alike_with_or_without_the_speed_extra(
         assert json.loads(encoded) == body
 
 
+BODIES = [
+    b'{"model": "m", "prompt": "caf\xc3\xa9", "max_tokens": 3, "temperature": 0.7}',
+    b'{"prompt": "\\ud800 lone surrogate", "seed": 123456789012345678901234567890}',
+    b'{"prompt": ' + b"[" * 400 + b"]" * 400 + b"}",
+    "\ufeff".encode() + b'{"prompt": "with a BOM"}',
+    '{"prompt": "utf-16"}'.encode("utf-16"),
+    b'{"a": 1, "a": 2}',
+]
+BAD_BODIES = [
+    b'{"prompt": NaN}',
+    b'{"prompt": Infinity}',
+    b"[1, 2]",
+    b"[" * 5000 + b"]" * 5000,
+    b'{"prompt": "\xff"}',
+    b'{"x": 1} trailing',
+    b"",
+]
+
+
+@pytest.mark.parametrize("raw", BODIES + BAD_BODIES)
+def test_a_body_parses_alike_with_or_without_the_speed_extra(
+    monkeypatch: pytest.MonkeyPatch, raw: bytes
+) -> None:
+    """orjson reads what it can (strict UTF-8 JSON), the stdlib the rest: a body is accepted,
+    read and refused the same either way, with the same words."""
+
+    def parse() -> object:
+        try:
+            return mp.parse_request_json(bytearray(raw))
+        except mp.ProxyError as refused:
+            return (refused.status, refused.message)
+
+    fast = parse()
+    monkeypatch.setattr(mp, "FAST_LOADS", None)
+    assert parse() == fast
+    assert isinstance(fast, dict) == (raw in BODIES)
+
+
 async def test_the_pd_flow_works_without_the_speed_extra(
     start_cluster: StartCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
