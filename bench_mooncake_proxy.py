@@ -1,16 +1,20 @@
 """Benchmark: the proxy against a direct-to-decode run, in the same invocation.
 
-    python bench_mooncake_proxy.py --quick     # under a minute: a smoke check with real figures
-    python bench_mooncake_proxy.py             # the full sweep (a few minutes)
+    python bench_mooncake_proxy.py --quick     # about a minute: the lean targets, 1 and 32 at once
+    python bench_mooncake_proxy.py             # the full sweep, every target (about 15 minutes)
 
 It starts a fake cluster that is cheap enough not to be the bottleneck (a prefill with its
 bootstrap server in one process, a decode in another: each answers from precomputed bytes), the
 proxy as users start it (``python mooncake_proxy.py ...``), and a load generator in a process of
-its own. Every scenario runs direct-to-decode and through-the-proxy back to back, so that the
-ratios compare runs on the same noisy machine minutes apart at most; ``vllm-router`` is run as
-well when its binary is installed, and two yardsticks: a plain aiohttp PD proxy, and the same
-with both upstream legs on asyncio protocols and nothing else (the floor of the proxy's own
-legs). Figures are medians of the per-request samples.
+its own. Every scenario runs direct-to-decode and through each target back to back, so that the
+ratios compare runs on the same noisy machine minutes apart at most. The targets: the proxy
+twice (with --log-level WARNING, and with its default logging, an access line per request);
+``vllm-router``, when its binary is installed, twice too (lean: --policy round_robin and
+--log-level warning; and with its defaults: cache_aware, a line per request); and yardsticks:
+the PD flow with both upstream legs on asyncio protocols and nothing else (the floor of this
+design), and, in the full run, the same in plain aiohttp. Figures are medians of the
+per-request samples; the report ends with the proxy against the lean router, figure by
+figure, and against the floor.
 
 Reports per scenario requests/s, streamed chunks/s, TTFT and end-to-end p50/p99, proxy CPU ms per
 request (from /proc/<pid>/stat) and peak RSS, as a table, as JSON (``--json``) and as a PNG plot
@@ -56,6 +60,20 @@ LONG_TOKENS = 1000  # the long-answer scenario: the relay's cost per chunk domin
 LONG_TOKEN_GAP = 0.002
 PROMPT = "x" * 200  # the 200-byte prompt of the issue's table
 RAW_REF = "protocol legs (ref)"  # raw_proxy_app's target name
+PROXY = "proxy"  # as deployed for throughput: --log-level WARNING, no line per request
+PROXY_LOGGING = "proxy, default logging"  # its defaults: an access line per request
+ROUTER = "vllm-router, lean"  # --policy round_robin --log-level warning
+ROUTER_DEFAULTS = "vllm-router, defaults"  # cache_aware, a log line per request
+# What each target is, for the report's legend.
+LEGEND: Final = {
+    "direct": "the client talks to the decode itself: what no proxy costs",
+    PROXY: "this proxy, --log-level WARNING (no line per request)",
+    PROXY_LOGGING: "this proxy with its defaults (an access line per request)",
+    ROUTER: "vLLM's Rust router, --policy round_robin --log-level warning",
+    ROUTER_DEFAULTS: "vLLM's Rust router with its defaults (cache_aware, a line per request)",
+    "plain aiohttp (ref)": "a yardstick: the PD flow in plain aiohttp, nothing else",
+    RAW_REF: "a yardstick: both legs on asyncio protocols, nothing else (this design's floor)",
+}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -640,10 +658,15 @@ class Bench:
         wait_http(self.decode_url + "/health")
 
     def start_proxy(
-        self, workers: int = 1, env: dict[str, str] | None = None, revision: str | None = None
+        self,
+        workers: int = 1,
+        env: dict[str, str] | None = None,
+        revision: str | None = None,
+        lean: bool = True,
     ) -> Target:
         """The proxy as users start it; with ``revision``, that commit's mooncake_proxy.py
-        (for an A/B of two builds in one invocation, on one cluster, taking turns)."""
+        (for an A/B of two builds in one invocation, on one cluster, taking turns). ``lean``:
+        with --log-level WARNING, else with its default logging (an access line a request)."""
         port = free_port()
         script = HERE / "mooncake_proxy.py"
         if revision is not None:
@@ -656,14 +679,18 @@ class Bench:
         argv = [
             sys.executable, str(script), "--port", str(port),
             "--prefill", self.prefill_url, str(self.bootstrap_port),
-            "--decode", self.decode_url, "--log-level", "WARNING",
+            "--decode", self.decode_url,
         ]  # fmt: skip
+        if lean:
+            argv += ["--log-level", "WARNING"]
         if workers > 1:
             argv += ["--workers", str(workers)]
-        process = self.spawn(argv, env={**os.environ, **(env or {})})
+        # Its access lines go where a service's log goes; here, nowhere (not a pipe to fill).
+        quiet = {} if lean else {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        process = self.spawn(argv, env={**os.environ, **(env or {})}, **quiet)
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health")
-        name = f"proxy (workers={workers})" if workers > 1 else "proxy"
+        name = f"proxy (workers={workers})" if workers > 1 else PROXY if lean else PROXY_LOGGING
         if revision is not None:
             name = f"proxy at {revision}"
         return Target(name, url, process.pid, process)
@@ -677,7 +704,9 @@ class Bench:
         wait_http(url + "/health")
         return Target(name, url, process.pid, process)
 
-    def start_vllm_router(self) -> Target | None:
+    def start_vllm_router(self, lean: bool) -> Target | None:
+        """vLLM's Rust router, if installed: with its defaults, or ``lean`` (round robin for
+        both stages, no line per request)."""
         here = str(Path(sys.executable).parent)  # the venv's bin, when it is not on PATH
         binary = shutil.which("vllm-router") or shutil.which("vllm-router", path=here)
         if binary is None:
@@ -688,6 +717,9 @@ class Bench:
             "--vllm-pd-disaggregation", "--kv-connector", "mooncake",
             "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
         ]  # fmt: skip
+        argv += ["--prometheus-port", str(free_port())]  # two routers run: not the default
+        if lean:
+            argv += ["--policy", "round_robin", "--log-level", "warning"]
         process = self.spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -695,7 +727,7 @@ class Bench:
         except RuntimeError:
             print("vllm-router did not start; left out", file=sys.stderr)
             return None
-        return Target("vllm-router", url, process.pid, process)
+        return Target(ROUTER if lean else ROUTER_DEFAULTS, url, process.pid, process)
 
     def stop(self, target: Target) -> None:
         if target.process is not None and target.process.poll() is None:
@@ -850,58 +882,55 @@ def format_row(r: Result) -> str:
 def bench_main(args: argparse.Namespace) -> int:
     bench = Bench(args)
     quick = args.quick
-    seconds = 2.0 if quick else 5.0
+    seconds = 1.0 if quick else 5.0
     concurrencies = [1, 32] if quick else [1, 8, 32, 64, 128, 256]
     summary: dict[str, Any] = {}
-    direct = None
     try:
         bench.start_cluster()
         direct = Target("direct", bench.decode_url)
         proxy = bench.start_proxy()
-        router = None if args.no_router else bench.start_vllm_router()
-        plain = bench.start_yardstick("plain", "plain aiohttp (ref)")
-        raw = bench.start_yardstick("raw", RAW_REF)
+        # Each with its defaults beside (a log line per request), in the full run: the quick
+        # one compares the lean ones only, to stay near a minute.
+        both_ways = (True,) if quick else (True, False)
+        proxy_logging = None if quick else bench.start_proxy(lean=False)
+        routers = [] if args.no_router else [bench.start_vllm_router(lean) for lean in both_ways]
+        router = routers[0] if routers else None
+        yardsticks = [bench.start_yardstick("raw", RAW_REF)]
+        if not quick:
+            yardsticks.insert(0, bench.start_yardstick("plain", "plain aiohttp (ref)"))
         baseline = None if args.baseline is None else bench.start_proxy(revision=args.baseline)
-        targets = [t for t in (direct, proxy, baseline, plain, raw, router) if t is not None]
+        candidates = (direct, proxy, proxy_logging, baseline, *routers, *yardsticks)
+        targets = [t for t in candidates if t is not None]
         for stream in (True, False):
             for concurrency in concurrencies:
                 for target in targets:
                     bench.run_load(target, "sweep", concurrency, stream, seconds)
-        # Long answers: 1,000 one-token chunks each, where the relay's cost per chunk counts.
-        for turn in range(args.rounds):
-            if turn:  # --rounds: the CPU figures again, the targets taking turns (medians)
-                for stream in (True, False):
-                    for target in targets[:: -1 if turn % 2 else 1]:
-                        bench.run_load(target, "sweep", 32, stream, seconds)
-            for target in targets[:: -1 if turn % 2 else 1]:  # a stream takes 2 s or more
-                bench.run_load(target, "long stream", 32, True, 3 * seconds, max_tokens=LONG_TOKENS)
+        for turn in range(1, args.rounds):  # the CPU figures again, taking turns: medians
+            for stream in (True, False):
+                for target in targets[:: -1 if turn % 2 else 1]:
+                    bench.run_load(target, "sweep", 32, stream, seconds)
+        if not quick:  # long answers: 1,000 one-token chunks each, the relay's cost per chunk
+            for turn in range(args.rounds):
+                for target in targets[:: -1 if turn % 2 else 1]:
+                    bench.run_load(target, "long stream", 32, True, 3 * seconds,
+                                   max_tokens=LONG_TOKENS)  # fmt: skip
         # The 1 MiB prompt: the proxy against a client that sends both legs itself.
-        mib = 1 << 20
         both = Target("client does both legs", bench.decode_url)
         for target in (both, proxy, *([router] if router else [])):
             bench.run_load(
-                target,
-                "1 MiB prompt",
-                1,
-                True,
-                seconds,
-                prompt_bytes=mib,
+                target, "1 MiB prompt", 1, True, max(seconds, 2.0), prompt_bytes=1 << 20,
                 both_legs=f"{bench.prefill_url}/v1/completions" if target is both else None,
-            )
+            )  # fmt: skip
         idle = (500 if quick else 2000, 2.0 if quick else 4.0)
-        summary["idle"] = bench.idle_memory(proxy, *idle)
-        print(f"idle streams: {summary['idle']}", flush=True)
+        summary["idle"] = {PROXY: bench.idle_memory(proxy, *idle)}
         if router is not None:
-            summary["idle_router"] = bench.idle_memory(router, *idle)
-            print(f"idle streams through vllm-router: {summary['idle_router']}", flush=True)
+            summary["idle"][ROUTER] = bench.idle_memory(router, *idle)
         bench.stop(proxy)
         # Peak memory of one large request, in multiples of its body.
         summary["large_body"] = [bench.large_body_memory(16)]
         if not quick:
             summary["large_body"].append(bench.large_body_memory(64))
             summary["large_body"].append(bench.large_body_memory(64, stdlib_json=True))
-        for row in summary["large_body"]:
-            print(f"large body: {row}", flush=True)
         if not quick or args.workers:
             for workers in (1, 2):
                 target = bench.start_proxy(workers)
@@ -909,12 +938,7 @@ def bench_main(args: argparse.Namespace) -> int:
                 bench.stop(target)
     finally:
         bench.close()
-    table = summarize(bench.results, summary)
-    print("\n" + table)
-    if (versus := against_router(bench.results, summary)) is not None:
-        if args.rounds > 1:
-            print(f"\nCPU and req/s at 32 concurrent: medians of {args.rounds} rounds")
-        print("\n" + versus)
+    print("\n" + report(bench.results, summary, args.rounds, args.baseline))
     if args.json:
         Path(args.json).write_text(
             json.dumps({"results": [asdict(r) for r in bench.results], **summary}, indent=2)
@@ -951,132 +975,61 @@ MEDIAN_FIELDS: Final = (
 )  # fmt: skip
 
 
-def summarize(results: list[Result], summary: dict[str, Any]) -> str:
-    lines = ["| target | metric | value | target | met |", "|---|---|---|---|---|"]
+# Within this much of each other, two figures are level: runs minutes apart on a shared machine
+# move by more than that.
+LEVEL: Final = 0.05
 
-    def add(
-        metric: str, value: float | None, goal: str, met: bool | None, fmt: str = "{:.3f}"
-    ) -> None:
-        shown = "-" if value is None else fmt.format(value)
-        verdict = "-" if met is None else ("yes" if met else "NO")
-        lines.append(f"| proxy | {metric} | {shown} | {goal} | {verdict} |")
 
-    def find(**match: Any) -> Result | None:
-        return median_of(results, **match)
-
-    streamed = find(scenario="sweep", target="proxy", stream=True, concurrency=32)
-    plain = find(scenario="sweep", target="proxy", stream=False, concurrency=32)
-    direct32 = find(scenario="sweep", target="direct", stream=True, concurrency=32)
-    if streamed and streamed.cpu_ms_per_request is not None:
-        add(
-            "CPU per streamed request (ms)",
-            streamed.cpu_ms_per_request,
-            "<= 0.35",
-            streamed.cpu_ms_per_request <= 0.35,
-        )
-    if plain and plain.cpu_ms_per_request is not None:
-        add(
-            "CPU per non-streamed request (ms)",
-            plain.cpu_ms_per_request,
-            "<= 0.25",
-            plain.cpu_ms_per_request <= 0.25,
-        )
-    if streamed and direct32:
-        ratio = streamed.rps / direct32.rps
-        add("streamed req/s at 32 vs direct", ratio, ">= 0.45x", ratio >= 0.45, "{:.2f}x")
-    p1 = find(scenario="sweep", target="proxy", stream=True, concurrency=1)
-    d1 = find(scenario="sweep", target="direct", stream=True, concurrency=1)
-    if p1 and d1:
-        added = p1.ttft_p50_ms - d1.ttft_p50_ms
-        add("added TTFT p50 at concurrency 1 (ms)", added, "<= 0.6", added <= 0.6)
-    idle = summary.get("idle")
-    if idle:
-        add(
-            f"RSS per idle stream ({idle['streams']} open, KiB)",
-            idle["kib_per_stream"],
-            "<= 20",
-            idle["kib_per_stream"] <= 20,
-            "{:.1f}",
-        )
-    big_proxy = find(scenario="1 MiB prompt", target="proxy")
-    big_both = find(scenario="1 MiB prompt", target="client does both legs")
-    if big_proxy and big_both:
-        added = big_proxy.e2e_p50_ms - big_both.e2e_p50_ms
-        add("1 MiB prompt, added e2e p50 (ms)", added, "<= 3", added <= 3)
-    for row in summary.get("large_body", []):
-        add(
-            f"peak memory per {row['mib']} MiB body ({row['json']} encoding)",
-            row["peak_per_body"],
-            "<= 3x" if row["json"] == "orjson" else "-",
-            row["peak_per_body"] <= 3 if row["json"] == "orjson" else None,
-            "{:.2f}x",
-        )
-    w1 = find(scenario="workers=1")
-    w2 = find(scenario="workers=2")
-    if w1 and w2:
-        add(
-            "req/s with --workers 2 vs 1",
-            w2.rps / w1.rps,
-            "> 1 (2 cores)",
-            w2.rps > w1.rps,
-            "{:.2f}x",
-        )
-    for name in ("plain aiohttp (ref)", RAW_REF):
-        ref = find(scenario="sweep", target=name, stream=True, concurrency=32)
-        ref_plain = find(scenario="sweep", target=name, stream=False, concurrency=32)
-        if ref and direct32 and ref_plain:
-            lines.append(
-                f"| {name} | CPU per streamed / non-streamed request (ms) | "
-                f"{ref.cpu_ms_per_request:.3f} / {ref_plain.cpu_ms_per_request:.3f} | "
-                "(0.44 / 0.33 on the issue's machine) | - |"
-            )
-            ratio = ref.rps / direct32.rps
-            lines.append(f"| {name} | streamed req/s at 32 vs direct | {ratio:.2f}x | - | - |")
-    router = find(scenario="sweep", target="vllm-router", stream=True, concurrency=32)
-    if router and direct32:
-        ratio = router.rps / direct32.rps
-        lines.append(f"| vllm-router | streamed req/s at 32 vs direct | {ratio:.2f}x | - | - |")
-    for name in ("proxy", "vllm-router", "plain aiohttp (ref)", RAW_REF):
-        long = find(scenario="long stream", target=name)
-        if long and long.cpu_ms_per_request is not None:
-            per_token = 1000 * long.cpu_ms_per_request / LONG_TOKENS
-            lines.append(
-                f"| {name} | CPU per relayed token, {LONG_TOKENS}-token streams at 32 (us) | "
-                f"{per_token:.2f} | - | - |"
-            )
+def report(
+    results: list[Result], summary: dict[str, Any], rounds: int, baseline: str | None
+) -> str:
+    """What ran, each figure for each target side by side, and what they say: the proxy
+    against vllm-router at its leanest (where it is installed), and against the floor of its
+    own design (the protocol-legs yardstick)."""
+    names = [PROXY, PROXY_LOGGING, *([f"proxy at {baseline}"] if baseline else [])]
+    names += [ROUTER, ROUTER_DEFAULTS, RAW_REF]
+    ran = {r.target for r in results}
+    shown = [name for name in names if name in ran]
+    figures = figures_of(results, summary)
+    lines = ["What ran, on one fake cluster with one load generator, in this invocation:"]
+    for name in ("direct", *shown):
+        lines.append(f"  {name:<24} {LEGEND.get(name, 'the proxy as it was at that commit')}")
+    took = f"medians of {rounds} rounds" if rounds > 1 else "one round (--rounds 3: medians)"
+    lines += ["", f"CPU and req/s at 32 concurrent: {took}. Lower is better but where marked.", ""]
+    lines.append("| figure | " + " | ".join(shown) + " |")
+    lines.append("|---|" + "---|" * len(shown))
+    for figure, (fmt, values) in figures.items():
+        cells = ["-" if values.get(n) is None else fmt.format(values[n]) for n in shown]
+        lines.append(f"| {figure} | " + " | ".join(cells) + " |")
+    lines += ["", *verdict(figures), *bounds(summary), *workers_scaling(results)]
     return "\n".join(lines)
 
 
-def against_router(results: list[Result], summary: dict[str, Any]) -> str | None:
-    """Issue 15's table: each figure for this proxy and for vllm-router, from the same run;
-    None without the router. Lower is better except for the req/s ratio."""
+def workers_scaling(results: list[Result]) -> list[str]:
+    """--workers 1 and 2 under the same load: what a second worker adds here, and the CPU a
+    request costs each, which predicts what more cores would give."""
+    ones, twos = (median_of(results, scenario=f"workers={n}") for n in (1, 2))
+    if ones is None or twos is None:
+        return []
+    costs = [r.cpu_ms_per_request for r in (ones, twos)]
+    cost = " and ".join(f"{c:.3f}" for c in costs if c is not None)
+    return [
+        f"--workers 2 against 1, streamed at 64 concurrent: {twos.rps:.0f} against "
+        f"{ones.rps:.0f} req/s ({twos.rps / ones.rps:.2f}x). On this machine the fakes and the "
+        f"load generator share its cores with the workers; a request costs {cost} ms of CPU "
+        "across the workers, so a serving node gives about 1000 / that many requests a second "
+        "per core it leaves them."
+    ]
+
+
+FigureTable = dict[str, tuple[str, dict[str, float | None]]]
+
+
+def figures_of(results: list[Result], summary: dict[str, Any]) -> FigureTable:
+    """Each figure of the report, per target (None where it did not run)."""
 
     def find(target: str, **match: Any) -> Result | None:
         return median_of(results, target=target, **match)
-
-    if find("vllm-router") is None:
-        return None
-    lines = [
-        f"| figure | proxy | vllm-router | goal | met | {RAW_REF} |",
-        "|---|---|---|---|---|---|",
-    ]
-
-    goals: dict[str, Callable[[float, float], bool]] = {
-        "<= router": lambda ours, theirs: ours <= theirs,
-        ">= router": lambda ours, theirs: ours >= theirs,
-        "<= half the router": lambda ours, theirs: ours <= theirs / 2,
-    }
-
-    def row(figure: str, of: Callable[[str], float | None], goal: str, fmt: str) -> None:
-        """The figure for the proxy and the router; the yardstick's beside, where it ran."""
-        ours, theirs, ref = of("proxy"), of("vllm-router"), of(RAW_REF)
-        if ours is not None and theirs is not None:
-            met = "yes" if goals[goal](ours, theirs) else "NO"
-            shown = "-" if ref is None else fmt.format(ref)
-            lines.append(
-                f"| {figure} | {fmt.format(ours)} | {fmt.format(theirs)} | {goal} | {met} "
-                f"| {shown} |"
-            )
 
     def cpu(target: str, stream: bool) -> float | None:
         r = find(target, scenario="sweep", stream=stream, concurrency=32)
@@ -1099,22 +1052,75 @@ def against_router(results: list[Result], summary: dict[str, Any]) -> str | None
         cost = r.cpu_ms_per_request if r else None
         return 1000 * cost / LONG_TOKENS if cost is not None else None
 
-    idle = {"proxy": summary.get("idle"), "vllm-router": summary.get("idle_router")}
-
     def idle_memory(target: str) -> float | None:
-        measured = idle.get(target)
+        measured = summary.get("idle", {}).get(target)
         return float(measured["kib_per_stream"]) if measured else None
 
-    for kind, stream in (("streamed", True), ("non-streamed", False)):
-        figure = f"CPU per {kind} request, 32 concurrent (ms)"
-        row(figure, functools.partial(cpu, stream=stream), "<= router", "{:.3f}")
-    row("streamed req/s at 32, ratio to direct", ratio, ">= router", "{:.2f}x")
-    row("TTFT added at concurrency 1 (ms)", added_ttft, "<= router", "{:+.2f}")
-    row("a 1 MiB prompt, added end to end (ms)", big, "<= router", "{:+.1f}")
-    row("memory per idle open stream (KiB)", idle_memory, "<= half the router", "{:.1f}")
-    row(f"CPU per relayed token, {LONG_TOKENS}-token streams at 32 (us)", per_token,
-        "<= router", "{:.2f}")  # fmt: skip
-    return "\n".join(lines)
+    each: dict[str, tuple[str, Callable[[str], float | None]]] = {
+        "CPU per streamed request (ms)": ("{:.3f}", functools.partial(cpu, stream=True)),
+        "CPU per non-streamed request (ms)": ("{:.3f}", functools.partial(cpu, stream=False)),
+        HIGHER_IS_BETTER: ("{:.2f}x", ratio),
+        "TTFT added at concurrency 1, p50 (ms)": ("{:+.2f}", added_ttft),
+        "a 1 MiB prompt, end to end added, p50 (ms)": ("{:+.1f}", big),
+        "memory per idle open stream (KiB)": ("{:.1f}", idle_memory),
+        f"CPU per relayed token, {LONG_TOKENS}-token streams (µs)": ("{:.2f}", per_token),
+    }
+    targets = {r.target for r in results}
+    table = {figure: (fmt, {t: of(t) for t in targets}) for figure, (fmt, of) in each.items()}
+    return {f: (fmt, v) for f, (fmt, v) in table.items() if any(x is not None for x in v.values())}
+
+
+HIGHER_IS_BETTER: Final = "streamed req/s at 32, ratio to direct (higher is better)"
+
+
+def verdict(figures: FigureTable) -> list[str]:
+    """The proxy against vllm-router at its leanest, figure by figure, and against its own
+    design's floor."""
+    lines: list[str] = []
+    ahead: list[str] = []
+    level: list[str] = []
+    behind: list[str] = []
+    for figure, (fmt, values) in figures.items():
+        ours, theirs = values.get(PROXY), values.get(ROUTER)
+        if ours is None or theirs is None:
+            continue
+        better = ours > theirs if figure == HIGHER_IS_BETTER else ours < theirs
+        if abs(ours - theirs) <= LEVEL * max(abs(theirs), 1e-9):
+            level.append(figure)
+        else:
+            said = f"{figure}: {fmt.format(ours)} against {fmt.format(theirs)}"
+            (ahead if better else behind).append(said)
+    if not (ahead or level or behind):
+        lines.append("vllm-router is not installed (or was left out): no comparison with it.")
+    else:
+        lines.append(f"Against vllm-router at its leanest (within {LEVEL:.0%} is level):")
+        lines += [f"  ahead  {f}" for f in ahead] + [f"  level  {f}" for f in level]
+        lines += [f"  behind {f}" for f in behind]
+        if not behind:
+            lines.append("  so: the proxy is at or ahead of the lean router on every figure.")
+    for kind in ("streamed", "non-streamed"):
+        values = figures.get(f"CPU per {kind} request (ms)", ("", {}))[1]
+        ours, floor = values.get(PROXY), values.get(RAW_REF)
+        if ours is not None and floor:
+            lines.append(
+                f"CPU per {kind} request: {ours / floor:.2f}x the protocol-legs floor "
+                f"({ours:.3f} against {floor:.3f} ms)."
+            )
+    return lines
+
+
+def bounds(summary: dict[str, Any]) -> list[str]:
+    """What the proxy must keep whatever it gains: a large body's peak memory bounded."""
+    lines = []
+    for row in summary.get("large_body", []):
+        if row["json"] != "orjson":
+            continue
+        kept = "kept" if row["peak_per_body"] <= 3 else "NOT KEPT"
+        lines.append(
+            f"Peak memory for one {row['mib']} MiB body: {row['peak_per_body']:.2f}x the body "
+            f"(bound 3x): {kept}."
+        )
+    return lines
 
 
 def pyplot() -> Any:
