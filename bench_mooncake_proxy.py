@@ -916,7 +916,7 @@ def bench_main(args: argparse.Namespace) -> int:
                                    max_tokens=LONG_TOKENS)  # fmt: skip
         # The 1 MiB prompt: the proxy against a client that sends both legs itself.
         both = Target("client does both legs", bench.decode_url)
-        for target in (both, proxy, *([router] if router else [])):
+        for target in (both, proxy, *(t for t in (router, baseline) if t is not None)):
             bench.run_load(
                 target, "1 MiB prompt", 1, True, max(seconds, 2.0), prompt_bytes=1 << 20,
                 both_legs=f"{bench.prefill_url}/v1/completions" if target is both else None,
