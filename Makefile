@@ -2,7 +2,7 @@
 #   make demo   the proxy in front of a simulated vLLM cluster, and a streamed request through it
 #   make test   the test suite (make check adds ruff and mypy --strict)
 # and, heavier: make integration   the proxy against real vLLM on the CPU with real Mooncake
-#               make bench         the benchmark (make bench-quick: under a minute)
+#               make bench         the benchmark, ~17 minutes (make bench-quick: under a minute)
 #               make bench-routing the routing benchmark (about 20 minutes)
 #               make bench-routing-scale  routing's cost from 8 to 1,024 engines, in process (~2 min)
 #               make chaos         requests lost while faults hit the cluster (ARGS=--quick: 1-2 min)
