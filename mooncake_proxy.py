@@ -6433,7 +6433,7 @@ def route_urls(base: URL) -> dict[str, URL]:
     return {path: base.with_path(path) for path in paths}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Served:
     """The models an instance serves, as its ``/v1/models`` lists them: each id with its card
     (for the proxy's own /v1/models) and its ``parent``, the base model of a LoRA adapter.
@@ -6447,12 +6447,6 @@ class Served:
 
     def __contains__(self, model: object) -> bool:
         return model in self.parents
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Served) and self.parents == other.parents
-
-    def __hash__(self) -> int:
-        return hash(tuple(self.parents))
 
 
 def parse_served(payload: object) -> Served:
@@ -6703,7 +6697,7 @@ class Serving:
     adapter: str | None = None  # the model, where it is a LoRA adapter (its KV events' blocks)
 
 
-def serves(serving: Serving) -> str:
+def naming_model(serving: Serving) -> str:
     """For a 503: the model the request named, where the fleet knows models."""
     return f" serves model `{serving.model}`" if serving.model is not None else ""
 
@@ -7058,7 +7052,7 @@ class Fleet:
         if avoid:  # passed over while another is left (see claim_decode)
             engines = tuple(e for e in engines if e.instance not in avoid) or engines
         if not engines:
-            raise ProxyError(503, f"no usable prefill engine{serves(serving)}")
+            raise ProxyError(503, f"no usable prefill engine{naming_model(serving)}")
         engine = engines[serving.prefill_router.pick(engines, self.prefill_policy, key).index]
         engine.instance.in_flight += 1
         return engine
@@ -7080,7 +7074,7 @@ class Fleet:
             # and, the last one left, may be tried again.
             decodes = tuple(d for d in decodes if d not in avoid) or decodes
         if not decodes:
-            raise ProxyError(503, f"no usable decode instance{serves(serving)}")
+            raise ProxyError(503, f"no usable decode instance{naming_model(serving)}")
         return decodes[serving.decode_router.pick(decodes, self.decode_policy, key).index]
 
     def release_decode(self, decode: DecodeInstance) -> None:
@@ -7235,7 +7229,8 @@ async def learn_models(state: ProxyState, backend: Backend, limits: aiohttp.Clie
         backend.models_error = str(error)
         return
     backend.models_error = None
-    if served != backend.served:
+    # What it serves, not its cards: vLLM stamps those anew (created, permission) every time.
+    if backend.served is None or served.parents != backend.served.parents:
         log.info("%s %s serves %s", backend.role, backend.url, ", ".join(served.parents))
         backend.served = served
         state.fleet.refresh()
