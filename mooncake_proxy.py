@@ -1479,8 +1479,7 @@ def require_serving(state: ProxyState) -> None:
         raise ProxyError(503, "proxy is draining: it is shutting down")
 
 
-def require_ready(request: web.Request) -> Fleet:
-    state = request.app[STATE_KEY]
+def require_ready(state: ProxyState) -> Fleet:
     fleet = state.fleet
     require_serving(state)
     if not fleet.ready:
@@ -1489,14 +1488,13 @@ def require_ready(request: web.Request) -> Fleet:
     return fleet
 
 
-async def read_body(request: web.Request) -> bytearray:
+async def read_body(request: web.Request, config: ProxyConfig) -> bytearray:
     """The body, within --max-request-bytes (else 413) and its deadline (else 408).
 
     The deadline is --body-timeout plus a second per --body-min-rate bytes received, so a big
     upload at a sane rate gets the time it needs while a trickle is cut off. Read here and not
     with request.read(), which would keep a second copy for the whole request.
     """
-    config = request.app[STATE_KEY].config
     limit = config.max_request_bytes
     if request.content_length is not None and request.content_length > limit:
         raise ProxyError(413, f"request body of {request.content_length} bytes exceeds {limit}")
@@ -1528,10 +1526,10 @@ async def read_body(request: web.Request) -> bytearray:
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
-    require_ready(request)
-    require_json(request)
-    body = parse_request_json(await read_body(request))
     state = request.app[STATE_KEY]
+    require_ready(state)
+    require_json(request)
+    body = parse_request_json(await read_body(request, state.config))
     model = body.get("model") if isinstance(body.get("model"), str) else None
     if model is not None:
         request[STATS_KEY].model = model[:100]
@@ -1548,8 +1546,8 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     try:
         if admission.limit:
             state.metrics.admission_wait.observe(waited)
-            require_ready(request)  # the fleet may have changed while it waited
-        return await run_pd_request(request, body)
+            require_ready(state)  # the fleet may have changed while it waited
+        return await run_pd_request(request, state, body)
     finally:
         admission.leave()
 
@@ -1560,7 +1558,7 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
     tried (an unreachable one leaves the rotation), up to --max-retries times."""
     state = request.app[STATE_KEY]
     require_serving(state)
-    body = await read_body(request) if request.can_read_body else bytearray()
+    body = await read_body(request, state.config) if request.can_read_body else bytearray()
     stats = request[STATS_KEY]
     model = named_model(request, body)
     try:
@@ -1681,7 +1679,7 @@ async def handle_every_instance(request: web.Request) -> web.Response:
     models are read again before the answer: a request for the adapter may follow at once."""
     state = request.app[STATE_KEY]
     require_serving(state)
-    body = bytes(await read_body(request))
+    body = bytes(await read_body(request, state.config))
     instances, body = adapter_holders(state.fleet, request.path, body)
     if not instances:  # DNS names that resolve to none yet
         raise ProxyError(503, "no prefill or decode instance is known yet")
@@ -1811,11 +1809,11 @@ async def handle_models(request: web.Request) -> web.Response:
     """Every model an instance serves, LoRA adapters with their parent, as vLLM lists them:
     each model's card as the first instance to list it wrote it. Until the instances' models
     are known (learn_models), one decode's own answer."""
-    fleet = require_ready(request)
+    state = request.app[STATE_KEY]
+    fleet = require_ready(state)
     if cards := fleet.known_models():
         payload = {"object": "list", "data": list(cards.values())}
         return web.Response(body=encode_json(payload), content_type="application/json")
-    state = request.app[STATE_KEY]
     config = state.config
     decode = fleet.claim_decode()
     fleet.release_decode(decode)  # a quick read: not worth counting as load
@@ -1902,8 +1900,12 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 
 @web.middleware
-async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Outermost: one access line and the request metrics per request, however it ended."""
+async def front_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every request's one middleware, outermost first: its access line and metrics however
+    it ended; a browser's CORS preflight (answered before any key is asked for: browsers send
+    none with it); the --api-key check; and every failure as an OpenAI-style error body,
+    never a traceback. One frame, not four: each would cost a coroutine per request."""
+    state = request.app[STATE_KEY]
     stats = request[STATS_KEY] = RequestStats(
         request.method, route_label(request), loggable_path(request)
     )
@@ -1914,30 +1916,34 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         connection.head_received()
     status = 499  # nginx's "client closed request", for a client that left before the answer
     try:
-        response: web.StreamResponse = await handler(request)
+        response: web.StreamResponse | None = preflight(request, state.config)
+        if response is None:
+            try:
+                require_key(request, state.config)
+                response = await handler(request)
+            except Exception as error:
+                response = error_response(request, stats, error)
         status = response.status
         if not response.prepared and isinstance(response, web.Response):
             stats.bytes_out = response.content_length or 0
-        if request.app[STATE_KEY].draining:
+        if state.draining:
             response.force_close()  # the client's next request goes to a proxy that stays
         return response
     except asyncio.CancelledError:
         # 499 (nginx's "client closed request") only if the client left before the answer began.
         status = stats.status_sent or status
         stats.outcome = "client_gone"
-        request.app[STATE_KEY].metrics.errors.labels("client", "client_gone").inc()
+        state.metrics.errors.labels("client", "client_gone").inc()
         raise
     finally:
-        record_request(request.app, stats, status)
+        record_request(state.metrics, stats, status)
         if isinstance(connection, ClientConnection):
             connection.request_done()
 
 
-@web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+def require_key(request: web.Request, config: ProxyConfig) -> None:
     """With --api-key, /v1/* and /inference/* (and /metrics with --protect-metrics) need the
     bearer key."""
-    config = request.app[STATE_KEY].config
     if config.api_key and (
         request.path.startswith(("/v1/", "/inference/"))  # as vLLM's --api-key guards them
         or (config.protect_metrics and request.path == "/metrics")
@@ -1946,25 +1952,22 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         # Constant time: how much of a guess matched must not show in the answer's timing.
         if not hmac.compare_digest(supplied, f"Bearer {config.api_key}".encode()):
             raise ProxyError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-    response: web.StreamResponse = await handler(request)
-    return response
 
 
 # What a preflight's answer allows where --allowed-methods is '*' (Starlette's, as vLLM's).
 CORS_ALL_METHODS: Final = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
 
 
-@web.middleware
-async def cors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With --allowed-origins, a browser's preflight (OPTIONS with Origin and
-    Access-Control-Request-Method) is answered here, before any key is asked for (browsers
-    send none with it); the other answers get their CORS headers as they are prepared
-    (cors_headers), streams too."""
-    config = request.app[STATE_KEY].config
+def preflight(request: web.Request, config: ProxyConfig) -> web.Response | None:
+    """With --allowed-origins, the answer to a browser's preflight (OPTIONS with Origin and
+    Access-Control-Request-Method); None for any other request. The other answers get their
+    CORS headers as they are prepared (cors_headers), streams too."""
+    if not config.allowed_origins or request.method != "OPTIONS":
+        return None
     origin = request.headers.get(hdrs.ORIGIN)
     asked = request.headers.get(hdrs.ACCESS_CONTROL_REQUEST_METHOD)
-    if not config.allowed_origins or request.method != "OPTIONS" or not origin or not asked:
-        return await handler(request)
+    if not origin or not asked:
+        return None
     refused = []
     if not cors_allows(config.allowed_origins, origin):
         refused.append("origin")
@@ -2008,25 +2011,24 @@ async def cors_headers(request: web.BaseRequest, response: web.StreamResponse) -
         response.headers[hdrs.ACCESS_CONTROL_ALLOW_CREDENTIALS] = "true"
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure leaves as an OpenAI-style error body, never as a traceback."""
-    stats = request[STATS_KEY]
+def error_response(
+    request: web.Request, stats: RequestStats, error: Exception
+) -> web.StreamResponse:
+    """A failure (``error``) as an OpenAI-style error body, never as a traceback."""
     allow = None
-    try:
-        response: web.StreamResponse = await handler(request)
-        return response
-    except ProxyError as error:
+    if isinstance(error, ProxyError):
         log.info("%s %s -> %d: %s", request.method, stats.path, error.status, error.message)
         failure = error
-    except web.HTTPException as http_error:  # aiohttp's own 404 and 405
-        if http_error.status < 400:
-            raise
-        message = f"{request.method} {stats.path}: {http_error.reason}"
-        failure = ProxyError(http_error.status, message, reason="http")
-        allow = http_error.headers.get(hdrs.ALLOW)
-    except Exception:
-        log.exception("unexpected error while handling %s %s", request.method, stats.path)
+    elif isinstance(error, web.HTTPException):  # aiohttp's own 404 and 405
+        if error.status < 400:
+            raise error
+        message = f"{request.method} {stats.path}: {error.reason}"
+        failure = ProxyError(error.status, message, reason="http")
+        allow = error.headers.get(hdrs.ALLOW)
+    else:
+        log.error(
+            "unexpected error while handling %s %s", request.method, stats.path, exc_info=error
+        )
         failure = ProxyError(
             500, "internal error in mooncake-proxy; see its log", reason="internal"
         )
@@ -2048,15 +2050,17 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 # ================================================================================================
 
 
-async def run_pd_request(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+async def run_pd_request(
+    request: web.Request, state: ProxyState, body: dict[str, Any]
+) -> web.StreamResponse:
     """One PD request, as docs/flow.md's "The PD steps" numbers them (1 is the
     handler's: the body is parsed, the proxy is ready)."""
-    exchange = Exchange.of(request, body)
+    exchange = Exchange.of(request, state, body)
     await exchange.learn_tokens()
     while True:
         try:
             async with (
-                exchange.attempt() as attempt,  # 2, 3: a prefill engine, a decode, the ids
+                await exchange.attempt() as attempt,  # 2, 3: a prefill engine, a decode, ids
                 attempt.beside_prefill(),  # 4; 6, 7 if it fails (none for a decode alone)
             ):
                 await attempt.relay_decode()  # 4, 5; and 7 while a decode is refused
@@ -2144,8 +2148,8 @@ class Exchange:
     tried: set[Backend] = field(default_factory=set)  # unreachable, or failed a KV load
 
     @classmethod
-    def of(cls, request: web.Request, body: dict[str, Any]) -> Exchange:
-        state, stats = request.app[STATE_KEY], request[STATS_KEY]
+    def of(cls, request: web.Request, state: ProxyState, body: dict[str, Any]) -> Exchange:
+        stats = request[STATS_KEY]
         headers = upstream_headers(request.headers, stats.request_id, state.config)
         stats.trace_id = trace_id_of(headers)
         if state.tracing is not None:
@@ -2210,26 +2214,11 @@ class Exchange:
             if reading.share < 1.0:
                 state.read_rest(reading)
 
-    @contextlib.asynccontextmanager
-    async def attempt(self) -> AsyncIterator[Attempt]:
-        """One try: its claims and slots are released however it ends, and a prefill still
-        running is kept if the decode finished, else cancelled (vLLM then aborts it)."""
-        attempt = await self.begin_attempt()
-        try:
-            yield attempt
-        except BaseException:
-            await attempt.abandon_prefill()
-            raise
-        else:
-            attempt.hand_over_prefill()
-        finally:
-            self.state.fleet.release_decode(attempt.decode)
-            self.state.slots.release(1)
-
-    async def begin_attempt(self) -> Attempt:
-        """Claim a prefill engine (none for a decode alone), a decode and the legs' upstream
-        connections; the first attempt goes by the request's id, a retry by a new one (so a
-        new ``transfer_id``)."""
+    async def attempt(self) -> Attempt:
+        """One try, to run as a context (Attempt.__aexit__ lets its claims go): a prefill
+        engine (none for a decode alone), a decode and the legs' upstream connections claimed;
+        the first attempt goes by the request's id, a retry by a new one (so a new
+        ``transfer_id``)."""
         if self.failures and isinstance(failed := self.failures[-1], KvLoadFailed):
             await failed.suspect_checked(self.state.config.health_timeout)
         engine, decode = self.claim_pair()
@@ -2387,6 +2376,22 @@ class Attempt:
     prefill_span: Any = None  # with --otlp-traces-endpoint
     decode_span: Any = None
 
+    async def __aenter__(self) -> Attempt:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        """However the try ended, its claims and slots are released, and a prefill still
+        running is kept if the decode finished, else cancelled (vLLM then aborts it). A class
+        and not a generator's context: this runs for every request."""
+        try:
+            if kind is None:
+                self.hand_over_prefill()
+            else:
+                await self.abandon_prefill()
+        finally:
+            self.exchange.state.fleet.release_decode(self.decode)
+            self.exchange.state.slots.release(1)
+
     @property
     def transfer_id(self) -> str:
         return transfer_id_for(self.request_id)
@@ -2397,7 +2402,7 @@ class Attempt:
         if self.engine is None:
             return contextlib.nullcontext()
         engine = self.engine
-        return stopped_if_prefill_fails(self, engine.instance, self.send_prefill(engine))
+        return PrefillWatch(self, engine.instance, self.send_prefill(engine))
 
     def send_prefill(self, engine: PrefillEngine) -> asyncio.Task[None]:
         """Step 4's prefill leg, as a task beside the decode; its claims go when it ends."""
@@ -2589,7 +2594,7 @@ class Attempt:
     async def let_prefill_speak(self) -> None:
         """A decode's 5xx is often the echo of a prefill that is gone (its bootstrap refused,
         its engine id unknown): a moment for the prefill leg to fail first, so that its error
-        wins and the pair is tried elsewhere (stopped_if_prefill_fails) instead of failing."""
+        wins and the pair is tried elsewhere (PrefillWatch) instead of failing."""
         if self.prefill is not None and not self.prefill.done():
             await asyncio.wait({self.prefill}, timeout=PREFILL_FAILURE_GRACE)
 
@@ -2602,10 +2607,7 @@ class Attempt:
         self.decode_span = None
 
 
-@contextlib.asynccontextmanager
-async def stopped_if_prefill_fails(
-    attempt: Attempt, instance: PrefillInstance, prefill: asyncio.Task[None]
-) -> AsyncIterator[None]:
+class PrefillWatch:
     """Runs the decode leg (the block) while ``prefill`` runs beside it on ``instance``.
 
     A prefill that fails while the block runs means its KV will never come: the block is
@@ -2619,42 +2621,57 @@ async def stopped_if_prefill_fails(
     handler's own task (one task less per request); a client gone at the same time still wins
     (asyncio.timeout lets a cancellation that is not its own through).
     """
-    exchange = attempt.exchange
-    lost: Unreachable | None = None  # the KV, with the prefill instance that held it
-    # The block's scope: asyncio.timeout with no deadline, set to "now" to stop the block. It
-    # cancels the block alone and tells that cancellation apart from the client's.
-    scope = asyncio.timeout(None)
-    running = True
 
-    def stop(cause: Unreachable | None = None) -> None:
-        nonlocal lost
-        if running and scope.when() is None:  # once, and only while the block runs
-            lost = cause
-            scope.reschedule(0)
+    __slots__ = ("exchange", "instance", "lost", "prefill", "running", "scope")
 
-    def prefill_done(done: asyncio.Task[None]) -> None:
+    def __init__(
+        self, attempt: Attempt, instance: PrefillInstance, prefill: asyncio.Task[None]
+    ) -> None:
+        self.exchange, self.instance, self.prefill = attempt.exchange, instance, prefill
+        self.lost: Unreachable | None = None  # the KV, with the prefill instance that held it
+        # The block's scope: asyncio.timeout with no deadline, set to "now" to stop the block.
+        # It cancels the block alone and tells that cancellation apart from the client's.
+        self.scope = asyncio.timeout(None)
+        self.running = False
+
+    async def __aenter__(self) -> None:
+        self.prefill.add_done_callback(self.prefill_done)
+        if self.exchange.body.get("stream") is True:
+            self.instance.down_watchers.add(self.instance_down)
+        self.running = True
+        await self.scope.__aenter__()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: Any
+    ) -> None:
+        self.running = False
+        self.instance.down_watchers.discard(self.instance_down)
+        try:
+            await self.scope.__aexit__(kind, error, tb)
+        except TimeoutError:  # stopped here
+            if (cause := self.cause()) is None:
+                raise
+            raise cause from None
+        if isinstance(error, TimeoutError | ProxyError) and (cause := self.cause()) is not None:
+            raise cause from None
+
+    def cause(self) -> BaseException | None:
+        """Why the block failed at root, if the prefill did: its error, or its KV lost."""
+        return leg_error(self.prefill) or self.lost
+
+    def stop(self, cause: Unreachable | None = None) -> None:
+        if self.running and self.scope.when() is None:  # once, and only while the block runs
+            self.lost = cause
+            self.scope.reschedule(0)
+
+    def prefill_done(self, done: asyncio.Task[None]) -> None:
         if leg_error(done) is not None:
-            stop()
+            self.stop()
 
-    def instance_down(why: str) -> None:
-        if not exchange.relaying:
-            message = f"prefill {instance.url} {why} before its KV was pulled"
-            stop(Unreachable(502, message, reason="kv_lost", backend=instance))
-
-    prefill.add_done_callback(prefill_done)
-    if exchange.body.get("stream") is True:
-        instance.down_watchers.add(instance_down)
-    try:
-        async with scope:
-            yield
-    except (TimeoutError, ProxyError):  # TimeoutError: stopped here
-        cause = leg_error(prefill) or lost
-        if cause is None:
-            raise
-        raise cause from None
-    finally:
-        running = False
-        instance.down_watchers.discard(instance_down)
+    def instance_down(self, why: str) -> None:
+        if not self.exchange.relaying:
+            message = f"prefill {self.instance.url} {why} before its KV was pulled"
+            self.stop(Unreachable(502, message, reason="kv_lost", backend=self.instance))
 
 
 async def send_prefill(
@@ -3854,6 +3871,7 @@ class HttpLeg(asyncio.Protocol):
         "idle_since",
         "informational",
         "kept",
+        "loop",
         "out_of_step",
         "parser",
         "paused",
@@ -3869,6 +3887,7 @@ class HttpLeg(asyncio.Protocol):
     def __init__(self, idle: dict[HttpLeg, None]) -> None:
         self.idle = idle  # its upstream's idle connections, which it leaves when it closes
         self.idle_since = 0.0
+        self.loop = asyncio.get_running_loop()  # made in the loop: for its futures, once
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future[None] | None = None
@@ -3947,7 +3966,7 @@ class HttpLeg(asyncio.Protocol):
         while not ready():
             if self.error is not None:
                 raise self.error
-            self.waiter = asyncio.get_running_loop().create_future()
+            self.waiter = self.loop.create_future()
             try:
                 await self.waiter
             finally:
@@ -4127,12 +4146,10 @@ class UpstreamPool:
             leg.close()
             return
         leg.resume()
-        leg.idle_since = asyncio.get_running_loop().time()
+        leg.idle_since = time.monotonic()
         leg.idle[leg] = None
         if self._sweep is None:
-            self._sweep = asyncio.get_running_loop().call_later(
-                self.keepalive_timeout, self._close_expired
-            )
+            self._sweep = leg.loop.call_later(self.keepalive_timeout, self._close_expired)
 
     def close(self) -> None:
         if self._sweep is not None:
@@ -4145,7 +4162,7 @@ class UpstreamPool:
 
     def _reuse(self, upstream: str) -> HttpLeg | None:
         idle = self._idle.get(upstream)
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()
         while idle:
             leg, _ = idle.popitem()  # the newest: if it aged out, so did the rest
             if leg.open and now - leg.idle_since < self.keepalive_timeout:
@@ -4183,7 +4200,7 @@ class UpstreamPool:
         """Close the connections idle for --keepalive-timeout; again later while any is idle."""
         self._sweep = None
         loop = asyncio.get_running_loop()
-        oldest_kept = loop.time() - self.keepalive_timeout
+        oldest_kept = time.monotonic() - self.keepalive_timeout
         for idle in self._idle.values():
             for leg in list(idle):
                 if leg.idle_since > oldest_kept:
@@ -4362,7 +4379,7 @@ class ClientConnection(web.RequestHandler):
 
     def _start_head_deadline(self) -> None:
         timeout = self.app[STATE_KEY].config.header_timeout
-        self._head_deadline = asyncio.get_running_loop().call_later(timeout, self._head_timed_out)
+        self._head_deadline = self._loop.call_later(timeout, self._head_timed_out)
 
     def _head_timed_out(self) -> None:
         self._head_deadline = None
@@ -4374,7 +4391,7 @@ class ClientConnection(web.RequestHandler):
 
     def _record(self, error: ProxyError) -> None:
         stats = RequestStats("-", UNPARSED, outcome=f"error:{error.reason}")
-        record_request(self.app, stats, error.status)
+        record_request(self.app[STATE_KEY].metrics, stats, error.status)
 
     def _answer_and_close(self, error: ProxyError) -> None:
         """Answer, end our side, read and drop what still comes for a moment, then close."""
@@ -4833,6 +4850,8 @@ def block_chain(data: bytes, size: int = ROUTING_BLOCK_BYTES, seed: int = 0) -> 
     CRC-32 (zlib's C code, as fast), and hash() takes ints and tuples of ints alike
     everywhere."""
     count = len(data) // size
+    if not count:  # most chats' and completions' first turn: no setting up for nothing
+        return []
     blocks = map(
         data.__getitem__, map(slice, range(0, count * size, size), itertools.count(size, size))
     )
@@ -8053,9 +8072,8 @@ def loggable_path(request: web.BaseRequest) -> str:
     return path if path.isprintable() and path.isascii() else ascii(path)[1:-1]
 
 
-def record_request(app: web.Application, stats: RequestStats, status: int) -> None:
+def record_request(metrics: Metrics, stats: RequestStats, status: int) -> None:
     now = time.monotonic()
-    metrics = app[STATE_KEY].metrics
     metrics.of(metrics.requests, stats.route, str(status), stats.model_label).inc()
     if stats.span is not None:
         stats.span.set_attribute("http.response.status_code", status)
@@ -8226,7 +8244,7 @@ async def lingering_prefills_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(config: ProxyConfig) -> web.Application:
     app = web.Application(
-        middlewares=[access_middleware, cors_middleware, error_middleware, auth_middleware],
+        middlewares=[front_middleware],
         # Bodies are checked against --max-request-bytes in read_body, with a clear 413.
         client_max_size=config.max_request_bytes,
     )
