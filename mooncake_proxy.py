@@ -20,7 +20,7 @@ The module, in chapters (each opens with a banner saying what it holds and what 
      1. Identity and defaults     names, version, wire constants
      2. Configuration             ProxyConfig (frozen), its SETTINGS, flags/env/TOML loading
      3. Errors and state          ProxyError (status + OpenAI type), ProxyState, STATE_KEY
-     4. HTTP handlers             the routes and middlewares; a request starts here
+     4. HTTP handlers             the routes and the middleware; a request starts here
      5. The PD flow               run_pd_request: the protocol's steps; Exchange and Attempt
                                   (tries, failover), the prefill beside the decode, the relay;
                                   a stream going on elsewhere (StreamJournal, migration)
@@ -1469,7 +1469,7 @@ STATE_KEY: Final = web.AppKey("state", ProxyState)
 
 # ================================================================================================
 # 4. HTTP handlers
-# Holds the routes clients call, readiness and the middlewares (access log, auth, errors). The
+# Holds the routes clients call, readiness and the middleware (access log, CORS, auth, errors). The
 # request path starts here: handle_completion -> run_pd_request (5). Uses: 1-3, 5, 10, 11.
 # ================================================================================================
 
@@ -2341,7 +2341,7 @@ class Exchange:
         """Answer with the error, or in band once the stream has started (step 6)."""
         response = self.response
         if not response.prepared:
-            raise error  # the error middleware answers with it
+            raise error  # the middleware answers with it (error_response)
         self.stats.outcome = f"stream_error:{error.reason}"
         log.warning("stream already started, ending it with an error: %s", error.message)
         if response.headers.get(hdrs.CONTENT_TYPE, "").startswith(SSE_CONTENT_TYPE):
@@ -4310,7 +4310,8 @@ class ClientConnection(web.RequestHandler):
     open connections, and malformed requests answered in the proxy's words (an OpenAI-style
     error, counted, one access line, no traceback).
 
-    The access middleware tells it when a request's head is in and when the request is done.
+    The middleware (front_middleware) tells it when a request's head is in and when the
+    request is done.
     """
 
     __slots__ = ("_admitted", "_busy", "_closing", "_head_deadline", "app")
