@@ -50,6 +50,7 @@ import dataclasses
 import enum
 import errno
 import functools
+import gc
 import glob
 import heapq
 import hmac
@@ -8713,6 +8714,24 @@ def reload_config(app: web.Application, reread: Callable[[], ProxyConfig]) -> No
     sd_notify("READY=1", f"STATUS={readiness_status(app)}")
 
 
+# The cyclic collector's young generation: collected once this many more container objects
+# were made than freed, where CPython's default is 700. The requests in flight hold thousands
+# of objects between them (a few hundred each, alive until it ends), so at 700 a collection
+# came every 40 requests or so at 32 concurrent, found them all alive and moved them on to
+# be scanned again: 9 us of CPU a request there, 3% of it (gc.callbacks, 2026-12-07). At
+# 10,000 it came twice in 18,000 requests; cyclic garbage (rare here) waits that much longer.
+GC_YOUNG_THRESHOLD: Final = 10_000
+
+
+def tune_gc() -> None:
+    """Once the app has started: what exists now (modules, configuration, the fleet's tables)
+    lives as long as the process, so the collector stops scanning it (gc.freeze); the young
+    generation is collected past GC_YOUNG_THRESHOLD. Each worker does it for itself."""
+    gc.freeze()
+    _, middle, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
+
+
 async def serve(
     config: ProxyConfig,
     sock: socket.socket,
@@ -8733,6 +8752,7 @@ async def serve(
     )
     await runner.setup()
     await warmed_up(app[STATE_KEY], warm_up)
+    tune_gc()
     listener = await listen(runner, sock)
     sd_notify("READY=1", f"STATUS={readiness_status(app)}")
     stop = asyncio.Event()
