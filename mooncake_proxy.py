@@ -8718,8 +8718,8 @@ def reload_config(app: web.Application, reread: Callable[[], ProxyConfig]) -> No
 # were made than freed, where CPython's default is 700. The requests in flight hold thousands
 # of objects between them (a few hundred each, alive until it ends), so at 700 a collection
 # came every 40 requests or so at 32 concurrent, found them all alive and moved them on to
-# be scanned again: 9 us of CPU a request there, 3% of it (gc.callbacks, 2026-12-07). At
-# 10,000 it came twice in 18,000 requests; cyclic garbage (rare here) waits that much longer.
+# be scanned again: 8-10 us of CPU a request there, 3% of it. At 10,000 it comes about once
+# in 2,000 requests (research/request-floor/gc_time.py); cyclic garbage (rare here) waits longer.
 GC_YOUNG_THRESHOLD: Final = 10_000
 
 
