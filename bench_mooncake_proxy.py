@@ -636,6 +636,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+def module_at(revision: str | None) -> Path:
+    """A directory holding mooncake_proxy.py: this one's, or ``revision``'s (git show)."""
+    if revision is None:
+        return HERE
+    where = Path(tempfile.mkdtemp(prefix="bench-baseline-"))
+    shown = subprocess.run(
+        ["git", "-C", str(HERE), "show", f"{revision}:mooncake_proxy.py"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (where / "mooncake_proxy.py").write_bytes(shown.stdout)
+    return where
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -668,14 +681,7 @@ class Bench:
         (for an A/B of two builds in one invocation, on one cluster, taking turns). ``lean``:
         with --log-level WARNING, else with its default logging (an access line a request)."""
         port = free_port()
-        script = HERE / "mooncake_proxy.py"
-        if revision is not None:
-            script = Path(tempfile.mkdtemp(prefix="bench-baseline-")) / "mooncake_proxy.py"
-            shown = subprocess.run(
-                ["git", "-C", str(HERE), "show", f"{revision}:mooncake_proxy.py"],
-                check=True, capture_output=True,
-            )  # fmt: skip
-            script.write_bytes(shown.stdout)
+        script = module_at(revision) / "mooncake_proxy.py"
         argv = [
             sys.executable, str(script), "--port", str(port),
             "--prefill", self.prefill_url, str(self.bootstrap_port),

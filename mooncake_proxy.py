@@ -2015,7 +2015,8 @@ async def cors_headers(request: web.BaseRequest, response: web.StreamResponse) -
 def error_response(
     request: web.Request, stats: RequestStats, error: Exception
 ) -> web.StreamResponse:
-    """A failure (``error``) as an OpenAI-style error body, never as a traceback."""
+    """A failure (``error``) as an OpenAI-style error body, never as a traceback; aiohttp's
+    redirects are no failure and go on as raised."""
     allow = None
     if isinstance(error, ProxyError):
         log.info("%s %s -> %d: %s", request.method, stats.path, error.status, error.message)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,20 +41,6 @@ gc.callbacks.append(timed)
 atexit.register(lambda: open({out!r}, "w").write(json.dumps(totals)))
 sys.exit(mooncake_proxy.main())
 """
-
-
-def build(revision: str | None) -> Path:
-    """A directory holding the proxy's module: this tree's, or ``revision``'s."""
-    if revision is None:
-        return ROOT
-    where = Path(tempfile.mkdtemp(prefix="gc-time-"))
-    shown = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{revision}:mooncake_proxy.py"],
-        check=True,
-        capture_output=True,
-    )
-    (where / "mooncake_proxy.py").write_bytes(shown.stdout)
-    return where
 
 
 def measure(runner: bench.Bench, source: Path, stream: bool, seconds: float) -> dict[str, float]:
@@ -90,9 +75,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
-    builds = {"this tree": build(None)}
+    builds = {"this tree": bench.module_at(None)}
     if args.baseline:
-        builds[args.baseline] = build(args.baseline)
+        builds[args.baseline] = bench.module_at(args.baseline)
     runner = bench.Bench(argparse.Namespace())
     rows: list[tuple[str, bool, dict[str, float]]] = []
     try:
