@@ -588,7 +588,7 @@ INJECTABLE = frozenset(
         *("error_after_tokens", "faults_left", "fragment_bytes"),
         *("die_after_pull", "fail_pulls", "linger_after_done", "health_status", "health_delay"),
         "die_after_head",
-        *("drop_after", "engine_dead", "metrics_status", "extra_waiting"),
+        *("drop_after", "drop_after_pull", "engine_dead", "metrics_status", "extra_waiting"),
     }
 )
 
@@ -630,6 +630,9 @@ class FakeVllm:
     engine_dead: str | None = None  # why its engine core died, as vLLM's can (check_kv_params)
     health_delay: float = 0.0  # a busy server: /health answers, slowly
     drop_after: float | None = None  # accept a completion, then reset the connection
+    # prefill: once its KV was pulled, the connection drops this many seconds later with no
+    # answer: a process lost after its KV left (vLLM answers as the KV goes; a fault only).
+    drop_after_pull: float | None = None
     # A prefix cache per engine (0: none) and prefill compute time per uncached prompt token;
     # a prefill engine computes one prompt at a time, the rest wait (as in vLLM's queue).
     cache_blocks: int = 0
@@ -645,6 +648,7 @@ class FakeVllm:
     # request id -> the bytes without return_token_ids (sent_without_token_ids)
     sent_plain: dict[str, bytearray] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)  # request ids whose client went away
+    dropped: int = 0  # connections dropped unanswered after their KV was pulled
     running: int = 0
     kv_tokens_received: int = 0
     resolved: int = 0  # decode legs whose prefill engine the bootstrap named (resolve_worker)
@@ -1103,6 +1107,14 @@ class FakeVllm:
                 for child, generation in zip(children, generations, strict=True):
                     if generation.finish_reason == "length":
                         await self.hold_kv(self.engine_ids[rank], params, child, generation)
+            if self.drop_after_pull is not None:
+                while params.get("transfer_id") in self._held_kv:
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(self.drop_after_pull)
+                assert request.transport is not None
+                request.transport.abort()
+                self.dropped += 1
+                raise asyncio.CancelledError
             return await self.answer(request, body, request_id, generations)
         worker: str | None = None
         failure: str | None = None

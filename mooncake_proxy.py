@@ -2374,6 +2374,7 @@ class Attempt:
     engine: PrefillEngine | None
     decode: DecodeInstance
     prefill: asyncio.Task[None] | None = None
+    watch: PrefillWatch | None = None  # the prefill leg's, while the decode leg runs
     decode_leg: HttpLeg | None = None
     prefill_span: Any = None  # with --otlp-traces-endpoint
     decode_span: Any = None
@@ -2404,7 +2405,8 @@ class Attempt:
         if self.engine is None:
             return contextlib.nullcontext()
         engine = self.engine
-        return PrefillWatch(self, engine.instance, self.send_prefill(engine))
+        self.watch = PrefillWatch(self, engine.instance, self.send_prefill(engine))
+        return self.watch
 
     def send_prefill(self, engine: PrefillEngine) -> asyncio.Task[None]:
         """Step 4's prefill leg, as a task beside the decode; its claims go when it ends."""
@@ -2470,7 +2472,7 @@ class Attempt:
     def prefill_outlived(self, prefill: asyncio.Task[None]) -> None:
         if (error := leg_error(prefill)) is not None:
             log.warning(
-                "request %s: prefill failed after decode finished: %s", self.request_id, error
+                "request %s: prefill failed once its decode had the KV: %s", self.request_id, error
             )
 
     async def open_decode(self) -> HttpLeg:
@@ -2612,14 +2614,17 @@ class Attempt:
 class PrefillWatch:
     """Runs the decode leg (the block) while ``prefill`` runs beside it on ``instance``.
 
-    A prefill that fails while the block runs means its KV will never come: the block is
-    cancelled at once rather than after vLLM's KV timeout, and the prefill's error leaves it in
-    place of whatever the decode did, as the root cause. So does a prefill instance that goes
-    down (its checks fail, its port refuses) or restarts before a streamed decode's first
-    bytes, even after the prefill answered: the KV it held went with it, and the decode would
-    wait out Mooncake's timeouts; no byte has reached the client, so the pair is tried again
-    elsewhere. Not a non-streamed one: it sends nothing before its whole answer, so a decode
-    still waiting for the KV cannot be told from one generating. The block runs in the
+    A prefill that fails before the decode's first token means its KV will never come: the
+    block is cancelled at once rather than after vLLM's KV timeout, and the prefill's error
+    leaves it in place of whatever the decode did, as the root cause. So does a prefill
+    instance that goes down (its checks fail, its port refuses) or restarts before a streamed
+    decode's first token, even after the prefill answered: the KV it held went with it, and
+    the decode would wait out Mooncake's timeouts; no byte has reached the client, so the pair
+    is tried again elsewhere. Not a non-streamed one: it sends nothing before its whole
+    answer, so a decode still waiting for the KV cannot be told from one generating.
+
+    Once a token came (kv_arrived), the KV is the decode's: whatever befalls the prefill then
+    stops nothing, and is no cause of the decode's own failures. The block runs in the
     handler's own task (one task less per request); a client gone at the same time still wins
     (asyncio.timeout lets a cancellation that is not its own through).
     """
@@ -2658,22 +2663,34 @@ class PrefillWatch:
             raise cause from None
 
     def cause(self) -> BaseException | None:
-        """Why the block failed at root, if the prefill did: its error, or its KV lost."""
+        """Why the block failed at root, if the prefill did before the decode's first token:
+        its error, or its KV lost."""
+        if self.exchange.relaying:
+            return None
         return leg_error(self.prefill) or self.lost
 
     def stop(self, cause: Unreachable | None = None) -> None:
-        if self.running and self.scope.when() is None:  # once, and only while the block runs
+        # Once, and only while the block runs and no token has come.
+        if self.running and not self.exchange.relaying and self.scope.when() is None:
             self.lost = cause
             self.scope.reschedule(0)
+
+    def kv_arrived(self) -> None:
+        """The decode's first token is in hand: a stop not yet carried out is called off. One
+        asked for in the same turn of the loop (the prefill's instance found down as the token
+        came) would cut a stream the client already has the first bytes of; a stop carried
+        out would have woken the block with it instead of the token."""
+        if self.scope.when() is not None and not self.scope.expired():
+            self.scope.reschedule(None)
+            self.lost = None
 
     def prefill_done(self, done: asyncio.Task[None]) -> None:
         if leg_error(done) is not None:
             self.stop()
 
     def instance_down(self, why: str) -> None:
-        if not self.exchange.relaying:
-            message = f"prefill {self.instance.url} {why} before its KV was pulled"
-            self.stop(Unreachable(502, message, reason="kv_lost", backend=self.instance))
+        message = f"prefill {self.instance.url} {why} before its KV was pulled"
+        self.stop(Unreachable(502, message, reason="kv_lost", backend=self.instance))
 
 
 async def send_prefill(
@@ -2845,6 +2862,8 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
     if gaps is not None and attempt.engine is not None:
         first = await until_first_token(leg, first, attempt, url)
     exchange.relaying = True  # from here the attempt's bytes are the client's
+    if attempt.watch is not None:
+        attempt.watch.kv_arrived()
     if not continued:
         exchange.writer = await response.prepare(exchange.request)
         stats.first_byte = time.monotonic()

@@ -898,6 +898,37 @@ async def test_no_retry_once_a_token_reached_the_client(start_cluster: StartClus
     assert len(prefills[0].requests) + len(prefills[1].requests) == 1  # not tried again
 
 
+@pytest.mark.parametrize("how", ["dropped", "down"])
+async def test_a_stream_goes_on_when_its_prefill_is_lost_after_the_first_token(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """Once the decode's first token came, the KV is the decode's: the prefill leg's
+    connection dropped unanswered, or its instance found down, cuts nothing and starts
+    nothing again. Under load in CI, a prefill found down in the same turn of the loop as
+    the first token cut streams the client had the first bytes of (PrefillWatch.kv_arrived)."""
+    cluster = await start_cluster(
+        health_interval=0.05, decode={"token_delay": 0.1},
+        prefill={"drop_after_pull": 0.1} if how == "dropped" else {},
+    )  # fmt: skip
+    body = completion(stream=True, max_tokens=10, ignore_eos=True)
+    async with cluster.client.post(COMPLETIONS, json=body) as response:
+        assert response.status == 200
+        first = await response.content.readuntil(b"\n\n")  # the first token's event
+        if how == "down":
+            cluster.prefills[0].health_status = 503
+            await eventually(lambda: not fleet_of(cluster).prefills[0].usable)
+        else:
+            await eventually(lambda: cluster.prefills[0].dropped == 1)
+        assert cluster.decodes[0].running == 1  # lost while the decode streams
+        rest = await response.read()
+    events = sse_events(first + rest)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+    assert len(events) == 11  # every token, then [DONE]
+    assert len(cluster.decodes[0].requests) == 1  # not started again
+    if how == "dropped":
+        assert "prefill failed once its decode had the KV" in caplog.text
+
+
 async def test_a_keep_alive_is_no_token_a_prefill_lost_after_it_is_tried_again(
     start_cluster: StartCluster,
 ) -> None:

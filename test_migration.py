@@ -218,6 +218,32 @@ async def test_an_uninterrupted_stream_reaches_the_client_as_vllm_sends_it_unask
         assert b'"token_ids":[' in bytes(decode.sent[request_id])
 
 
+async def test_a_stream_whose_prefill_was_lost_after_a_token_still_goes_on(
+    start_cluster: StartCluster,
+) -> None:
+    """A prefill leg lost once its decode streamed is no cause of what befalls the decode
+    later: the decode lost too, the stream goes on elsewhere, and does not end with the
+    prefill's error."""
+    cluster = await cut_stream(
+        start_cluster, {"break_after_tokens": 5},
+        prefill={"drop_after_pull": 0.0}, decode={"token_delay": 0.1},
+    )  # fmt: skip
+    body = completion(stream=True, max_tokens=10, ignore_eos=True)
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=body)
+        assert response.status == 200
+        first = await response.content.readuntil(b"\n\n")
+        await eventually(lambda: cluster.prefills[0].dropped == 1)
+        assert cluster.decodes[0].running == 1  # the prefill was lost while it streamed
+        events = sse_events(first + await response.read())
+    assert_one_stream(events)
+    assert text_of(COMPLETIONS, events) == "".join(
+        generate(prompt_of(COMPLETIONS, body), body).tokens
+    )
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_migrations_total", reason="broken") == 1
+
+
 async def test_a_client_gone_mid_stream_is_not_migrated(start_cluster: StartCluster) -> None:
     cluster = await start_cluster(decodes=2, decode={"token_delay": 0.05})
     async with asyncio.timeout(FAST):
