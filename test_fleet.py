@@ -908,7 +908,7 @@ async def test_a_stream_goes_on_when_its_prefill_is_lost_after_the_first_token(
     the first token cut streams the client had the first bytes of (PrefillWatch.kv_arrived)."""
     cluster = await start_cluster(
         health_interval=0.05, decode={"token_delay": 0.1},
-        prefill={"drop_after_pull": 0.1} if how == "dropped" else {},
+        prefill={"drop_after_pull": 0.3} if how == "dropped" else {},
     )  # fmt: skip
     body = completion(stream=True, max_tokens=10, ignore_eos=True)
     async with cluster.client.post(COMPLETIONS, json=body) as response:

@@ -226,7 +226,7 @@ async def test_a_stream_whose_prefill_was_lost_after_a_token_still_goes_on(
     prefill's error."""
     cluster = await cut_stream(
         start_cluster, {"break_after_tokens": 5},
-        prefill={"drop_after_pull": 0.0}, decode={"token_delay": 0.1},
+        prefill={"drop_after_pull": 0.25}, decode={"token_delay": 0.1},
     )  # fmt: skip
     body = completion(stream=True, max_tokens=10, ignore_eos=True)
     async with asyncio.timeout(FAST):
