@@ -715,6 +715,16 @@ class ProxyConfig:
         seconds_or_none,
         restart=True,
     )
+    # Below vLLM's 480 s KV timeout, so that a stream whose KV never comes (a decode that sent
+    # its head and then nothing) hears it first; far above a long prompt's first token on a
+    # busy cluster.
+    first_token_timeout: float | None = setting(
+        300.0,
+        "seconds a streamed request may wait for its first token, retries included (and a "
+        "stream going on elsewhere for its continuation's); then 504, or an in-band error "
+        "once streaming; 0 for none",
+        seconds_or_none,
+    )
     # Past vLLM's default VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT the decode gives up on the KV.
     prefill_timeout: float | None = setting(
         480.0,
@@ -782,7 +792,8 @@ class ProxyConfig:
         2,
         "per request, how many times the pair is tried again: a leg that could not connect "
         "or was lost before answering, or a decode that failed before its first token (a "
-        "failed KV pull); never after bytes reached the client, never for a 4xx",
+        "failed KV pull); never after bytes reached the client, never for a 4xx; one budget "
+        "for the request and the continuations of its stream",
         at_least(0),
     )
     migration_limit: int = setting(
@@ -2062,15 +2073,17 @@ async def run_pd_request(
     while True:
         try:
             async with (
+                exchange.until_first_token(),  # --first-token-timeout, for a stream
                 await exchange.attempt() as attempt,  # 2, 3: a prefill engine, a decode, ids
                 attempt.beside_prefill(),  # 4; 6, 7 if it fails (none for a decode alone)
             ):
                 await attempt.relay_decode()  # 4, 5; and 7 while a decode is refused
             return exchange.response
         except ProxyError as failure:
-            if exchange.try_again(failure):  # 7: a new pair, a new transfer_id; or migration
+            # 7: a new pair, a new transfer_id; or migration. Else the error it ends with.
+            if (final := exchange.try_again(failure)) is None:
                 continue
-            return await exchange.fail(failure)  # 6: its own answer, or in band once streaming
+            return await exchange.fail(final)  # 6: its own answer, or in band once streaming
         except ClientGone:
             return exchange.client_gone()
 
@@ -2146,6 +2159,10 @@ class Exchange:
     writer: AbstractStreamWriter | None = None  # the response's, once prepared
     relaying: bool = False  # the attempt's tokens reach the client: it can no longer retry
     attempts: int = 0
+    # When a stream's first token must have come by (loop time; --first-token-timeout), and
+    # the scope that holds its attempts to it until it came (until_first_token).
+    deadline: float | None = None
+    first_token: FirstToken | None = None
     failures: list[ProxyError] = field(default_factory=list)  # Unreachable or KvLoadFailed
     tried: set[Backend] = field(default_factory=set)  # unreachable, or failed a KV load
 
@@ -2178,6 +2195,7 @@ class Exchange:
         retries = state.config.max_retries
         exchange = cls(request, state, body, stats, headers, lines, shared, retries, route, alone)
         exchange.path, exchange.model = request.path, model
+        exchange.deadline = exchange.first_token_deadline()
         if body.get("stream") is True:
             why = "it goes to a decode alone" if alone else None
             if request.path == RESPONSES_PATH:  # its events are not rebuilt from token ids
@@ -2189,6 +2207,24 @@ class Exchange:
                 exchange.journal = StreamJournal(request.path, body)
             exchange.unmigratable = why
         return exchange
+
+    def first_token_deadline(self) -> float | None:
+        """From now, when a stream's first token must have come (None: no limit, or not a
+        stream: a whole answer's first byte comes with its last)."""
+        limit = self.state.config.first_token_timeout
+        if limit is None or self.body.get("stream") is not True:
+            return None
+        return asyncio.get_running_loop().time() + limit
+
+    def until_first_token(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """The scope an attempt runs in: until the deadline, while no token has come."""
+        if self.deadline is None or self.relaying:
+            self.first_token = None
+            return contextlib.nullcontext()
+        limit = self.state.config.first_token_timeout
+        assert limit is not None  # a deadline is set only with one
+        self.first_token = FirstToken(self.deadline, limit, self.state.metrics)
+        return self.first_token
 
     def payload(self, leg: Mapping[str, Any]) -> LegPayload:
         """``leg`` (a body the rewriting functions made of the client's) as it is sent."""
@@ -2282,29 +2318,35 @@ class Exchange:
         self.retries_left -= 1
         self.state.metrics.retries.labels(stage).inc()
 
-    def try_again(self, failure: ProxyError) -> bool:
-        """True to start the pair again: nothing of this attempt reached the client, and an
+    def try_again(self, failure: ProxyError) -> ProxyError | None:
+        """None to start the pair again: nothing of this attempt reached the client, and an
         instance was unreachable or lost the request before answering, or the decode failed
         before its first token (KvLoadFailed). A decode that took the request may have pulled
         the KV, which the prefill gives out once, so the pair starts again whole. A stream cut
-        after tokens goes on elsewhere from them (migrate)."""
+        after tokens goes on elsewhere from them (migrate). Else the error the request ends
+        with: ``failure``, or one naming every try once none is left."""
         if isinstance(failure, StreamCut):
             return self.migrate(failure)
         if self.relaying:
-            return False
-        if isinstance(failure, KvLoadFailed):  # no instance is out: a transfer failed
-            self.fail_over("decode", None, failure)
-            self.tried.update(failure.pair or ())  # another pair, where there is one
-            return True
-        if not isinstance(failure, Unreachable) or failure.backend is None:
-            return False
-        self.fail_over(failure.backend.role, failure.backend, failure)
-        return True
+            return failure
+        try:
+            if isinstance(failure, KvLoadFailed):  # no instance is out: a transfer failed
+                self.fail_over("decode", None, failure)
+                self.tried.update(failure.pair or ())  # another pair, where there is one
+                return None
+            if not isinstance(failure, Unreachable) or failure.backend is None:
+                return failure
+            self.fail_over(failure.backend.role, failure.backend, failure)
+        except ProxyError as exhausted:
+            return exhausted
+        return None
 
-    def migrate(self, cut: StreamCut) -> bool:
+    def migrate(self, cut: StreamCut) -> ProxyError | None:
         """Go on from the tokens the client has, on another pair, as a completion of the
-        prompt's token ids and those (StreamJournal.continuation); False once
-        --migration-limit continuations were made, or when the decode gave no token ids."""
+        prompt's token ids and those (StreamJournal.continuation); the error the stream ends
+        with once --migration-limit continuations were made, or where it cannot go on exactly.
+        A continuation draws on the request's one budget of tries (retries_left), and has its
+        own deadline to its first token."""
         journal, state = self.journal, self.state
         assert journal is not None  # a stream is cut (StreamCut) only with a journal
         state.metrics.errors.labels("decode", cut.reason).inc()
@@ -2313,18 +2355,19 @@ class Exchange:
             state.fleet.take_out(cut.decode, cut.message)
         try:
             why = journal.why_not_continued(state.config.migration_limit)
-            body = journal.continuation() if why is None else None
-        except (ValueError, AttributeError) as error:  # not what vLLM writes: not ours to guess
-            why, body = f"its last chunks could not be read ({error})", None
-        if body is None:
-            cut.message = f"{cut.message}; not continued elsewhere: {why}"
-            return False
+            body = why or journal.continuation(max_model_len(cut.decode, self.model))
+        except (ValueError, AttributeError, TypeError) as error:  # not what vLLM writes
+            body = f"its last chunks could not be read ({error})"
+        if isinstance(body, str):
+            cut.message = f"{cut.message}; not continued elsewhere: {body}"
+            return cut
         self.body, self.path, self.shared = body, CONTINUATION_PATH, None
-        self.relaying, self.retries_left = False, state.config.max_retries
+        self.relaying = False
+        self.deadline = self.first_token_deadline()
         self.failures.append(cut)
         state.metrics.migrations.labels(cut.reason).inc()
         log.warning("%s; going on from its last whole token on another pair", cut.message)
-        return True
+        return None
 
     def exhausted(self) -> Unreachable:
         """The error of a request that ran out of tries: it names each, and is not retried."""
@@ -2361,6 +2404,34 @@ class Exchange:
         self.stats.outcome = "client_gone"
         self.state.metrics.errors.labels("client", "client_gone").inc()
         return self.response
+
+
+class FirstToken:
+    """A stream's deadline to its first token (--first-token-timeout), over its attempts: a
+    decode that sent its head and then nothing, or KV pulls that time out one pair after
+    another, end in a 504 (in band for a continuation) instead of holding the client. The
+    relay lifts it once the token is in hand (came): a stream may then last for hours."""
+
+    __slots__ = ("limit", "metrics", "scope")
+
+    def __init__(self, deadline: float, limit: float, metrics: Metrics) -> None:
+        self.scope, self.limit, self.metrics = asyncio.timeout_at(deadline), limit, metrics
+
+    async def __aenter__(self) -> None:
+        await self.scope.__aenter__()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: Any
+    ) -> None:
+        try:
+            await self.scope.__aexit__(kind, error, tb)
+        except TimeoutError:  # its own deadline: the attempt was cancelled, its claims let go
+            self.metrics.errors.labels("request", "first_token_timeout").inc()
+            message = f"no first token within {self.limit:g} s (--first-token-timeout)"
+            raise ProxyError(504, message, reason="first_token_timeout") from None
+
+    def came(self) -> None:
+        self.scope.reschedule(None)
 
 
 @dataclass(eq=False)
@@ -2582,7 +2653,7 @@ class Attempt:
         Exchange.migrate; or, if its last token went out already, only its end is owed."""
         exchange = self.exchange
         assert exchange.journal is not None
-        if exchange.journal.answered:
+        if exchange.journal.finished:
             with contextlib.suppress(ConnectionError):
                 await exchange.response.write(exchange.journal.ending())
                 await exchange.response.write_eof()
@@ -2862,6 +2933,8 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
     if gaps is not None and attempt.engine is not None:
         first = await until_first_token(leg, first, attempt, url)
     exchange.relaying = True  # from here the attempt's bytes are the client's
+    if exchange.first_token is not None:
+        exchange.first_token.came()
     if attempt.watch is not None:
         attempt.watch.kv_arrived()
     if not continued:
@@ -2985,6 +3058,20 @@ class JournalRelay(DecodeRelay):
         return self.journal.take(data)
 
 
+def max_model_len(decode: DecodeInstance, model: str | None) -> int | None:
+    """What the decode's /v1/models card says of ``model`` (or of what it runs, for a request
+    naming none or an adapter whose card says nothing): the cap of a chat that names none."""
+    served = decode.served
+    if served is None:
+        return None
+    cards = {card.get("id"): card for card in served.cards}
+    for name in (model, served.parents.get(model or ""), served.model):
+        length = cards.get(name, {}).get("max_model_len")
+        if isinstance(length, int) and not isinstance(length, bool):
+            return length
+    return None
+
+
 class StreamCut(ProxyError):
     """A stream's decode failed after tokens reached the client (StreamJournal): its
     connection was lost (``lost``), it sent an error, or its answer ended unfinished."""
@@ -2996,11 +3083,14 @@ class StreamCut(ProxyError):
 
 # The fields of a request that a continuation cannot give as the decode would have: outputs
 # computed over the prompt (logprobs, echo, suffix), output a grammar constrains or a chat's
-# tool parser reads (/v1/completions would not go on with either), and embeddings as prompt.
+# tool parser reads (/v1/completions would not go on with either), embeddings as prompt, and
+# what vLLM computes over the output alone, which the continuation's prompt would hold
+# (presence and frequency penalties, bad words; repetition_penalty counts prompt and output
+# alike, and goes on unchanged).
 UNMIGRATABLE_FIELDS: Final = (
     *("logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "prompt_embeds"),
     *("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
-    *("response_format", "tools"),
+    *("response_format", "tools", "presence_penalty", "frequency_penalty", "bad_words"),
 )
 
 # A continuation is a completion of token ids, whatever the client's request was.
@@ -3018,6 +3108,10 @@ NOT_CONTINUED: Final = frozenset(
     }
 )
 
+# vLLM's cap of a completion that names none, and of one whose max_tokens is null (0.32's
+# CompletionRequest.normalize_null_max_tokens); a chat's is what is left of max_model_len.
+COMPLETION_MAX_TOKENS: Final = 16
+
 
 def unmigratable(body: Mapping[str, Any], limit: int) -> str | None:
     """Why a stream could not go on token for token on another pair (None: it can)."""
@@ -3031,11 +3125,48 @@ def unmigratable(body: Mapping[str, Any], limit: int) -> str | None:
             continue
         if name == "tools" and body.get("tool_choice") == "none":
             continue
+        if name.endswith("_penalty") and not lax_float(value):
+            continue
         return f"it asks for {name}"
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):
         return "it asks for continuous_usage_stats"
+    if (media := media_part(body.get("messages"))) is not None:
+        return f"its messages hold {media}, which a continuation of token ids would not see"
     return None
+
+
+def media_part(messages: object) -> str | None:
+    """The first content part of a chat's messages that is not text (an image, audio, a
+    video): vLLM computes it into the prompt apart from the token ids that stand for it."""
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                return f"a content part of type {kind!r}"
+    return None
+
+
+def lax_float(value: object) -> float:
+    """A number as pydantic reads one in its lax mode; 0.0 for anything else."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return float(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return 0.0
+
+
+def stop_reach(body: Mapping[str, Any]) -> tuple[int, int]:
+    """How far back a stream's stop strings reach, in characters: vLLM matches each one
+    against new text and up to ``reach`` characters before it (the longest, less one), and
+    holds the last ``held`` of them back while it streams (none with
+    include_stop_str_in_output). v1/engine/detokenizer.py in vLLM 0.32."""
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    reach = max((len(s) for s in stops if isinstance(s, str)), default=1) - 1
+    return reach, 0 if lax_bool(body.get("include_stop_str_in_output")) else reach
 
 
 # Where a stream's chunks carry their token ids, once return_token_ids asks for them (vLLM
@@ -3043,20 +3174,45 @@ def unmigratable(body: Mapping[str, Any], limit: int) -> str | None:
 TOKEN_IDS: Final = b',"token_ids":['
 PROMPT_IDS: Final = b'"prompt_token_ids":['
 
-# Reads a journal keeps: a character's bytes span at most 4 tokens, so the last token that
-# carried text is among them (StreamJournal.settle).
-RECENT_READS: Final = 4
+# What a journal keeps of its last events, to find where to go on from (StreamJournal.rewind):
+# reads (each one or more events) or events, this many and more per character its stop strings
+# reach back; a character's bytes span a few tokens, and a rewind past a stop string's reach a
+# few tokens per character.
+RECENT_EVENTS: Final = 32
+EVENTS_PER_REACHED_CHAR: Final = 4
+
+# What shows in a chat's chunks when vLLM runs a reasoning or tool parser over its output: a
+# token the parser swallowed (an empty delta), reasoning apart from content, calls apart from
+# text. A continuation is a completion, whose text no parser splits (chat_completion/serving.py).
+PARSER_SIGNS: Final = (
+    (b'"delta":{}', "a token its decode's parser swallowed"),
+    (b'"reasoning":', "reasoning that its decode's reasoning parser split off"),
+    (b'"reasoning_content":', "reasoning that its decode's reasoning parser split off"),
+    (b'"tool_calls":', "tool calls that its decode's tool parser split off"),
+)
+
+# One event the client got: its text, and its new token ids (None: ids a continuation gives
+# again, its text the client's all the same).
+Sent = tuple[str, tuple[int, ...] | None]
 
 
 class StreamJournal:
     """What a stream that may go on elsewhere has sent its client, as much as going on needs:
     the prompt's token ids and the generated ones, as the decode wrote them (JSON digits,
-    parsed only if the stream goes on). The decode is asked for them (return_token_ids), and
-    each list reaches the client as null, as vLLM writes it unasked, unless the client asked.
+    parsed only if the stream goes on), and its last events. The decode is asked for the ids
+    (return_token_ids), and each list reaches the client as null, as vLLM writes it unasked,
+    unless the client asked.
+
+    Going on is exact where it can be (rewind): from the last token that completed a
+    character, far enough back that a stop string the original would have matched is matched
+    by the continuation too; the text and ids the continuation gives again, which the client
+    has, are checked against what it has and left out (take_continued).
     """
 
     __slots__ = (*("body", "chat", "strip", "usage", "prompt", "generated", "head", "recent"),
-                 *("error", "continued", "migrations"))  # fmt: skip
+                 *("error", "continued", "migrations", "finished", "parser", "reach", "held"),
+                 *("greedy", "whole", "replay_ids", "replay_text", "diverged", "last"),
+                 "usage_sent")  # fmt: skip
 
     def __init__(self, path: str, body: Mapping[str, Any]) -> None:
         self.body, self.chat = body, path.endswith("/chat/completions")
@@ -3066,12 +3222,26 @@ class StreamJournal:
         self.prompt = b""  # the prompt's token ids: b"1,47,656"
         self.generated = bytearray()  # b"684,280,"
         self.head = b""  # the first chunk's id, object, created and model: b'{"id":...}'
-        # The last reads relayed, as the decode wrote them: where its answer stood when it
-        # stopped (settle), without a parse per read.
-        self.recent: collections.deque[bytes] = collections.deque(maxlen=RECENT_READS)
+        self.reach, self.held = stop_reach(body)
+        # vLLM samples greedily below this temperature (SamplingParams); a request that names
+        # none takes the model's default, which the proxy cannot know: sampled.
+        temperature = body.get("temperature")
+        self.greedy = temperature is not None and lax_float(temperature) < 1e-5
+        # The last reads relayed as the decode wrote them (parsed only on a cut), or events
+        # as the client got them (a continuation's, and what a rewind gave again).
+        limit = RECENT_EVENTS + EVENTS_PER_REACHED_CHAR * self.reach
+        self.recent: collections.deque[bytes | Sent] = collections.deque(maxlen=limit)
+        self.whole = True  # recent still holds the answer's first events
         self.error: str | None = None  # an error event the decode sent after tokens
         self.continued = False  # a continuation's events are relayed (take_continued)
         self.migrations = 0
+        self.finished = False  # a finish_reason went out: only the end is owed (ending)
+        self.usage_sent = False  # and the usage after it
+        self.last = b""  # the last read relayed: whether it ended the stream ([DONE])
+        self.parser: str | None = None  # what showed a parser at work in a chat's chunks
+        self.replay_ids: list[int] = []  # ids a continuation gives again, the client has
+        self.replay_text = ""  # text it gives again, the client has
+        self.diverged = False  # a continuation gave other than the client has: no more
 
     def take(self, data: bytes) -> bytes:
         """Whole events from the decode, as the client gets them: token ids noted, their lists
@@ -3081,7 +3251,7 @@ class StreamJournal:
         # An error comes after the tokens, in the last part: searched there only.
         if b'data: {"error"' in parts[-1] or not self.prompt or self.continued:
             return self.take_rarely(data)
-        self.recent.append(data)
+        self.keep(data)
         return self.noted(data, parts)
 
     def take_rarely(self, data: bytes) -> bytes:
@@ -3089,12 +3259,28 @@ class StreamJournal:
         if (failed := data.find(b'data: {"error"')) >= 0:
             self.error = error_event_message(data[failed + 6 : data.find(b"\n\n", failed)])
             data = data[:failed]
-        self.recent.append(data)
         if self.continued:
             return self.take_continued(data)
+        self.keep(data)
         if not self.prompt:
             data = self.take_prompt(data)
         return self.noted(data, data.split(TOKEN_IDS))
+
+    def keep(self, data: bytes | Sent) -> None:
+        """Note one read (or a continuation's event): kept among the last; whether the answer
+        finished, and whether a parser shows (a few scans of bytes per read, no parse)."""
+        if len(self.recent) == self.recent.maxlen:
+            self.whole = False
+        self.recent.append(data)
+        if not isinstance(data, bytes):
+            return
+        self.last = data
+        if self.finished:
+            self.usage_sent = self.usage_sent or b'"usage":{' in data
+        elif b'"finish_reason":"' in data:
+            self.finished, self.usage_sent = True, b'"usage":{' in data
+        if self.chat and self.parser is None:
+            self.parser = next((why for sign, why in PARSER_SIGNS if sign in data), None)
 
     def noted(self, data: bytes, parts: list[bytes]) -> bytes:
         """``data`` (split at its token id lists into ``parts``) with each list noted, and
@@ -3122,10 +3308,6 @@ class StreamJournal:
             return data
         return b'%b"prompt_token_ids":null%b' % (data[:at], data[end + 1 :])
 
-    @property
-    def last(self) -> bytes:
-        return self.recent[-1] if self.recent else b""
-
     def cut_by(self, complete: bool) -> str | None:
         """Why the stream must go on elsewhere once its decode's answer stopped (``complete``:
         it ended rather than the relay stopping it), or None."""
@@ -3138,69 +3320,129 @@ class StreamJournal:
     def count(self) -> int:
         return self.generated.count(b",")
 
-    @property
-    def answered(self) -> bool:
-        """The answer's last token went out (its finish_reason, or the usage after it)."""
-        return b'"finish_reason":"' in self.last or b'"usage":{' in self.last
+    def prompt_count(self) -> int:
+        return self.prompt.count(b",") + 1
 
     def ending(self) -> bytes:
         """What an answered stream cut before its end still owes: the usage asked for, [DONE]."""
-        if not self.usage or b'"usage":{' in self.last or not self.prompt:
+        if not self.usage or self.usage_sent or not self.prompt:
             return b"data: [DONE]\n\n"
-        prompt, completion = self.prompt.count(b",") + 1, self.count()
+        prompt, completion = self.prompt_count(), self.count()
         usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion}
         chunk = {**json.loads(self.head), "choices": [], "usage": usage}
         usage["completion_tokens"] = completion
         return b"data: " + vllm_json(chunk) + b"\n\ndata: [DONE]\n\n"
 
     def why_not_continued(self, limit: int) -> str | None:
+        if self.diverged:
+            return self.error or "its continuation gave other than the client has"
         if self.migrations >= limit:
             return f"--migration-limit {limit} reached"
-        if not self.prompt or not self.head or self.ids_withheld():
+        if self.parser is not None:
+            return f"its chunks show {self.parser}, which a continuation would not split off"
+        if not self.prompt or not self.head:
             return "the decode did not return the token ids (return_token_ids)"
         return None
 
-    def ids_withheld(self) -> bool:
-        """Tokens sent without their ids, lately: vLLM hides them from a chat whose reasoning
-        its parser hides (include_reasoning false), and going on would repeat them."""
-        return any(has_text(c) and not c.get("token_ids") for c in self.recent_choices())
-
-    def recent_choices(self) -> Iterator[dict[str, Any]]:
-        """The choices of the last reads' events, the latest first (parsed: only on a cut)."""
-        for data in reversed(self.recent):
-            for event in reversed(data.split(b"\n\n")):
-                if event.startswith(b"data: {"):
-                    yield from json.loads(event[6:]).get("choices") or ()
-
-    def continuation(self) -> dict[str, Any]:
-        """The /v1/completions request that goes on from the last token whose text the
-        client has: the prompt's ids and those, the client's sampling, the tokens left."""
-        self.settle()
+    def continuation(self, max_model_len: int | None) -> dict[str, Any] | str:
+        """The /v1/completions request that goes on from where the answer can go on exactly
+        (rewind): the prompt's ids and the tokens before it, the client's sampling, the cap
+        left; or why it cannot go on. ``max_model_len`` is the decode's, for a chat's cap."""
+        rewound = self.rewind()
+        if isinstance(rewound, str):
+            return rewound
         generated = json.loads(b"[" + self.generated[:-1] + b"]")
+        cap = self.cap(max_model_len)
+        if isinstance(cap, str):
+            return cap
         body = {key: value for key, value in self.body.items() if key not in NOT_CONTINUED}
         body["prompt"] = json.loads(b"[" + self.prompt + b"]") + generated
-        cap = self.body.get("max_completion_tokens") if self.chat else None
-        if (cap := self.body.get("max_tokens") if cap is None else cap) is not None:
-            body["max_tokens"] = max(1, lax_int(cap) - len(generated))
+        body["max_tokens"] = max(1, cap - len(generated))
         if (least := lax_int(self.body.get("min_tokens"))) > 0:
             body["min_tokens"] = max(0, least - len(generated))
         body["stream"] = True
         if self.usage:
             body["stream_options"] = {"include_usage": True}
         self.continued, self.migrations, self.error = True, self.migrations + 1, None
-        self.recent.clear()
         return body
 
-    def settle(self) -> None:
-        """Forget the last tokens whose chunks carried no text, for the continuation to give
-        them again: vLLM holds back the bytes of a character that is not whole yet, and 0.32
-        continuing from a prompt that ends inside one sent the prompt's text (seen)."""
-        textless = 0
-        for choice in self.recent_choices():
-            if has_text(choice):
-                break
-            textless += len(choice.get("token_ids") or ())
-        self.forget(textless)  # if none had text lately: from before them all
+    def cap(self, max_model_len: int | None) -> int | str:
+        """The answer's cap in tokens, as vLLM reads the client's request: its own, else 16 for
+        a completion and what max_model_len leaves for a chat (get_max_tokens)."""
+        given = self.body.get("max_completion_tokens") if self.chat else None
+        if given is None:
+            given = self.body.get("max_tokens")
+        if given is not None:
+            return lax_int(given)
+        if not self.chat:
+            return COMPLETION_MAX_TOKENS
+        if max_model_len is None:
+            return "its decode's max_model_len, which its cap is, is not known (/v1/models)"
+        return max_model_len - self.prompt_count()
+
+    def rewind(self) -> str | None:
+        """Forget the last tokens back to where the answer can go on exactly, and note what the
+        continuation will give again that the client has; or why there is no such place.
+
+        A continuation starts its text afresh after its prompt, so it goes on from a token
+        whose step completed a character (vLLM's detokenizer sends text at such a token only;
+        one continued from inside a character sends its prompt's text, seen on 0.32), and from
+        at least ``reach`` characters of text before the end, so that a stop string that
+        begins in text the client has is matched. With stop strings, vLLM holds back ``held``
+        characters, and the client's text ends that much before its tokens' (a token whose
+        event grew the client's text completed a character all the same). Text and ids past
+        the place the client has already: the continuation gives them again (replay_*).
+        """
+        events = self.sent_events()
+        if isinstance(events, str):
+            return events
+        after: list[Sent] = []
+        length = 0
+        for index in range(len(events) - 1, -1, -1):
+            text, ids = events[index]
+            if text and ids is not None and len(ids) == 1 and length >= self.reach:
+                return self.replay(events[: index + 1], after, self.held)
+            after.append(events[index])
+            length += len(text)
+        if not self.whole:
+            return f"no token in its last {len(events)} events completed a character"
+        return self.replay([], after, 0)
+
+    def replay(self, kept: list[Sent], after: list[Sent], held: int) -> str | None:
+        """Go on from the end of ``kept``: the events ``after`` it (latest first) are given
+        again, their text past the first ``held`` characters too (those are the kept tokens'
+        text, sent late)."""
+        text = "".join(event[0] for event in reversed(after))[held:]
+        ids = [i for _, event_ids in reversed(after) for i in event_ids or ()]
+        if not self.greedy and (text or (self.reach and any(e[0] for e in (*kept, *after)))):
+            # A new sample of what the client has would differ; one of text vLLM held back
+            # could end in a stop string that begins in text the client has.
+            held_back = " or text vLLM held back for its stop strings" if self.reach else ""
+            return f"it samples (no temperature 0): going on would draw anew text it has{held_back}"
+        self.forget(len(ids))
+        self.replay_ids, self.replay_text = ids, text
+        self.recent.clear()
+        self.recent.extend(kept)
+        self.recent.append(("".join(e[0] for e in reversed(after)), None))
+        return None
+
+    def sent_events(self) -> list[Sent] | str:
+        """Each event the client got, from the last reads (parsed: only on a cut); or why they
+        cannot tell where to go on from."""
+        events: list[Sent] = []
+        for read in self.recent:
+            if not isinstance(read, bytes):
+                events.append(read)
+                continue
+            for event in read.split(b"\n\n"):
+                if not event.startswith(b"data: {"):
+                    continue
+                for choice in json.loads(event[6:]).get("choices") or ():
+                    text, ids = choice_text(choice), choice.get("token_ids")
+                    if text and not ids:  # hidden (include_reasoning false): would repeat
+                        return "the decode did not return the token ids (return_token_ids)"
+                    events.append((text, tuple(ids or ())))
+        return events
 
     def forget(self, tokens: int) -> None:
         """Drop the last ``tokens`` generated ids."""
@@ -3211,26 +3453,31 @@ class StreamJournal:
 
     def take_continued(self, data: bytes) -> bytes:
         """A continuation's whole events, as the client's stream goes on: its id and created,
-        a chat's chunk shape, usage counting the whole answer (parsed: this is rare)."""
+        a chat's chunk shape, usage counting the whole answer, and nothing the client has
+        (parsed: this is rare). Stops at an event that gives other than the client has."""
         events = []
         for event in data.split(b"\n\n")[:-1]:
             if event.startswith(b"data: {"):
                 with contextlib.suppress(ValueError, AttributeError):  # else passed on as it came
-                    event = b"data: " + vllm_json(self.as_client_chunk(json.loads(event[6:])))
+                    chunk = self.as_client_chunk(json.loads(event[6:]))
+                    if chunk is None:
+                        if self.diverged:
+                            break
+                        continue
+                    event = b"data: " + vllm_json(chunk)
             events.append(event + b"\n\n")
-        return b"".join(events)
+        self.last = data = b"".join(events)
+        return data
 
-    def as_client_chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
+    def as_client_chunk(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """A continuation's chunk as the client's stream has it; None for one that carries
+        nothing the client has not (or that gives other than it has: diverged)."""
         choices = chunk.get("choices") or []
         for choice in choices:
-            if ids := choice.get("token_ids"):
-                self.generated += b"%b," % ",".join(map(str, ids)).encode()
-                if self.strip:
-                    choice["token_ids"] = None
-            if choice.get("prompt_token_ids") is not None:  # the continuation's own prompt
-                choice["prompt_token_ids"] = None
+            if not self.given_again(choice):
+                return None
         if isinstance(usage := chunk.get("usage"), dict):
-            prompt = self.prompt.count(b",") + 1
+            prompt = self.prompt_count()
             usage["prompt_tokens"] = prompt
             usage["completion_tokens"] = usage.get("total_tokens", prompt) - prompt
         head = json.loads(self.head)
@@ -3242,11 +3489,45 @@ class StreamJournal:
                 shaped[key] = chunk[key]
         return shaped
 
+    def given_again(self, choice: dict[str, Any]) -> bool:
+        """A continuation's choice, with what it gives again of the client's (replay_*) checked
+        and taken out, its ids noted; False if nothing is left to send, or it diverged."""
+        ids, text = list(choice.get("token_ids") or ()), choice_text(choice)
+        replayed = bool(self.replay_ids or self.replay_text)
+        if ids:
+            self.generated += b"%b," % ",".join(map(str, ids)).encode()
+        again = min(len(ids), len(self.replay_ids))
+        if again and not self.strip and ids[:again] != self.replay_ids[:again]:
+            return self.diverge(f"token ids {ids[:again]} where it had {self.replay_ids[:again]}")
+        ids, self.replay_ids = ids[again:], self.replay_ids[again:]
+        same = min(len(text), len(self.replay_text))
+        if text[:same] != self.replay_text[:same]:
+            return self.diverge(f"{text[:same]!r} where it had {self.replay_text[:same]!r}")
+        text, self.replay_text = text[same:], self.replay_text[same:]
+        if choice.get("finish_reason") is not None:
+            if self.replay_text or (self.replay_ids and not self.strip):
+                return self.diverge("an end before what it had")
+            self.finished = True
+        if replayed and not text and not ids and choice.get("finish_reason") is None:
+            return False
+        choice["text"] = text
+        choice["token_ids"] = None if self.strip else ids
+        if choice.get("prompt_token_ids") is not None:  # the continuation's own prompt
+            choice["prompt_token_ids"] = None
+        self.keep((text, tuple(ids)))
+        return True
 
-def has_text(choice: dict[str, Any]) -> bool:
-    """A streamed choice (a completion's or a chat's) carries text."""
+    def diverge(self, what: str) -> bool:
+        self.diverged = True
+        self.error = f"its continuation gave {what}: not the answer the client has"
+        return False
+
+
+def choice_text(choice: Mapping[str, Any]) -> str:
+    """A streamed choice's text: a completion's, or a chat's content."""
     delta = choice.get("delta")
-    return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
+    text = choice.get("text") if delta is None else delta.get("content")
+    return text if isinstance(text, str) else ""
 
 
 def chat_choice(choice: dict[str, Any]) -> dict[str, Any]:

@@ -309,3 +309,137 @@ async def test_a_stream_whose_token_ids_are_withheld_is_not_moved(
     assert_openai_error(events[-2], 502)
     assert "did not return the token ids" in events[-2]["error"]["message"]
     assert len(cluster.decodes[1].requests) == 0
+
+
+# --- what clients really send: no cap, and the bounds on a request's tries and wait
+
+
+def uncapped(path: str, **extra: Any) -> dict[str, Any]:
+    body = request_body(path, stream=True, **extra)
+    del body["max_tokens"]
+    return body
+
+
+async def test_a_completion_without_a_cap_goes_on_to_vllms_default(
+    start_cluster: StartCluster,
+) -> None:
+    """vLLM caps a completion that names no max_tokens at 16: a continuation, itself a
+    completion, must be told what is left of those, not take 16 more."""
+    cluster = await cut_stream(start_cluster, {"break_after_tokens": 6})
+    body = uncapped(COMPLETIONS, ignore_eos=True)
+    events = await stream_of(cluster, COMPLETIONS, body)
+    assert_one_stream(events)
+    expected = generate(prompt_of(COMPLETIONS, body), body)
+    assert len(expected.token_ids) == 16
+    assert text_of(COMPLETIONS, events) == "".join(expected.tokens)
+    (continued,) = cluster.decodes[1].requests
+    assert continued.body["max_tokens"] == 10
+
+
+async def test_a_continuation_whose_tries_run_out_ends_in_band(
+    start_cluster: StartCluster,
+) -> None:
+    """The continuation's decode fails before its first token and no try is left: the client's
+    stream ends with an in-band error and [DONE], not with a second HTTP response written
+    into its chunked body."""
+    cluster = await start_cluster(
+        decodes=2,
+        each_decode=({"break_after_tokens": 4}, {"fail_status": 500}),
+        decode_policy=mp.Policy.ROUND_ROBIN,
+        max_retries=0,
+    )
+    body = completion(stream=True, max_tokens=12, ignore_eos=True)
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=body)
+        assert response.status == 200
+        raw = await response.read()
+    assert b"HTTP/1.1" not in raw
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert_openai_error(events[-2], 502)
+    assert "failed before its first token" in events[-2]["error"]["message"]
+    expected = generate(prompt_of(COMPLETIONS, body), body)
+    assert text_of(COMPLETIONS, events[:-2]) == "".join(expected.tokens[:4])
+
+
+async def test_a_chat_with_an_image_is_not_moved(start_cluster: StartCluster) -> None:
+    """A continuation is a completion of token ids: an image in the chat would not be seen by
+    it (its placeholder tokens would), so the stream ends saying why instead of going on
+    blind."""
+    cluster = await cut_stream(start_cluster, {"break_after_tokens": 3})
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    content = [{"type": "text", "text": "What is in it?"}, image]
+    body = chat(stream=True, messages=[{"role": "user", "content": content}])
+    events = await stream_of(cluster, CHAT, body)
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 502)
+    assert "content part of type 'image_url'" in events[-2]["error"]["message"]
+    assert len(cluster.decodes[1].requests) == 0
+
+
+async def test_a_stream_whose_first_token_never_comes_ends_at_its_deadline(
+    start_cluster: StartCluster,
+) -> None:
+    """A decode that sends its head and then nothing (its KV never comes) holds the client no
+    longer than --first-token-timeout: a 504 saying so, every claim let go."""
+    cluster = await start_cluster(decode={"pull_delay": 1000.0}, first_token_timeout=0.5)
+    started = asyncio.get_running_loop().time()
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=True))
+        payload = await response.json()
+    assert response.status == 504
+    assert_openai_error(payload, 504)
+    assert "no first token within 0.5 s" in payload["error"]["message"]
+    assert asyncio.get_running_loop().time() - started < 0.5 + FAST / 2
+    fleet = fleet_of(cluster)
+    await eventually(lambda: cluster.decodes[0].running == 0)
+    assert fleet.decodes[0].in_flight == 0
+    assert all(engine.in_flight == 0 for p in fleet.prefills for engine in p.engines)
+    samples = await scrape(cluster)
+    errors = sample(
+        samples, "mooncake_proxy_errors_total", stage="request", reason="first_token_timeout"
+    )
+    assert errors == 1
+
+
+async def test_a_continuation_whose_first_token_never_comes_ends_in_band(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(
+        decodes=2,
+        each_decode=({"break_after_tokens": 3}, {"pull_delay": 1000.0}),
+        decode_policy=mp.Policy.ROUND_ROBIN,
+        first_token_timeout=0.5,
+    )
+    events = await stream_of(cluster, COMPLETIONS, completion(stream=True, ignore_eos=True))
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 504)
+    assert "no first token within 0.5 s" in events[-2]["error"]["message"]
+    assert len([e for e in events[:-2] if e["choices"]]) == 3
+
+
+async def test_retries_and_continuations_share_one_budget(start_cluster: StartCluster) -> None:
+    """A request's tries are one budget (--max-retries) over its stream's continuations too: a
+    continuation does not start afresh with every retry, so a request tries at most 1 +
+    --max-retries + --migration-limit pairs."""
+    cluster = await start_cluster(
+        decodes=4,
+        each_decode=(
+            {"break_after_tokens": 3},
+            {"fail_status": 500},
+            {"break_after_tokens": 3},
+            {"fail_status": 500},
+        ),
+        decode_policy=mp.Policy.ROUND_ROBIN,
+        max_retries=1,
+        health_interval=60,
+    )
+    events = await stream_of(cluster, COMPLETIONS, completion(stream=True, max_tokens=16))
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 502)
+    legs = [len(decode.requests) for decode in cluster.decodes]
+    # The first cut goes on on the second decode, which fails: its retry (the one the
+    # budget holds) on the third, which is cut in turn; its continuation fails on the fourth
+    # with nothing left to try. Afresh at each continuation, it would be tried again.
+    assert legs == [1, 1, 1, 1], legs
+    assert "4 attempts failed" in events[-2]["error"]["message"]
