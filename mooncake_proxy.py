@@ -4426,6 +4426,7 @@ class UpstreamPool:
     ) -> None:
         self.connect_timeout, self.keepalive_timeout = connect_timeout, keepalive_timeout
         self._idle: dict[str, dict[HttpLeg, None]] = {}  # by host:port, oldest first
+        self.busy = 0  # legs sent and not yet finished: 0 whenever no request is under way
         self._heads: dict[tuple[bytes, URL], bytes] = {}
         self._sweep: asyncio.TimerHandle | None = None
         self._cafile = cafile  # --upstream-ca-certs, in place of the system's trust store
@@ -4438,11 +4439,13 @@ class UpstreamPool:
         head = self._head(method, url) + headers + b"Content-Length: %d\r\n\r\n" % size
         leg = self._reuse(url.raw_authority) or await self._connect(url)
         leg.send(head, body, size)
+        self.busy += 1
         return leg
 
     def finish(self, leg: HttpLeg) -> None:
         """The leg is over: kept for the next if its answer was read whole and may be kept,
         else closed (mid-answer, that aborts the request upstream)."""
+        self.busy -= 1
         leg.sink = None
         if not (leg.complete and leg.reusable and leg.open and not leg.kept):
             leg.close()

@@ -16,6 +16,7 @@ from testing_support import (
     CHAT,
     COMPLETIONS,
     FAST,
+    KV_TIMEOUT,
     Cluster,
     StartCluster,
     assert_openai_error,
@@ -443,3 +444,70 @@ async def test_retries_and_continuations_share_one_budget(start_cluster: StartCl
     # with nothing left to try. Afresh at each continuation, it would be tried again.
     assert legs == [1, 1, 1, 1], legs
     assert "4 attempts failed" in events[-2]["error"]["message"]
+
+
+# --- nothing leaks
+
+
+async def test_after_a_burst_of_faults_every_claim_slot_and_leg_is_let_go(
+    start_cluster: StartCluster,
+) -> None:
+    """Streams cut and continued, continuations whose pulls fail, errors in band, first tokens
+    that never come, clients that leave mid-stream, whole answers among them: once all have
+    ended, no instance or engine is counted busy, no upstream slot or admission place is held,
+    no leg is open but those idle in the pool, and vLLM is running nothing."""
+    cluster = await start_cluster(
+        prefill_dp=(2,),
+        decodes=5,
+        each_decode=(
+            {"break_after_tokens": 3},
+            {"error_after_tokens": 2},
+            {"fail_pulls": 4},
+            {"pull_delay": 1000.0},
+            {"token_delay": 0.01},
+        ),
+        decode_policy=mp.Policy.ROUND_ROBIN,
+        max_connections=100,
+        max_in_flight=16,
+        first_token_timeout=1.0,
+        request_timeout=3.0,  # a whole answer's wait: its first token is its last
+        health_interval=60,
+    )
+
+    async def one(index: int) -> None:
+        path = PATHS[index % 2]
+        body = request_body(path, stream=index % 5 != 4, max_tokens=12, ignore_eos=True)
+        body["messages" if path == CHAT else "prompt"] = (
+            [{"role": "user", "content": f"question {index}"}]
+            if path == CHAT
+            else f"prompt {index}"
+        )
+        async with asyncio.timeout(KV_TIMEOUT):
+            response = await cluster.client.post(path, json=body)
+            if index % 3 == 0 and response.status == 200 and body["stream"]:
+                await response.content.readuntil(b"\n\n")
+                response.close()  # the client leaves mid-stream
+                return
+            await response.read()
+
+    await asyncio.gather(*(one(index) for index in range(30)))
+    state = cluster.client.app[mp.STATE_KEY]
+    fleet = state.fleet
+
+    def let_go() -> bool:
+        claims = [b.in_flight for b in (*fleet.prefills, *fleet.decodes)]
+        claims += [engine.in_flight for p in fleet.prefills for engine in p.engines]
+        held = (state.slots.in_use, state.admission.running, state.admission.queued)
+        running = [fake.running for fake in (*cluster.prefills, *cluster.decodes)]
+        return not any(claims) and held == (0, 0, 0) and not any(running)
+
+    await eventually(let_go, KV_TIMEOUT)
+    await eventually(lambda: state.upstreams.busy == 0 and not state.lingering)
+    samples = await scrape(cluster)
+    gauges = [
+        value
+        for (name, _), value in samples.items()
+        if name in ("mooncake_proxy_decode_in_flight", "mooncake_proxy_prefill_in_flight")
+    ]
+    assert gauges and not any(gauges)
+    assert sample(samples, "mooncake_proxy_migrations_total", reason="broken") >= 1
