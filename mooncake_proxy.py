@@ -3477,6 +3477,7 @@ class StreamJournal:
             if not self.given_again(choice):
                 return None
         if isinstance(usage := chunk.get("usage"), dict):
+            self.usage_sent = True
             prompt = self.prompt_count()
             usage["prompt_tokens"] = prompt
             usage["completion_tokens"] = usage.get("total_tokens", prompt) - prompt
@@ -3491,11 +3492,13 @@ class StreamJournal:
 
     def given_again(self, choice: dict[str, Any]) -> bool:
         """A continuation's choice, with what it gives again of the client's (replay_*) checked
-        and taken out, its ids noted; False if nothing is left to send, or it diverged."""
+        and taken out, its ids noted (and kept with the text the client gets of it, for a
+        rewind); False if nothing is left to send, or it diverged."""
         ids, text = list(choice.get("token_ids") or ()), choice_text(choice)
         replayed = bool(self.replay_ids or self.replay_text)
         if ids:
             self.generated += b"%b," % ",".join(map(str, ids)).encode()
+        noted = tuple(ids)
         again = min(len(ids), len(self.replay_ids))
         if again and not self.strip and ids[:again] != self.replay_ids[:again]:
             return self.diverge(f"token ids {ids[:again]} where it had {self.replay_ids[:again]}")
@@ -3508,13 +3511,13 @@ class StreamJournal:
             if self.replay_text or (self.replay_ids and not self.strip):
                 return self.diverge("an end before what it had")
             self.finished = True
+        self.keep((text, noted))
         if replayed and not text and not ids and choice.get("finish_reason") is None:
             return False
         choice["text"] = text
         choice["token_ids"] = None if self.strip else ids
         if choice.get("prompt_token_ids") is not None:  # the continuation's own prompt
             choice["prompt_token_ids"] = None
-        self.keep((text, tuple(ids)))
         return True
 
     def diverge(self, what: str) -> bool:
