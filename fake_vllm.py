@@ -17,7 +17,8 @@ The fakes are no kinder than vLLM 0.32 where a proxy could tell (each place says
 checked: vLLM's source or its server): a chat without a cap runs to max_model_len; some tokens
 are pieces of a character, which stream "" until it is whole (and a continuation from inside
 one starts with garbage, as vLLM's DecodeStream gives it); stop strings hold text back while
-every token id goes out at once; a reasoning parser splits a chat into reasoning and content.
+every token id goes out at once; a reasoning parser splits a chat into reasoning and content;
+the in-band error is json.dumps's.
 
 ``python fake_vllm.py`` runs the demo: a small simulated cluster, the proxy in front of it
 started as users start it, and one streamed request whose tokens arrive on the terminal.
@@ -1940,7 +1941,7 @@ class FakeVllm:
                 return response
             if position == self.error_after_tokens and self.take_fault():
                 # vLLM's engine failed mid-generation: an error event, [DONE], the end.
-                await self.frame(response, request_id, error_event(ENGINE_FAILED))
+                await self.write(response, request_id, error_frame(ENGINE_FAILED))
                 await self.write(response, request_id, b"data: [DONE]\n\n")
                 await response.write_eof()
                 return response
@@ -2026,7 +2027,7 @@ class FakeVllm:
             }
             ids = bool(body.get("return_token_ids"))
             await self.frame(response, request_id, role_chunk(base, 0, generations[0], ids), ids)
-        await self.frame(response, request_id, error_event(failure))
+        await self.write(response, request_id, error_frame(failure))
         await self.write(response, request_id, b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -2238,6 +2239,14 @@ def error_event(message: str) -> dict[str, Any]:
     return {
         "error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}
     }
+
+
+def error_frame(message: str) -> bytes:
+    """error_event's frame as vLLM writes it: create_streaming_error_response is
+    ``json.dumps(ErrorResponse.model_dump())`` (generate/base/serving.py), so json.dumps's
+    defaults, not pydantic's compact JSON: a space after each colon and comma, and non-ASCII
+    escaped (ensure_ascii)."""
+    return b"data: " + json.dumps(error_event(message)).encode() + b"\n\n"
 
 
 TOKEN_ID_KEYS = frozenset({"prompt_token_ids", "token_ids"})

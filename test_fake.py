@@ -2,7 +2,8 @@
 generation that continues token for token from the prompt's ids plus the ids generated so far
 (what a proxy that moves a broken stream to another pair relies on), the mid-stream faults
 tests inject, and the places where vLLM is less kind than a naive fake: its default caps, text
-that comes in pieces of characters, stop strings that hold text back, reasoning deltas.
+that comes in pieces of characters, stop strings that hold text back, reasoning deltas, its
+in-band error's own JSON.
 """
 
 from __future__ import annotations
@@ -467,7 +468,9 @@ async def test_error_after_tokens_fails_the_next_streams_in_band(
     runners: list[web.AppRunner],
 ) -> None:
     """error_after_tokens: N tokens, vLLM's error event and [DONE]; faults_left: only so many
-    streams fail (set over /_fake/inject, as the chaos benchmark does)."""
+    streams fail (set over /_fake/inject, as the chaos benchmark does). The event is
+    json.dumps's, as vLLM's create_streaming_error_response writes it: spaces after colons
+    and commas."""
     fake = await start_fake(FakeVllm("decode"), runners)
     async with (
         aiohttp.ClientSession() as session,
@@ -481,8 +484,8 @@ async def test_error_after_tokens_fails_the_next_streams_in_band(
     assert len(events) == 5 and events[-1] is None
     assert [e["choices"][0]["finish_reason"] for e in events[:3]] == [None] * 3
     assert raw.split(b"\n\n")[3] == (
-        b'data: {"error":{"message":"' + ENGINE_FAILED.encode() + b'",'
-        b'"type":"InternalServerError","param":null,"code":500}}'
+        b'data: {"error": {"message": "' + ENGINE_FAILED.encode() + b'", '
+        b'"type": "InternalServerError", "param": null, "code": 500}}'
     )
     _, events = await post(fake.url, COMPLETIONS, body, "second")  # no fault left
     assert len(events) == 7 and tokens_of(events)[2] == "length"
