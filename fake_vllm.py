@@ -18,7 +18,7 @@ checked: vLLM's source or its server): a chat without a cap runs to max_model_le
 are pieces of a character, which stream "" until it is whole (and a continuation from inside
 one starts with garbage, as vLLM's DecodeStream gives it); stop strings hold text back while
 every token id goes out at once; a reasoning parser splits a chat into reasoning and content;
-the in-band error is json.dumps's.
+the in-band error is json.dumps's; tools without a tool parser are refused as vLLM refuses them.
 
 ``python fake_vllm.py`` runs the demo: a small simulated cluster, the proxy in front of it
 started as users start it, and one streamed request whose tokens arrive on the terminal.
@@ -169,6 +169,72 @@ def prompts_of(path: str, body: dict[str, Any]) -> list[Any]:
 def is_chat(path: str) -> bool:
     """A route answered as a chat."""
     return path.endswith("/chat/completions")
+
+
+def check_tools(body: dict[str, Any]) -> None:
+    """ChatCompletionRequest.check_tool_usage (chat_completion/protocol.py), run as the body is
+    read: an empty tools list, a tool_choice without tools, one that is none of "none",
+    "auto", "required" or a named function among the tools."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools == []:
+        raise validation_error(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the "
+            "field entirely.",
+            "tools",
+        )
+    if choice is None or choice == "none":
+        return
+    if tools is None:
+        raise validation_error("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        raise validation_error(
+            f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" '
+            'or "required" are supported.',
+            "tool_choice",
+        )
+    if isinstance(choice, dict):
+        usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+        function = choice.get("function")
+        if not isinstance(function, dict):
+            raise validation_error(
+                f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}",
+                "tool_choice.function",
+            )
+        if "name" not in function:
+            raise validation_error(
+                f"Expected field `name` in `function` in `tool_choice`! {usage}",
+                "tool_choice.function.name",
+            )
+        name = function["name"]
+        if not isinstance(name, str) or not name:
+            raise validation_error(
+                f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}",
+                "tool_choice.function.name",
+            )
+        named = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+        if name not in named:
+            raise validation_error(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                "tool_choice",
+            )
+
+
+def refuse_tool_choice(body: dict[str, Any]) -> None:
+    """A server without --tool-call-parser (as the fakes are) refuses any tool choice but
+    "none" (renderers/online_renderer.py, render_chat; seen on vLLM 0.32): tools with no
+    tool_choice mean "auto". tool_choice "none", or null, gets an ordinary answer."""
+    choice = body.get("tool_choice", "auto" if body.get("tools") else None)
+    if choice is None or choice == "none":
+        return
+    if choice == "auto":
+        raise BadRequest(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+        )
+    if isinstance(choice, dict):
+        described = f'function "{choice["function"]["name"]}"'
+    else:
+        described = f'"{choice}"'
+    raise BadRequest(f"tool_choice={described} requires --tool-call-parser to be set")
 
 
 def refuse_unencodable(prompt: Any) -> None:
@@ -1486,6 +1552,8 @@ class FakeVllm:
             raise validation_error(
                 "Stream options can only be defined when `stream=True`.", "stream_options"
             )
+        if is_chat(path):
+            check_tools(body)
         rank_header = request.headers.get("X-data-parallel-rank")
         if rank_header is not None and (
             not rank_header.isdigit() or int(rank_header) >= self.dp_size
@@ -1502,6 +1570,8 @@ class FakeVllm:
             raise BadRequest(self.unknown_model(str(model)), "model", status=404)
         if path == RESPONSES:
             refuse_stored(body)
+        if is_chat(path):
+            refuse_tool_choice(body)
         # vLLM's child requests: one per prompt of a batch and per choice of ``n``.
         sampling = sampling_of(path, body)
         prompts, count = prompts_of(path, body), sample_count(sampling)

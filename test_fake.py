@@ -3,7 +3,7 @@ generation that continues token for token from the prompt's ids plus the ids gen
 (what a proxy that moves a broken stream to another pair relies on), the mid-stream faults
 tests inject, and the places where vLLM is less kind than a naive fake: its default caps, text
 that comes in pieces of characters, stop strings that hold text back, reasoning deltas, its
-in-band error's own JSON.
+in-band error's own JSON, tools without a parser.
 """
 
 from __future__ import annotations
@@ -490,6 +490,34 @@ async def test_error_after_tokens_fails_the_next_streams_in_band(
     _, events = await post(fake.url, COMPLETIONS, body, "second")  # no fault left
     assert len(events) == 7 and tokens_of(events)[2] == "length"
     assert fake.fake.faults_left == 0
+
+
+async def test_tools_without_a_tool_parser_are_refused_as_vllm_refuses_them(
+    runners: list[web.AppRunner],
+) -> None:
+    """No --tool-call-parser: tools with tool_choice absent or "auto", "required" or a named
+    function are refused with vLLM 0.32's words; "none" gets an ordinary answer."""
+    fake = await start_fake(FakeVllm("decode"), runners)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    body = {"messages": MESSAGES, "max_tokens": 3, "tools": tools}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    auto = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+    for choice, message in (
+        ({}, auto),
+        ({"tool_choice": "auto"}, auto),
+        ({"tool_choice": "required"}, 'tool_choice="required" requires --tool-call-parser '
+                                      "to be set"),
+        ({"tool_choice": named}, 'tool_choice=function "get_weather" requires --tool-call-parser '
+                                 "to be set"),
+    ):  # fmt: skip
+        status, error = await refused(fake.url, CHAT, body | choice)
+        assert (status, error["error"]) == (
+            400, {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+        ), choice  # fmt: skip
+    _, (answer,) = await post(fake.url, CHAT, body | {"tool_choice": "none"})
+    assert answer["choices"][0]["finish_reason"] == "length"
+    status, error = await refused(fake.url, CHAT, body | {"tools": []})
+    assert status == 400 and error["error"]["param"] == "tools"
 
 
 def test_the_models_own_tokens_never_pass_for_a_prompts() -> None:
