@@ -18,7 +18,8 @@ checked: vLLM's source or its server): a chat without a cap runs to max_model_le
 are pieces of a character, which stream "" until it is whole (and a continuation from inside
 one starts with garbage, as vLLM's DecodeStream gives it); stop strings hold text back while
 every token id goes out at once; a reasoning parser splits a chat into reasoning and content;
-the in-band error is json.dumps's; tools without a tool parser are refused as vLLM refuses them.
+the in-band error is json.dumps's; tools without a tool parser, unknown routes, Anthropic's
+Messages and SageMaker's /invocations are answered as vLLM answers them.
 
 ``python fake_vllm.py`` runs the demo: a small simulated cluster, the proxy in front of it
 started as users start it, and one streamed request whose tokens arrive on the terminal.
@@ -40,7 +41,7 @@ import struct
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from multidict import CIMultiDict
 
 MODEL = "fake-model"
 RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"  # Anthropic's Messages API, which vLLM serves beside OpenAI's
 MAX_MODEL_LEN = 4096  # FakeVllm's default, in the fakes' tokens
 GENERATE = "/inference/v1/generate"  # with --enable-scale-out: token ids in, token ids out
 # vLLM's API server closes a connection idle this long (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, passed to
@@ -90,6 +92,28 @@ def error(
         }
     }
     return web.Response(body=compact(body), status=status, content_type="application/json")
+
+
+@web.middleware
+async def fastapi_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A route vLLM does not serve, or a method it does not take there, answered as its
+    FastAPI server answers (seen on vLLM 0.32, a generative model: /v1/embeddings, /pooling,
+    /classify, /score, /rerank, /tokenizer_info and unknown paths a 404
+    ``{"detail":"Not Found"}``; GET /v1/completions a 405 ``{"detail":"Method Not Allowed"}``
+    with Allow), not with aiohttp's plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as refused:
+        allowed = ", ".join(sorted(refused.allowed_methods - {"HEAD"}))
+        body = compact({"detail": "Method Not Allowed"})
+        answer = web.Response(status=405, body=body, content_type="application/json")
+        answer.headers["Allow"] = allowed
+        return answer
+    except web.HTTPNotFound:
+        body = compact({"detail": "Not Found"})
+        return web.Response(status=404, body=body, content_type="application/json")
 
 
 class BadRequest(Exception):
@@ -150,6 +174,8 @@ def prompts_of(path: str, body: dict[str, Any]) -> list[Any]:
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", "messages")
         return [messages]
+    if path == MESSAGES:
+        return [anthropic_messages(body)]
     if path == RESPONSES:
         return [response_messages(body)]
     if path == GENERATE:
@@ -167,8 +193,67 @@ def prompts_of(path: str, body: dict[str, Any]) -> list[Any]:
 
 
 def is_chat(path: str) -> bool:
-    """A route answered as a chat."""
-    return path.endswith("/chat/completions")
+    """A route answered as a chat (Anthropic's Messages is one, in vLLM, under its shape)."""
+    return path.endswith("/chat/completions") or path == MESSAGES
+
+
+def api_path(path: str, body: dict[str, Any]) -> str:
+    """The API whose rules a request follows: its own route's; SageMaker's /invocations tries
+    a chat, then a completion (serve/sagemaker/api_router.py, generate/factories.py), and a
+    body that is neither is refused as a completion without a prompt (seen on vLLM 0.32)."""
+    if path != "/invocations":
+        return path
+    if "messages" in body:
+        return "/v1/chat/completions"
+    if body.get("prompt") in (None, "", []):
+        raise validation_error(
+            "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
+        )
+    return "/v1/completions"
+
+
+def anthropic_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Messages request as the chat vLLM makes of it (anthropic/serving.py,
+    to_chat_completion_request): the system text first, then each message, its text blocks
+    joined into a string when there is one, kept as OpenAI text parts when there are more."""
+    messages: list[dict[str, Any]] = []
+    system = body.get("system")
+    if isinstance(system, list):
+        system = "".join(
+            block.get("text") or "" for block in system
+            if isinstance(block, dict) and block.get("type") == "text"
+        )  # fmt: skip
+    if isinstance(system, str) and system:
+        messages.append({"role": "system", "content": system})
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [
+                {"type": "text", "text": block.get("text", "")}
+                for block in content
+                if isinstance(block, dict) and block.get("type") == "text"
+            ]
+            content = parts[0]["text"] if len(parts) == 1 else parts
+        messages.append({"role": message.get("role"), "content": content})
+    return messages
+
+
+def anthropic_error(response: web.StreamResponse) -> web.StreamResponse:
+    """An error of the Messages route in Anthropic's shape, as vLLM's
+    translate_error_response writes it: {"type": "error", "error": {"type", "message"}} (seen:
+    an unknown model's 404)."""
+    if response.status < 400 or not isinstance(response, web.Response):
+        return response
+    if not isinstance(response.body, bytes):
+        return response
+    try:
+        found = json.loads(response.body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return response
+    body = {"type": "error", "error": {"type": found["type"], "message": found["message"]}}
+    return web.Response(body=compact(body), status=response.status, content_type="application/json")
 
 
 def check_tools(body: dict[str, Any]) -> None:
@@ -311,9 +396,14 @@ def refuse_stored(body: dict[str, Any]) -> None:
 def sampling_of(path: str, body: dict[str, Any]) -> dict[str, Any]:
     """Where a request's sampling fields are: a generate request's in its sampling_params
     (required, as vLLM's GenerateRequest has it), a Responses request's as response_sampling
-    reads them, the completions' in the body."""
+    reads them, a Messages request's as its chat has them, the completions' in the body."""
     if path == RESPONSES:
         return response_sampling(body)
+    if path == MESSAGES:  # anthropic/serving.py, _build_base_request
+        cap = body.get("max_tokens")
+        sampling: dict[str, Any] = {"max_tokens": cap, "max_completion_tokens": cap}
+        sampling["stop"] = body.get("stop_sequences")
+        return sampling | {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}
     if path != GENERATE:
         return body
     given = body.get("sampling_params")
@@ -611,6 +701,11 @@ def check_int_fields(path: str, body: dict[str, Any]) -> None:
         fields = ("max_output_tokens",)
     if path.endswith("/chat/completions"):
         fields += ("max_completion_tokens",)
+    if path == MESSAGES:  # AnthropicMessagesRequest: max_tokens is required, an integer
+        if "max_tokens" not in body:
+            raise body_error("body.max_tokens", "missing", "Field required", body)
+        lax_int(body["max_tokens"], "body.max_tokens")
+        return
     sampling = body.get("sampling_params") if path == GENERATE else body
     if not isinstance(sampling, dict):
         return
@@ -664,7 +759,7 @@ def output_cap(
     name = "max_tokens"
     if path == RESPONSES:
         name = "max_output_tokens"
-    elif path.endswith("/chat/completions"):
+    elif path.endswith("/chat/completions") or path == MESSAGES:
         if sampling.get("max_completion_tokens") is not None:
             name, given = "max_completion_tokens", sampling["max_completion_tokens"]
     elif given is None:
@@ -1215,13 +1310,15 @@ class FakeVllm:
     # --- apps
 
     def api_app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=1 << 30, middlewares=[fastapi_errors])
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_post("/v1/completions", self.handle_completion)
         app.router.add_post("/v1/chat/completions", self.handle_completion)
         app.router.add_post(RESPONSES, self.handle_completion)
         app.router.add_post(GENERATE, self.handle_completion)
+        app.router.add_post(MESSAGES, self.handle_completion)
+        app.router.add_post("/invocations", self.handle_completion)
         app.router.add_get("/_fake/kv", self.handle_kv_pull)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/version", self.handle_version)
@@ -1507,7 +1604,8 @@ class FakeVllm:
         return None
 
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
-        """The generating routes: completions, chat, Responses, generate."""
+        """The generating routes: completions, chat, Responses, generate, Anthropic's
+        Messages and SageMaker's /invocations (a chat or a completion by its body)."""
         if (denied := self.check_auth(request)) is not None:
             return denied
         if request.content_type.lower() != "application/json":
@@ -1527,13 +1625,18 @@ class FakeVllm:
         self.requests.append(Recorded(request.path, CIMultiDict(request.headers), body, peer))
         self.running += 1
         try:
-            path = request.path
+            path = api_path(request.path, body)
             response = await self.complete(request, path, body, request_id)
             if response.status == 200:  # complete() checked the rank
                 self.sim(int(request.headers.get("X-data-parallel-rank") or 0)).finished += 1
-            return response
+            return anthropic_error(response) if path == MESSAGES else response
         except BadRequest as bad:
-            return error(bad.status, str(bad), bad.param, bad.kind)
+            refused = error(bad.status, str(bad), bad.param, bad.kind)
+            # What pydantic refuses (type "Bad Request") vLLM's global handler answers in
+            # OpenAI's shape on every route; the Messages handler's own errors in Anthropic's.
+            if request.path == MESSAGES and bad.kind != "Bad Request":
+                return anthropic_error(refused)
+            return refused
         except asyncio.CancelledError:
             # The client (the proxy) closed the connection: vLLM aborts the request.
             self.aborted.append(request_id)
@@ -1544,11 +1647,11 @@ class FakeVllm:
     async def complete(
         self, request: web.Request, path: str, body: dict[str, Any], request_id: str
     ) -> web.StreamResponse:
-        """One generating request, its ``path`` the API whose rules apply."""
+        """One generating request, its ``path`` the API whose rules apply (api_path)."""
         # What pydantic refuses as it reads the body, before any other check.
         check_int_fields(path, body)
         stream = body.get("stream", False)
-        if body.get("stream_options") is not None and not stream:
+        if body.get("stream_options") is not None and not stream and path != MESSAGES:
             raise validation_error(
                 "Stream options can only be defined when `stream=True`.", "stream_options"
             )
@@ -1816,6 +1919,8 @@ class FakeVllm:
     ) -> web.StreamResponse:
         if path == RESPONSES:
             return await self.answer_response(request, body, request_id, generations[0], response)
+        if path == MESSAGES:
+            return await self.answer_message(request, body, request_id, generations[0], response)
         return await self.answer_choices(request, path, body, request_id, generations, response)
 
     def reading(self, path: str, body: dict[str, Any]) -> Reading:
@@ -2068,6 +2173,76 @@ class FakeVllm:
         await response.write_eof()
         return response
 
+    async def answer_message(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        request_id: str,
+        generation: Generation,
+        response: web.StreamResponse | None = None,
+    ) -> web.StreamResponse:
+        """An Anthropic Messages answer as vLLM 0.32 makes it of its chat's (anthropic/
+        serving.py; seen on vLLM 0.32): whole, messages_full_converter's message with
+        exclude_none; streamed, message_stream_converter's events over the chat's chunks:
+        message_start, a content block per run of thinking or text (empty deltas make no
+        event), content_block_stop, message_delta with the stop reason and usage,
+        message_stop. No [DONE]. A fault mid-stream: the error event that vLLM's converter
+        writes when the chat's error chunk is no chunk (its message differs: pydantic's)."""
+        chat_id = f"chatcmpl-{request_id}"
+        model = body.get("model", MODEL)
+        reading = Reading(self.reasoning_parser)
+        stop, stop_sequence = anthropic_stop(generation)
+        usage = {"input_tokens": generation.prompt_tokens}
+        usage["output_tokens"] = len(generation.token_ids)
+        if not body.get("stream"):
+            await asyncio.sleep(self.token_delay * len(generation.token_ids))
+            reasoning: str | None = None
+            content: str | None = generation.text
+            if self.reasoning_parser:
+                reasoning, content = parse_reasoning(generation.text)
+            blocks: list[dict[str, Any]] = []
+            if reasoning:
+                signature = uuid.uuid4().hex
+                blocks.append({"type": "thinking", "thinking": reasoning, "signature": signature})
+            if content:
+                blocks.append({"type": "text", "text": content})
+            payload: dict[str, Any] = {"id": chat_id, "type": "message", "role": "assistant"}
+            payload |= {"content": blocks or [{"type": "text", "text": ""}], "model": model}
+            payload["stop_reason"] = stop
+            if stop_sequence is not None:
+                payload["stop_sequence"] = stop_sequence
+            payload["usage"] = usage
+            self.begin_sent(request_id, compact(payload))
+            return await self.whole(request, payload)
+        if response is None:
+            response = await event_stream(request)
+        events = MessageEvents()
+        start = message_start(chat_id, model, generation.prompt_tokens)
+        await self.write(response, request_id, events.event("message_start", message=start))
+        for position, delta in enumerate(chat_deltas(generation, reading)):
+            if position == self.break_after_tokens and self.take_fault():
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+            if position == self.error_after_tokens and self.take_fault():
+                failure = {"type": "internal_error", "message": ENGINE_FAILED}
+                await self.write(response, request_id, events.event("error", error=failure))
+                await response.write_eof()
+                return response
+            for event in events.deltas(delta or {}):
+                await self.write(response, request_id, event)
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+        for event in events.close():
+            await self.write(response, request_id, event)
+        ending = {"stop_reason": stop, "stop_sequence": stop_sequence}
+        await self.write(
+            response, request_id, events.event("message_delta", delta=ending, usage=usage)
+        )
+        await self.write(response, request_id, events.event("message_stop"))
+        await response.write_eof()
+        return response
+
     async def fail_in_band(
         self,
         response: web.StreamResponse,
@@ -2080,7 +2255,8 @@ class FakeVllm:
     ) -> web.StreamResponse:
         """A stream that fails before its first token, as vLLM 0.32's does (seen): a chat's
         role chunk, then an error event and [DONE]. A Responses stream has sent its first
-        events, and is cut: vLLM's has no error event that its stream can carry."""
+        events, and is cut: vLLM's has no error event that its stream can carry. A Messages
+        stream: message_start (of the role chunk), then the converter's error event."""
         if path == RESPONSES:
             events = ResponseEvents(self.response_object(body, request_id, generations[0]))
             for event in events.head():
@@ -2088,6 +2264,17 @@ class FakeVllm:
             assert request.transport is not None
             request.transport.abort()
             raise asyncio.CancelledError
+        if path == MESSAGES:
+            message_events = MessageEvents()
+            chat_id, model = f"chatcmpl-{request_id}", body.get("model", MODEL)
+            start = message_start(chat_id, model, generations[0].prompt_tokens)
+            await self.write(
+                response, request_id, message_events.event("message_start", message=start)
+            )
+            failed = {"type": "internal_error", "message": failure}
+            await self.write(response, request_id, message_events.event("error", error=failed))
+            await response.write_eof()
+            return response
         if is_chat(path):
             base = {
                 "id": f"chatcmpl-{request_id}",
@@ -2194,6 +2381,69 @@ def chat_message(generation: Generation, reading: Reading) -> dict[str, Any]:
         "content": content,
         "reasoning": reasoning if reading.shown else None,
     }
+
+
+def message_start(chat_id: str, model: str, prompt_tokens: int) -> dict[str, Any]:
+    """message_start's message: the chat's id and model, nothing generated yet; its usage
+    from the role chunk (the converter asks for continuous usage stats)."""
+    start: dict[str, Any] = {"id": chat_id, "type": "message", "role": "assistant"}
+    start |= {"content": [], "model": model, "stop_reason": None, "stop_sequence": None}
+    return start | {"usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
+
+
+def anthropic_stop(generation: Generation) -> tuple[str | None, str | None]:
+    """_to_anthropic_stop_reason: the cap's "max_tokens", a stop string's "stop_sequence" and
+    the string, else "end_turn" (EOS or a stop token id)."""
+    if generation.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(generation.stop_reason, str):
+        return "stop_sequence", generation.stop_reason
+    return "end_turn", None
+
+
+class MessageEvents:
+    """A streamed Messages answer's events (``event: NAME`` then ``data:``), and its content
+    blocks as message_stream_converter opens and closes them: one per run of thinking or of
+    text, numbered; a thinking block closes with a signature delta."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.open: str | None = None  # the kind of the block open now
+
+    @staticmethod
+    def event(kind: str, **fields: Any) -> bytes:
+        return f"event: {kind}\n".encode() + b"data: " + compact({"type": kind, **fields}) + b"\n\n"
+
+    def deltas(self, delta: dict[str, Any]) -> list[bytes]:
+        events: list[bytes] = []
+        for kind, field_name, delta_type in (
+            ("thinking", "reasoning", "thinking_delta"), ("text", "content", "text_delta")
+        ):  # fmt: skip
+            text = delta.get(field_name)
+            if not text:
+                continue
+            if self.open != kind:
+                events += self.close()
+                block = {"type": kind, kind: ""}
+                events.append(
+                    self.event("content_block_start", content_block=block, index=self.index)
+                )
+                self.open = kind
+            piece = {"type": delta_type, "thinking" if kind == "thinking" else "text": text}
+            events.append(self.event("content_block_delta", delta=piece, index=self.index))
+        return events
+
+    def close(self) -> list[bytes]:
+        """The open block's end (a thinking block's signature first), if one is open."""
+        if self.open is None:
+            return []
+        events = []
+        if self.open == "thinking":
+            signature = {"type": "signature_delta", "signature": uuid.uuid4().hex}
+            events.append(self.event("content_block_delta", delta=signature, index=self.index))
+        events.append(self.event("content_block_stop", index=self.index))
+        self.open, self.index = None, self.index + 1
+        return events
 
 
 def generate_choice(

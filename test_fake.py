@@ -3,7 +3,7 @@ generation that continues token for token from the prompt's ids plus the ids gen
 (what a proxy that moves a broken stream to another pair relies on), the mid-stream faults
 tests inject, and the places where vLLM is less kind than a naive fake: its default caps, text
 that comes in pieces of characters, stop strings that hold text back, reasoning deltas, its
-in-band error's own JSON, tools without a parser.
+in-band error's own JSON, tools without a parser, and the routes a proxy passes through.
 """
 
 from __future__ import annotations
@@ -518,6 +518,75 @@ async def test_tools_without_a_tool_parser_are_refused_as_vllm_refuses_them(
     assert answer["choices"][0]["finish_reason"] == "length"
     status, error = await refused(fake.url, CHAT, body | {"tools": []})
     assert status == 400 and error["error"]["param"] == "tools"
+
+
+async def test_routes_a_proxy_passes_through_answer_as_vllms(
+    runners: list[web.AppRunner],
+) -> None:
+    """A generative vLLM 0.32's answers (seen on its server): pooling routes and unknown ones
+    a JSON 404 {"detail":"Not Found"}; a wrong method a 405; /invocations a completion or a
+    chat by its body, else vLLM's 400."""
+    fake = await start_fake(FakeVllm("decode"), runners)
+    for path in ("/v1/embeddings", "/pooling", "/classify", "/score", "/rerank", "/nope"):
+        status, raw, kind = await send(fake.url, path, {"model": MODEL, "input": "hi"})
+        assert (status, raw, kind) == (404, b'{"detail":"Not Found"}', "application/json")
+    status, raw, _ = await send(fake.url, "/tokenizer_info", {}, method="GET")
+    assert (status, raw) == (404, b'{"detail":"Not Found"}')
+    status, raw, _ = await send(fake.url, COMPLETIONS, {}, method="GET")
+    assert (status, raw) == (405, b'{"detail":"Method Not Allowed"}')
+    _, (answer,) = await post(fake.url, "/invocations", {"prompt": PROMPT, "max_tokens": 3})
+    assert answer["object"] == "text_completion" and answer["id"] == "cmpl-r"
+    assert answer["choices"][0]["text"] == generate(PROMPT, {"max_tokens": 3}).text
+    _, (answer,) = await post(fake.url, "/invocations", {"messages": MESSAGES, "max_tokens": 3})
+    assert answer["object"] == "chat.completion"
+    status, error = await refused(fake.url, "/invocations", {"max_tokens": 3})
+    assert (status, error["error"]["message"], error["error"]["param"]) == (
+        400,
+        "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+        "prompt",
+    )
+
+
+async def test_anthropic_messages_are_answered_in_their_shape(
+    runners: list[web.AppRunner],
+) -> None:
+    """/v1/messages as vLLM 0.32 answers it (seen on its server): whole, one message with a
+    text block, stop_reason "max_tokens" and usage; streamed, message_start, a text block's
+    start, deltas and stop, message_delta, message_stop. Its errors in Anthropic's shape, but
+    a missing max_tokens is pydantic's, in OpenAI's."""
+    fake = await start_fake(FakeVllm("decode"), runners)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+    expected = generate([{"role": "user", "content": "hi"}], body)
+    _, (answer,) = await post(fake.url, "/v1/messages", body, "m1")
+    assert answer == {
+        "id": "chatcmpl-m1", "type": "message", "role": "assistant",
+        "content": [{"type": "text", "text": expected.text}], "model": MODEL,
+        "stop_reason": "max_tokens",
+        "usage": {"input_tokens": expected.prompt_tokens, "output_tokens": 6},
+    }  # fmt: skip
+    status, raw, _ = await send(fake.url, "/v1/messages", {"model": MODEL, **body, "stream": True})
+    events = [frame.split("\n", 1) for frame in raw.decode().split("\n\n") if frame]
+    names = [name.removeprefix("event: ") for name, _ in events]
+    assert names[:2] == ["message_start", "content_block_start"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    data = [json.loads(line.removeprefix("data: ")) for _, line in events]
+    assert data[0]["message"]["usage"] == {
+        "input_tokens": expected.prompt_tokens, "output_tokens": 0,
+    }  # fmt: skip
+    text = "".join(d["delta"]["text"] for d in data if d["type"] == "content_block_delta")
+    assert text == expected.text and all(d.get("delta", {}).get("text") != "" for d in data)
+    assert data[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    status, error = await refused(fake.url, "/v1/messages", body | {"model": "other"})
+    assert status == 404 and error == {
+        "type": "error",
+        "error": {"type": "NotFoundError", "message": f"The model `other` does not exist. "
+                  f"Valid aliases: {MODEL}."},
+    }  # fmt: skip
+    status, error = await refused(fake.url, "/v1/messages", {"messages": body["messages"]})
+    assert status == 400 and error["error"]["param"] == "body.max_tokens"
+    stop = expected.text.split()[2]
+    _, (answer,) = await post(fake.url, "/v1/messages", body | {"stop_sequences": [stop]})
+    assert (answer["stop_reason"], answer["stop_sequence"]) == ("stop_sequence", stop)
 
 
 def test_the_models_own_tokens_never_pass_for_a_prompts() -> None:
