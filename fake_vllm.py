@@ -657,7 +657,9 @@ def validation_error(message: str, parameter: str | None = None, value: Any = No
     return BadRequest(f"{message} ({', '.join(extras)})" if extras else message, parameter)
 
 
-def body_error(location: str, kind: str, message: str, given: Any) -> BadRequest:
+def body_error(
+    location: str, kind: str, message: str, given: Any, ctx: dict[str, Any] | None = None
+) -> BadRequest:
     """pydantic's refusal of a request field, as vLLM 0.32's validation handler writes it
     (serve/exception_handling/handlers/validation.py): type "Bad Request", the field's place
     as param, and the value summed up (seen: max_tokens "abc", 5.5, [1], min_tokens null)."""
@@ -666,6 +668,8 @@ def body_error(location: str, kind: str, message: str, given: Any) -> BadRequest
     else:
         shown = given if isinstance(given, str) else str(given)
     error = {"type": kind, "loc": location, "msg": message, "input": shown}
+    if ctx is not None:
+        error["ctx"] = ctx
     return BadRequest(f"1 validation error:\n  {error}", location, kind="Bad Request")
 
 
@@ -704,7 +708,11 @@ def check_int_fields(path: str, body: dict[str, Any]) -> None:
     if path == MESSAGES:  # AnthropicMessagesRequest: max_tokens is required, an integer
         if "max_tokens" not in body:
             raise body_error("body.max_tokens", "missing", "Field required", body)
-        lax_int(body["max_tokens"], "body.max_tokens")
+        if (cap := lax_int(body["max_tokens"], "body.max_tokens")) <= 0:  # validate_max_tokens
+            raise body_error(
+                "body.max_tokens", "value_error", "Value error, max_tokens must be positive", cap,
+                {"error": ValueError("max_tokens must be positive")},
+            )  # fmt: skip
         return
     sampling = body.get("sampling_params") if path == GENERATE else body
     if not isinstance(sampling, dict):

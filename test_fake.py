@@ -584,6 +584,12 @@ async def test_anthropic_messages_are_answered_in_their_shape(
     }  # fmt: skip
     status, error = await refused(fake.url, "/v1/messages", {"messages": body["messages"]})
     assert status == 400 and error["error"]["param"] == "body.max_tokens"
+    status, error = await refused(fake.url, "/v1/messages", body | {"max_tokens": 0})
+    assert error["error"]["message"] == (
+        "1 validation error:\n  {'type': 'value_error', 'loc': 'body.max_tokens', 'msg': 'Value "
+        "error, max_tokens must be positive', 'input': '0', 'ctx': {'error': ValueError('max_tokens"
+        " must be positive')}}"
+    )  # seen on vLLM 0.32
     stop = expected.text.split()[2]
     _, (answer,) = await post(fake.url, "/v1/messages", body | {"stop_sequences": [stop]})
     assert (answer["stop_reason"], answer["stop_sequence"]) == ("stop_sequence", stop)
