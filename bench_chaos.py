@@ -230,12 +230,15 @@ async def start_target(name: str, argv: list[str], port: int, log: Path) -> Targ
 class Planned:
     path: str
     body: dict[str, Any]
-    tokens: list[str]  # what the fake generates for it, uninterrupted
+    text: str  # what the fake answers, uninterrupted
+    # The texts of its stream's chunks that carry text: a token inside a character (the fakes
+    # write some in pieces, as vLLM's models do) streams "", which is no piece.
+    pieces: list[str]
 
 
 def planned(number: int) -> Planned:
     """Request ``number``: completion or chat, streamed or not, in turn; a prompt of its own
-    and 24-48 tokens. Its tokens are the fakes' (generate is deterministic)."""
+    and 24-48 tokens. Its answer is the fakes' (generate is deterministic)."""
     chat, stream = number % 2 == 1, number % 4 >= 2
     words = random.Random(number).choices(VOCAB, k=12)
     prompt = f"chaos request {number}: {' '.join(words)}"
@@ -245,7 +248,8 @@ def planned(number: int) -> Planned:
     else:
         body["prompt"] = prompt
     path = CHAT if chat else COMPLETIONS
-    return Planned(path, body, generate(prompt_of(path, body), body).tokens)
+    expected = generate(prompt_of(path, body), body)
+    return Planned(path, body, expected.text, [delta for delta in expected.deltas if delta])
 
 
 @dataclass
@@ -289,8 +293,8 @@ async def read_whole(answer: aiohttp.ClientResponse, plan: Planned, outcome: Out
     outcome.ttft = time.monotonic() - outcome.started
     choice = payload["choices"][0]
     text = choice["message"]["content"] if "message" in choice else choice["text"]
-    if text != "".join(plan.tokens):
-        outcome.kind, outcome.detail = WRONG, f"{text!r}, not {''.join(plan.tokens)!r}"
+    if text != plan.text:
+        outcome.kind, outcome.detail = WRONG, f"{text!r}, not {plan.text!r}"
 
 
 async def read_stream(answer: aiohttp.ClientResponse, plan: Planned, outcome: Outcome) -> None:
@@ -313,8 +317,8 @@ async def read_stream(answer: aiohttp.ClientResponse, plan: Planned, outcome: Ou
         outcome.kind, outcome.detail = ERROR_EVENT, f"after {len(pieces)} tokens: {error}"
     elif not done:
         outcome.kind, outcome.detail = CUT, f"after {len(pieces)} tokens, no [DONE]"
-    elif pieces != plan.tokens:
-        outcome.kind, outcome.detail = WRONG, f"{len(pieces)} tokens, {len(plan.tokens)} expected"
+    elif pieces != plan.pieces:
+        outcome.kind, outcome.detail = WRONG, f"{len(pieces)} pieces, {len(plan.pieces)} expected"
 
 
 def token_of(event: dict[str, Any]) -> str:

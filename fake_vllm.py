@@ -13,6 +13,14 @@ transferred KV equals its own local answer to the same request. It is autoregres
 token ids, so a request whose prompt is the prompt's ids plus the ids generated so far (as
 ``return_token_ids`` gives them) continues the answer exactly.
 
+The fakes are no kinder than vLLM 0.32 where a proxy could tell (each place says where it was
+checked: vLLM's source or its server): a chat without a cap runs to max_model_len; some tokens
+are pieces of a character, which stream "" until it is whole (and a continuation from inside
+one starts with garbage, as vLLM's DecodeStream gives it); stop strings hold text back while
+every token id goes out at once; a reasoning parser splits a chat into reasoning and content;
+the in-band error is json.dumps's; tools without a tool parser, unknown routes, Anthropic's
+Messages and SageMaker's /invocations are answered as vLLM answers them.
+
 ``python fake_vllm.py`` runs the demo: a small simulated cluster, the proxy in front of it
 started as users start it, and one streamed request whose tokens arrive on the terminal.
 """
@@ -24,6 +32,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import itertools
 import json
 import random
 import signal
@@ -32,7 +41,7 @@ import struct
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +52,8 @@ from multidict import CIMultiDict
 
 MODEL = "fake-model"
 RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"  # Anthropic's Messages API, which vLLM serves beside OpenAI's
+MAX_MODEL_LEN = 4096  # FakeVllm's default, in the fakes' tokens
 GENERATE = "/inference/v1/generate"  # with --enable-scale-out: token ids in, token ids out
 # vLLM's API server closes a connection idle this long (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, passed to
 # uvicorn's timeout_keep_alive): the fakes are served with it, so that a client pool keeping
@@ -83,10 +94,34 @@ def error(
     return web.Response(body=compact(body), status=status, content_type="application/json")
 
 
+@web.middleware
+async def fastapi_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A route vLLM does not serve, or a method it does not take there, answered as its
+    FastAPI server answers (seen on vLLM 0.32, a generative model: /v1/embeddings, /pooling,
+    /classify, /score, /rerank, /tokenizer_info and unknown paths a 404
+    ``{"detail":"Not Found"}``; GET /v1/completions a 405 ``{"detail":"Method Not Allowed"}``
+    with Allow), not with aiohttp's plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as refused:
+        allowed = ", ".join(sorted(refused.allowed_methods - {"HEAD"}))
+        body = compact({"detail": "Method Not Allowed"})
+        answer = web.Response(status=405, body=body, content_type="application/json")
+        answer.headers["Allow"] = allowed
+        return answer
+    except web.HTTPNotFound:
+        body = compact({"detail": "Not Found"})
+        return web.Response(status=404, body=body, content_type="application/json")
+
+
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, kind: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.kind = param, status, kind
 
 
 @dataclass
@@ -99,12 +134,24 @@ class Recorded:
 
 @dataclass
 class Generation:
-    tokens: list[str]
+    """One choice's answer as vLLM 0.32's engine and detokenizer give it (v1/engine/
+    output_processor.py, v1/engine/detokenizer.py)."""
+
     finish_reason: str
     prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)  # of the tokens, one each
+    # Every generated token's id, a stop token or EOS included (vLLM counts and returns it).
+    token_ids: list[int] = field(default_factory=list)
+    # The text each token's step streams (vLLM's delta output), one per token id: "" inside a
+    # character, or while stop strings hold text back; the last one flushes what was held.
+    deltas: list[str] = field(default_factory=list)
+    text: str = ""  # the whole answer's text, as a non-streamed answer gives it
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # The prompt's token ids as the model read them (model_input), 4 bytes each.
     prompt_input: bytes = b""
+    cap: int = 0  # the max_tokens it ran with (vLLM's sampling_params.max_tokens)
+    # With a reasoning parser: whether the prompt's ids end its reasoning already
+    # (is_reasoning_end: a think-end token after the last think-start).
+    prompt_reasoning_ended: bool = False
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -127,18 +174,152 @@ def prompts_of(path: str, body: dict[str, Any]) -> list[Any]:
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", "messages")
         return [messages]
+    if path == MESSAGES:
+        return [anthropic_messages(body)]
     if path == RESPONSES:
         return [response_messages(body)]
     if path == GENERATE:
         if not is_token_prompt(ids := body.get("token_ids")):
             raise BadRequest("token_ids must be a non-empty list of token ids", "token_ids")
         return [ids]
-    if "prompt" not in body:
-        raise BadRequest("prompt is required", "prompt")
-    prompt = body["prompt"]
+    prompt = body.get("prompt")
+    if prompt in (None, "", []):  # CompletionRequest's check (seen on vLLM 0.32)
+        raise validation_error(
+            "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
+        )
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         return list(prompt)
     return [prompt]
+
+
+def is_chat(path: str) -> bool:
+    """A route answered as a chat (Anthropic's Messages is one, in vLLM, under its shape)."""
+    return path.endswith("/chat/completions") or path == MESSAGES
+
+
+def api_path(path: str, body: dict[str, Any]) -> str:
+    """The API whose rules a request follows: its own route's; SageMaker's /invocations tries
+    a chat, then a completion (serve/sagemaker/api_router.py, generate/factories.py), and a
+    body that is neither is refused as a completion without a prompt (seen on vLLM 0.32)."""
+    if path != "/invocations":
+        return path
+    if "messages" in body:
+        return "/v1/chat/completions"
+    if body.get("prompt") in (None, "", []):
+        raise validation_error(
+            "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
+        )
+    return "/v1/completions"
+
+
+def anthropic_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Messages request as the chat vLLM makes of it (anthropic/serving.py,
+    to_chat_completion_request): the system text first, then each message, its text blocks
+    joined into a string when there is one, kept as OpenAI text parts when there are more."""
+    messages: list[dict[str, Any]] = []
+    system = body.get("system")
+    if isinstance(system, list):
+        system = "".join(
+            block.get("text") or "" for block in system
+            if isinstance(block, dict) and block.get("type") == "text"
+        )  # fmt: skip
+    if isinstance(system, str) and system:
+        messages.append({"role": "system", "content": system})
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [
+                {"type": "text", "text": block.get("text", "")}
+                for block in content
+                if isinstance(block, dict) and block.get("type") == "text"
+            ]
+            content = parts[0]["text"] if len(parts) == 1 else parts
+        messages.append({"role": message.get("role"), "content": content})
+    return messages
+
+
+def anthropic_error(response: web.StreamResponse) -> web.StreamResponse:
+    """An error of the Messages route in Anthropic's shape, as vLLM's
+    translate_error_response writes it: {"type": "error", "error": {"type", "message"}} (seen:
+    an unknown model's 404)."""
+    if response.status < 400 or not isinstance(response, web.Response):
+        return response
+    if not isinstance(response.body, bytes):
+        return response
+    try:
+        found = json.loads(response.body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return response
+    body = {"type": "error", "error": {"type": found["type"], "message": found["message"]}}
+    return web.Response(body=compact(body), status=response.status, content_type="application/json")
+
+
+def check_tools(body: dict[str, Any]) -> None:
+    """ChatCompletionRequest.check_tool_usage (chat_completion/protocol.py), run as the body is
+    read: an empty tools list, a tool_choice without tools, one that is none of "none",
+    "auto", "required" or a named function among the tools."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools == []:
+        raise validation_error(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the "
+            "field entirely.",
+            "tools",
+        )
+    if choice is None or choice == "none":
+        return
+    if tools is None:
+        raise validation_error("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        raise validation_error(
+            f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" '
+            'or "required" are supported.',
+            "tool_choice",
+        )
+    if isinstance(choice, dict):
+        usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+        function = choice.get("function")
+        if not isinstance(function, dict):
+            raise validation_error(
+                f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}",
+                "tool_choice.function",
+            )
+        if "name" not in function:
+            raise validation_error(
+                f"Expected field `name` in `function` in `tool_choice`! {usage}",
+                "tool_choice.function.name",
+            )
+        name = function["name"]
+        if not isinstance(name, str) or not name:
+            raise validation_error(
+                f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}",
+                "tool_choice.function.name",
+            )
+        named = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+        if name not in named:
+            raise validation_error(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                "tool_choice",
+            )
+
+
+def refuse_tool_choice(body: dict[str, Any]) -> None:
+    """A server without --tool-call-parser (as the fakes are) refuses any tool choice but
+    "none" (renderers/online_renderer.py, render_chat; seen on vLLM 0.32): tools with no
+    tool_choice mean "auto". tool_choice "none", or null, gets an ordinary answer."""
+    choice = body.get("tool_choice", "auto" if body.get("tools") else None)
+    if choice is None or choice == "none":
+        return
+    if choice == "auto":
+        raise BadRequest(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+        )
+    if isinstance(choice, dict):
+        described = f'function "{choice["function"]["name"]}"'
+    else:
+        described = f'"{choice}"'
+    raise BadRequest(f"tool_choice={described} requires --tool-call-parser to be set")
 
 
 def refuse_unencodable(prompt: Any) -> None:
@@ -215,15 +396,20 @@ def refuse_stored(body: dict[str, Any]) -> None:
 def sampling_of(path: str, body: dict[str, Any]) -> dict[str, Any]:
     """Where a request's sampling fields are: a generate request's in its sampling_params
     (required, as vLLM's GenerateRequest has it), a Responses request's as response_sampling
-    reads them, the completions' in the body."""
+    reads them, a Messages request's as its chat has them, the completions' in the body."""
     if path == RESPONSES:
         return response_sampling(body)
+    if path == MESSAGES:  # anthropic/serving.py, _build_base_request
+        cap = body.get("max_tokens")
+        sampling: dict[str, Any] = {"max_tokens": cap, "max_completion_tokens": cap}
+        sampling["stop"] = body.get("stop_sequences")
+        return sampling | {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}
     if path != GENERATE:
         return body
-    sampling = body.get("sampling_params")
-    if not isinstance(sampling, dict):
+    given = body.get("sampling_params")
+    if not isinstance(given, dict):
         raise BadRequest("sampling_params is required: an object", "sampling_params")
-    return sampling
+    return given
 
 
 def response_sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -231,8 +417,7 @@ def response_sampling(body: dict[str, Any]) -> dict[str, Any]:
     max_output_tokens (vLLM ignores max_tokens and the other completions' fields there)."""
     ignored = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of")
     sampling = {key: value for key, value in body.items() if key not in ignored}
-    cap = body.get("max_output_tokens")
-    return sampling | {"max_tokens": 16 if cap is None else cap}
+    return sampling | {"max_tokens": body.get("max_output_tokens")}
 
 
 def is_token_prompt(prompt: Any) -> bool:
@@ -261,71 +446,474 @@ def model_input(prompt: Any, tokenizer: Any = None, ids: list[int] | None = None
     return struct.pack(f"<{len(ids)}I", *ids)
 
 
+# --- the fake model: its tokens, what it generates, and vLLM's detokenizer over them
+
+# The fake model's own tokens. Every id is in 50,000-50,431 (0xC350-0xC4FF): read as the fakes'
+# 4-byte pieces of prompt text (model_input), such an id would be a text ending in the UTF-8
+# lead byte 0xC3 or 0xC4, which no text does, so a prompt's ids never pass for the model's.
+# A word: WORD_ID_BASE plus its index in VOCAB, its text the word after a space.
+SPLIT_ID_BASE = 50_100
+# Words whose UTF-8 the model writes in pieces, as byte-level BPE models do: each a run of
+# tokens that always follow one another (a character begun is finished), some of them no
+# text alone. One piece ends a character and begins the next (日本's middle), one holds a
+# whole two-byte character (café's é).
+SPLIT_WORDS: tuple[tuple[bytes, ...], ...] = (
+    (b" \xc3", b"\xa9"),  # " é" in 2 tokens
+    (b" \xe2", b"\x98", b"\x83"),  # " ☃" in 3
+    (b" \xe6\x97", b"\xa5\xe6", b"\x9c\xac"),  # " 日本" in 3: 日's last byte and 本's first
+    (b" \xf0", b"\x9f", b"\x9a", b"\x80"),  # " 🚀" in 4
+    (b" caf", b"\xc3\xa9"),  # " café"
+)
+# vLLM's end-of-sequence token: generated and counted, never text (a special token skipped).
+EOS_ID = 50_400
+# A reasoning model's markers (FakeVllm.reasoning_parser), text as DeepSeek-R1's are.
+THINK_START_ID, THINK_END_ID = 50_401, 50_402
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def _vocabulary() -> tuple[dict[int, bytes], dict[int, int], tuple[int, ...]]:
+    """Each token's bytes, the token that must follow a piece, and the tokens a word starts
+    with (what the model draws from)."""
+    pieces = {WORD_ID_BASE + n: f" {word}".encode() for n, word in enumerate(VOCAB)}
+    follows: dict[int, int] = {}
+    starts = list(pieces)
+    next_id = SPLIT_ID_BASE
+    for word in SPLIT_WORDS:
+        ids = list(range(next_id, next_id + len(word)))
+        next_id += len(word)
+        pieces.update(zip(ids, word, strict=True))
+        follows.update(itertools.pairwise(ids))
+        starts.append(ids[0])
+    pieces |= {EOS_ID: b"", THINK_START_ID: THINK_START.encode(), THINK_END_ID: THINK_END.encode()}
+    assert all(0xC350 <= i <= 0xC4FF for i in pieces)
+    return pieces, follows, tuple(starts)
+
+
+PIECES, FOLLOWS, STARTS = _vocabulary()
+SPECIAL_IDS = frozenset({EOS_ID})  # skipped in text (vLLM's skip_special_tokens default)
+
+
+def token_bytes(token: int, table: list[bytes] | None = None) -> bytes:
+    """A token's bytes: the model's own; else, given one, the tokenizer's (table); else the
+    fakes' 4 bytes of prompt text (its zero padding dropped)."""
+    if (piece := PIECES.get(token)) is not None:
+        return b"" if token in SPECIAL_IDS else piece
+    if table is not None and 0 <= token < len(table):
+        return table[token]
+    return token.to_bytes(4, "little").rstrip(b"\0")
+
+
+_TOKENIZER_BYTES: dict[int, tuple[Any, list[bytes]]] = {}
+
+
+def tokenizer_bytes(tokenizer: Any) -> list[bytes]:
+    """Every token's bytes in a byte-level BPE tokenizer (tiny_tokenizer.py), its special
+    tokens none (skip_special_tokens): what a DecodeStream concatenates."""
+    held = _TOKENIZER_BYTES.get(id(tokenizer))
+    if held is not None and held[0] is tokenizer:
+        return held[1]
+    from tokenizers import pre_tokenizers
+
+    # The byte-level alphabet in byte order, as GPT-2 and tokenizers' ByteLevel map it.
+    visible = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    hidden = [b for b in range(256) if b not in visible]
+    chars = {chr(b): b for b in visible} | {chr(256 + n): b for n, b in enumerate(hidden)}
+    assert set(chars) == set(pre_tokenizers.ByteLevel.alphabet())
+    special = set(tokenizer.all_special_ids)
+    table = []
+    for token, text in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if token in special or text is None:
+            table.append(b"")
+        elif all(c in chars for c in text):
+            table.append(bytes(chars[c] for c in text))
+        else:  # an added token, stored as its text
+            table.append(text.encode())
+    _TOKENIZER_BYTES[id(tokenizer)] = (tokenizer, table)
+    return table
+
+
+class DecodeStream:
+    """tokenizers' DecodeStream (0.23, what vLLM's FastIncrementalDetokenizer steps), for a
+    tokenizer whose decoder concatenates its tokens' bytes and decodes them lossily (byte-level
+    BPE). A step returns text only when the bytes since the last text do not end in U+FFFD (an
+    unfinished character), so a token inside a character returns None.
+
+    Primed with a prompt (vLLM passes ``ids=prompt_token_ids``) that ends inside a character,
+    its first text is the whole prompt's text and the new text: the prompt never became its
+    prefix. A continuation sent from a token inside a character gets that garbage, as from
+    vLLM 0.32 (seen: prompt [1, 267, 460, 166, 254] streamed "hello�\\x1c" first).
+
+    The prompt is held as one element of bytes: the real stream's positions only ever fall
+    between the prompt and the tokens after it, so the texts are the same. Checked step for
+    step against tokenizers 0.23.3's DecodeStream over the real-vLLM suite's tokenizer, on
+    3,000 random prompts and continuations with split characters and stray bytes."""
+
+    def __init__(self, prompt: bytes | None) -> None:
+        self.window: list[bytes] = [] if prompt is None else [prompt]
+        self.prefix = ""
+        self.prefix_index = 0
+
+    def step(self, piece: bytes) -> str | None:
+        if not self.prefix and self.window:
+            text = b"".join(self.window).decode("utf-8", "replace")
+            if not text.endswith("\ufffd"):
+                self.prefix, self.prefix_index = text, len(self.window)
+        self.window.append(piece)
+        text = b"".join(self.window).decode("utf-8", "replace")
+        if len(text.encode()) <= len(self.prefix.encode()) or text.endswith("\ufffd"):
+            return None
+        # Byte-level decoding only appends: text starts with prefix, so no "Invalid prefix".
+        new_text = text[len(self.prefix) :]
+        kept = len(self.window) - self.prefix_index
+        self.window = self.window[self.prefix_index :]
+        self.prefix = b"".join(self.window).decode("utf-8", "replace")
+        self.prefix_index = kept
+        return new_text
+
+
+class Detokenizer:
+    """vLLM 0.32's FastIncrementalDetokenizer (BaseIncrementalDetokenizer.update and
+    get_next_output_text, check_stop_strings; v1/engine/detokenizer.py), one token a step:
+    the text of the tokens, stop strings found in it, and the text a stream may send now.
+
+    While stop strings may still match, the last ``max(len(s) for s in stop) - 1`` characters
+    are held back (not with include_stop_str_in_output); a match cuts the text before the stop
+    string (after it, with include_stop_str_in_output). Stop strings are looked for only once
+    more than min_tokens tokens were generated, and then only in the text of the tokens after
+    the first min_tokens (a match may begin earlier). A stop token's (or EOS's) own text is
+    left out unless include_stop_str_in_output."""
+
+    def __init__(
+        self, prompt: bytes | None, stop: list[str], min_tokens: int, include_stop: bool
+    ) -> None:
+        self.stream = DecodeStream(prompt)
+        self.stop, self.min_tokens, self.include_stop = stop, min_tokens, include_stop
+        self.buffer_length = max(map(len, stop)) - 1 if stop and not include_stop else 0
+        self.output_text = ""
+        self.tokens = 0
+        self.sent = 0  # _last_output_text_offset
+
+    def update(self, piece: bytes, stop_terminated: bool) -> str | None:
+        """Add one token; the stop string it completed, if any."""
+        previous = self.tokens
+        offsets = [len(self.output_text)]
+        if not stop_terminated or self.include_stop:
+            self.output_text += self.stream.step(piece) or ""
+        self.tokens += 1
+        offsets.append(len(self.output_text))
+        if not self.stop or self.tokens <= self.min_tokens:
+            return None
+        # vLLM looks from token_offsets[max(min_tokens - previous, 0)]: with one token a step
+        # and more than min_tokens tokens, that is where this token's text begins.
+        start = offsets[max(self.min_tokens - previous, 0)]
+        match = check_stop_strings(
+            self.output_text, len(self.output_text) - start, self.stop, self.include_stop
+        )
+        if match is None:
+            return None
+        stop, truncate_to = match
+        if truncate_to != -1:
+            self.output_text = self.output_text[:truncate_to]
+        return stop
+
+    def next_output_text(self, finished: bool) -> str:
+        """The text a stream sends at this step (get_next_output_text with delta)."""
+        length = len(self.output_text) - (0 if finished else self.buffer_length)
+        if self.sent >= length:
+            return ""
+        text, self.sent = self.output_text[self.sent : length], length
+        return text
+
+
+def check_stop_strings(
+    output_text: str, new_char_count: int, stop: list[str], include_in_output: bool
+) -> tuple[str, int] | None:
+    """vLLM 0.32's check_stop_strings (v1/engine/detokenizer.py), as it is: the stop string
+    that ends earliest in the new text (or overlaps into it), and where to cut the text (-1:
+    nowhere)."""
+    if not new_char_count or not stop:
+        return None
+    best: tuple[str, int, int] | None = None
+    for stop_str in stop:
+        index = output_text.find(stop_str, 1 - new_char_count - len(stop_str))
+        if index == -1:
+            continue
+        end = index + len(stop_str)
+        if best is None or end < best[2]:
+            best = (stop_str, index, end)
+    if best is None:
+        return None
+    stop_str, index, end = best
+    if include_in_output:
+        return (stop_str, -1) if end >= len(output_text) else (stop_str, end)
+    return stop_str, index
+
+
+def validation_error(message: str, parameter: str | None = None, value: Any = None) -> BadRequest:
+    """vLLM's VLLMValidationError as its server answers it (vllm/exceptions.py): a 400 whose
+    message ends "(parameter=..., value=...)" for what it names, param the parameter."""
+    extras = [f"parameter={parameter}"] if parameter is not None else []
+    extras += [f"value={value}"] if value is not None else []
+    return BadRequest(f"{message} ({', '.join(extras)})" if extras else message, parameter)
+
+
+def body_error(
+    location: str, kind: str, message: str, given: Any, ctx: dict[str, Any] | None = None
+) -> BadRequest:
+    """pydantic's refusal of a request field, as vLLM 0.32's validation handler writes it
+    (serve/exception_handling/handlers/validation.py): type "Bad Request", the field's place
+    as param, and the value summed up (seen: max_tokens "abc", 5.5, [1], min_tokens null)."""
+    if isinstance(given, list | dict):
+        shown: Any = f"<{type(given).__name__} of {len(given)} items>"
+    else:
+        shown = given if isinstance(given, str) else str(given)
+    error = {"type": kind, "loc": location, "msg": message, "input": shown}
+    if ctx is not None:
+        error["ctx"] = ctx
+    return BadRequest(f"1 validation error:\n  {error}", location, kind="Bad Request")
+
+
+def lax_int(given: Any, location: str) -> int:
+    """An integer field as pydantic reads it in lax mode: true is 1, 5.0 and "5" are 5 (seen
+    on vLLM 0.32: max_tokens "5", 5.0 and true were taken); else body_error's 400."""
+    if isinstance(given, int):
+        return int(given)
+    if isinstance(given, float) and given.is_integer():
+        return int(given)
+    if isinstance(given, float):
+        raise body_error(
+            location, "int_from_float",
+            "Input should be a valid integer, got a number with a fractional part", given,
+        )  # fmt: skip
+    if isinstance(given, str):
+        try:
+            return int(given.strip())
+        except ValueError:
+            raise body_error(
+                location, "int_parsing",
+                "Input should be a valid integer, unable to parse string as an integer", given,
+            ) from None  # fmt: skip
+    raise body_error(location, "int_type", "Input should be a valid integer", given)
+
+
+def check_int_fields(path: str, body: dict[str, Any]) -> None:
+    """Refuse, before anything else (pydantic reads the body first), a cap or min_tokens that
+    is no integer. null is a valid cap (None) but no valid min_tokens."""
+    where = "body.sampling_params." if path == GENERATE else "body."
+    fields: tuple[str, ...] = ("max_tokens", "min_tokens")
+    if path == RESPONSES:
+        fields = ("max_output_tokens",)
+    if path.endswith("/chat/completions"):
+        fields += ("max_completion_tokens",)
+    if path == MESSAGES:  # AnthropicMessagesRequest: max_tokens is required, an integer
+        if "max_tokens" not in body:
+            raise body_error("body.max_tokens", "missing", "Field required", body)
+        if (cap := lax_int(body["max_tokens"], "body.max_tokens")) <= 0:  # validate_max_tokens
+            raise body_error(
+                "body.max_tokens", "value_error", "Value error, max_tokens must be positive", cap,
+                {"error": ValueError("max_tokens must be positive")},
+            )  # fmt: skip
+        return
+    sampling = body.get("sampling_params") if path == GENERATE else body
+    if not isinstance(sampling, dict):
+        return
+    for name in fields:
+        if name in sampling and (sampling[name] is not None or name == "min_tokens"):
+            lax_int(sampling[name], where + name)
+
+
+def output_cap(
+    path: str, sampling: dict[str, Any], prompt_count: int, token_prompt: bool, max_model_len: int
+) -> int:
+    """The max_tokens vLLM 0.32 gives a request's engine, or its 400.
+
+    Completions: max_tokens, 16 when absent or null (normalize_null_max_tokens). Chat:
+    max_completion_tokens, else max_tokens, else all that fits: max_model_len less the prompt
+    (get_max_tokens). Responses: max_output_tokens, else all that fits. A cap above
+    max_model_len is refused (TokenizeParams), then a prompt longer than max_model_len
+    (_token_len_check: a text prompt is tokenized to max_model_len + 1 tokens at most, so it
+    says "at least" that), then the cap is cut to what fits, and one under 1 is refused
+    (SamplingParams), as is a min_tokens above it. Seen on vLLM 0.32 (max_model_len 512):
+    max_tokens 600 a 400; 100 after a 500-token prompt cut to 12; a chat's default 507 after
+    5 prompt tokens; a 512-token prompt "max_tokens must be at least 1, got 0"; a 513-token one
+    "contains at least 513 input tokens".
+
+    /inference/v1/generate (scale_out/token_in_token_out): no TokenizeParams; without
+    max_tokens all that fits, with it the engine stops at max_model_len; a prompt as long as
+    max_model_len or longer is refused by the input processor."""
+    room = max_model_len - prompt_count
+    given = sampling.get("max_tokens")
+    min_tokens = lax_int(sampling.get("min_tokens", 0), "body.min_tokens")
+    if path == GENERATE:
+        if given is not None:
+            given = lax_int(given, "body.sampling_params.max_tokens")
+            check_min_tokens(given, min_tokens)
+        if prompt_count > max_model_len:
+            raise validation_error(
+                f"The decoder prompt (length {prompt_count}) is longer than the maximum model "
+                f"length of {max_model_len}. Make sure that `max_model_len` is no smaller than "
+                "the number of text tokens."
+            )
+        if prompt_count == max_model_len:
+            raise validation_error(
+                f"The decoder prompt (length {prompt_count}) plus the number of requested "
+                "output tokens (at least 1) is longer than the maximum model length of "
+                f"{max_model_len}. Make sure that `max_model_len` is no smaller than the number "
+                "of text tokens (prompt + requested output tokens)."
+            )
+        cap = room if given is None else min(given, room)
+        check_min_tokens(cap, min_tokens)
+        return cap
+    name = "max_tokens"
+    if path == RESPONSES:
+        name = "max_output_tokens"
+    elif path.endswith("/chat/completions") or path == MESSAGES:
+        if sampling.get("max_completion_tokens") is not None:
+            name, given = "max_completion_tokens", sampling["max_completion_tokens"]
+    elif given is None:
+        given = 16
+    if given is not None:
+        given = lax_int(given, f"body.{name}")
+        if given > max_model_len:
+            raise validation_error(
+                f"{name}={given} cannot be greater than max_model_len={max_model_len}. Please "
+                "request fewer output tokens.",
+                name,
+                given,
+            )
+    if prompt_count > max_model_len:
+        shown = prompt_count if token_prompt else max_model_len + 1
+        at_least = "at least " if shown == max_model_len + 1 else ""
+        raise validation_error(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {at_least}{shown} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+            shown,
+        )
+    cap = room if given is None else min(given, room)
+    check_min_tokens(cap, min_tokens)
+    return cap
+
+
+def check_min_tokens(cap: int, min_tokens: int) -> None:
+    """SamplingParams' checks of the cap and min_tokens (seen: "max_tokens must be at least 1,
+    got 0. (parameter=max_tokens, value=0)"; "min_tokens must be less than or equal to
+    max_tokens=507, got 510.", param null)."""
+    if cap < 1:
+        raise validation_error(f"max_tokens must be at least 1, got {cap}.", "max_tokens", cap)
+    if min_tokens < 0:
+        raise validation_error(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    if min_tokens > cap:
+        raise validation_error(
+            f"min_tokens must be less than or equal to max_tokens={cap}, got {min_tokens}."
+        )
+
+
+def stop_strings(sampling: dict[str, Any]) -> list[str]:
+    """``stop`` as SamplingParams takes it: a string or a list of them."""
+    stop = sampling.get("stop")
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)]
+
+
+def reasoning_state(ids: list[int]) -> tuple[bool, bool, int]:
+    """Where a reasoning model stands after these ids: whether it began thinking at all,
+    whether it thinks now, and how many tokens it thought since it began (the last marker)."""
+    for back, token in enumerate(reversed(ids)):
+        if token == THINK_START_ID:
+            return True, True, back
+        if token == THINK_END_ID:
+            return True, False, 0
+    return False, False, 0
+
+
 def generate(
     prompt: Any,
     body: dict[str, Any],
     choice: int = 0,
-    max_model_len: int | None = None,
+    max_model_len: int = MAX_MODEL_LEN,
     *,
     tokenizer: Any = None,
     ids: list[int] | None = None,
+    path: str | None = None,
+    reasoning: bool = False,
 ) -> Generation:
-    """What this fake model answers: a function of the prompt's token ids (model_input; ``ids``
-    if the caller has them), the sampling limits and which of the request's ``n`` choices it
-    is, only. A prompt past ``max_model_len`` is refused as vLLM refuses it, and the answer is
-    cut to what fits.
+    """What this fake model answers, and its text as vLLM 0.32's detokenizer makes it: a
+    function of the prompt's token ids (model_input; ``ids`` if the caller has them), the
+    sampling fields (``body``: a generate request's sampling_params, a Responses request's
+    sampling_of) and which of the request's ``n`` choices it is, only. ``path`` says whose
+    defaults and checks apply (output_cap); without it, a chat's if the prompt is messages,
+    else a completion's. ``reasoning``: the model thinks first (FakeVllm.reasoning_parser).
 
     It is autoregressive: each token is drawn from a 64-bit hash of the choice, the prompt's
     ids and the ids generated before it, so a request whose prompt is the prompt's ids plus
-    the first k generated ids, with k fewer max_tokens, generates exactly the remaining ones."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise BadRequest("max_tokens must be a positive integer", "max_tokens")
-    min_tokens = body.get("min_tokens", 0)
-    if isinstance(min_tokens, int) and min_tokens > max_tokens:
-        raise BadRequest("min_tokens must be less than or equal to max_tokens", "min_tokens")
+    the first k generated ids, with k fewer max_tokens (and min_tokens), generates exactly the
+    remaining ones. A piece of a character is always followed by the rest of it; the reasoning
+    model writes a think-start token first, then thinks, then a think-end token, as read from
+    the ids (a continuation picks up where they stand).
+
+    As vLLM: a stop token ends the answer (its id returned and counted, its text left out); a
+    stop string ends it once its text shows (Detokenizer); min_tokens keeps stop tokens and EOS
+    from being drawn before then (vLLM masks them)."""
+    if path is None:
+        chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
     read = model_input(prompt, tokenizer, ids)
     count = len(read) // TOKEN_BYTES
-    if max_model_len is not None:
-        max_tokens = fit(count, max_tokens, max_model_len)
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else list(stop)
+    cap = output_cap(path, body, count, is_token_prompt(prompt), max_model_len)
+    stop_ids = {t for t in body.get("stop_token_ids") or () if isinstance(t, int)}
+    min_tokens = lax_int(body.get("min_tokens", 0), "body.min_tokens")
+    include_stop = bool(body.get("include_stop_str_in_output"))
+    ignore_eos = bool(body.get("ignore_eos"))
+    table = tokenizer_bytes(tokenizer) if tokenizer is not None else None
+    if is_token_prompt(prompt) or table is not None:
+        prompt_ids = list(struct.unpack(f"<{count}I", read))
+        prompt_bytes = b"".join(token_bytes(t, table) for t in prompt_ids)
+    else:  # the text itself, as its 4-byte pieces decode (faster for long prompts)
+        prompt_ids, prompt_bytes = [], prompt_text(prompt)
+    detokenizer = Detokenizer(prompt_bytes, stop_strings(body), min_tokens, include_stop)
+    began, thinking, thought = reasoning_state(prompt_ids) if reasoning else (False, False, 0)
+    eos = not is_token_prompt(prompt) and EOS_MARKER in json.dumps(prompt)
+    generation = Generation("length", count, prompt_input=read, cap=cap)
+    generation.prompt_reasoning_ended = began and not thinking
     state = hashlib.blake2b(choice.to_bytes(8, "little"), digest_size=8)
     state.update(read)
-    eos = not is_token_prompt(prompt) and EOS_MARKER in json.dumps(prompt)
-    generation = Generation([], "length", count, prompt_input=read)
-    for index in range(max_tokens):
-        if index == 0 and eos and not body.get("ignore_eos"):
+    last = prompt_ids[-1] if prompt_ids else None
+    for index in range(cap):
+        banned = (stop_ids | {EOS_ID}) if index < min_tokens else set()
+        draw = int.from_bytes(state.copy().digest(), "little")
+        token = FOLLOWS.get(last, -1) if last is not None else -1
+        if index == 0 and eos and not ignore_eos:
+            token = EOS_ID
+        elif token == -1 and reasoning and not began:
+            token = THINK_START_ID
+        elif token == -1 and thinking and thought >= 2 and draw % 4 == 0:
+            token = THINK_END_ID
+        if token == -1 or token in banned:
+            allowed = [t for t in STARTS if t not in banned] if banned else STARTS
+            token = allowed[draw % len(allowed)]
+        began, thought = began or token == THINK_START_ID, thought + 1
+        if token in (THINK_START_ID, THINK_END_ID):
+            thinking, thought = token == THINK_START_ID, 0
+        ends_eos = token == EOS_ID and not ignore_eos
+        stop_terminated = ends_eos or token in stop_ids
+        generation.token_ids.append(token)
+        state.update(token.to_bytes(4, "little"))
+        last = token
+        stop = detokenizer.update(token_bytes(token), stop_terminated)
+        if stop is not None:
+            generation.finish_reason, generation.stop_reason = "stop", stop
+        elif stop_terminated:
             generation.finish_reason = "stop"
+            generation.stop_reason = None if ends_eos else token
+        finished = stop is not None or stop_terminated or index == cap - 1
+        generation.deltas.append(detokenizer.next_output_text(finished))
+        if finished:
             break
-        draw = int.from_bytes(state.copy().digest(), "little") % len(VOCAB)
-        if VOCAB[draw] in stop:
-            generation.finish_reason = "stop"
-            break
-        generation.tokens.append(f" {VOCAB[draw]}")
-        generation.token_ids.append(WORD_ID_BASE + draw)
-        state.update((WORD_ID_BASE + draw).to_bytes(4, "little"))
+    generation.text = detokenizer.output_text
     return generation
-
-
-def fit(tokens: int, max_tokens: int, max_model_len: int) -> int:
-    """vLLM's checks of a prompt against --max-model-len (vllm/renderers/params.py): a prompt
-    over it is refused, an answer that would run past it is cut to what fits."""
-    if max_tokens > max_model_len:
-        raise BadRequest(
-            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
-            "Please request fewer output tokens.",
-            "max_tokens",
-        )
-    if tokens > max_model_len:
-        raise BadRequest(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt contains {tokens} input tokens, which exceeds this limit even without any "
-            "output tokens. Please reduce the length of the input prompt. "
-            f"(parameter=input_tokens, value={tokens})",
-            "input_tokens",
-        )
-    return max(1, min(max_tokens, max_model_len - tokens))
 
 
 # The fakes' own tokenizer and cache geometry, deliberately unlike the proxy's 512-byte blocks:
@@ -612,8 +1200,14 @@ class FakeVllm:
     break_after_tokens: int | None = None  # drop the connection mid-stream, after N tokens
     # (all of them: after the last token, before the usage and [DONE])
     fragment_bytes: int | None = None  # a stream's bytes leave in pieces of this size
-    # Chunks carry no token ids even when asked, as vLLM's chat with a reasoning parser and
-    # include_reasoning false sends them (its prompt's ids still come).
+    # vLLM's --reasoning-parser (deepseek_r1's rules): its model thinks first, between a
+    # think-start and a think-end token, on every route; its chats stream "reasoning" and
+    # "content" deltas apart and answer message.reasoning and message.content.
+    reasoning_parser: bool = False
+    # Every chat as vLLM answers one that says include_reasoning false to a server with a
+    # reasoning parser whose reasoning had ended before the answer (Reading): chunks carry no
+    # token ids even when asked (its prompt's ids still come), each delta's reasoning null,
+    # and a token with no content sends no chunk. Completions are untouched, as in vLLM.
     hide_token_ids: bool = False
     # After N tokens, an in-band error event and [DONE], as when vLLM's engine fails.
     error_after_tokens: int | None = None
@@ -626,7 +1220,7 @@ class FakeVllm:
     kv_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
     bootstrap_not_ready: int = 0  # answer /query 503 this many times, then {} once
     health_status: int = 200
-    max_model_len: int = 4096  # tokens, as /v1/models says; longer prompts are refused
+    max_model_len: int = MAX_MODEL_LEN  # tokens, as /v1/models says; longer prompts refused
     engine_dead: str | None = None  # why its engine core died, as vLLM's can (check_kv_params)
     health_delay: float = 0.0  # a busy server: /health answers, slowly
     drop_after: float | None = None  # accept a completion, then reset the connection
@@ -724,13 +1318,15 @@ class FakeVllm:
     # --- apps
 
     def api_app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=1 << 30, middlewares=[fastapi_errors])
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_post("/v1/completions", self.handle_completion)
         app.router.add_post("/v1/chat/completions", self.handle_completion)
         app.router.add_post(RESPONSES, self.handle_completion)
         app.router.add_post(GENERATE, self.handle_completion)
+        app.router.add_post(MESSAGES, self.handle_completion)
+        app.router.add_post("/invocations", self.handle_completion)
         app.router.add_get("/_fake/kv", self.handle_kv_pull)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_get("/version", self.handle_version)
@@ -1016,6 +1612,8 @@ class FakeVllm:
         return None
 
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        """The generating routes: completions, chat, Responses, generate, Anthropic's
+        Messages and SageMaker's /invocations (a chat or a completion by its body)."""
         if (denied := self.check_auth(request)) is not None:
             return denied
         if request.content_type.lower() != "application/json":
@@ -1035,12 +1633,18 @@ class FakeVllm:
         self.requests.append(Recorded(request.path, CIMultiDict(request.headers), body, peer))
         self.running += 1
         try:
-            response = await self.complete(request, body, request_id)
+            path = api_path(request.path, body)
+            response = await self.complete(request, path, body, request_id)
             if response.status == 200:  # complete() checked the rank
                 self.sim(int(request.headers.get("X-data-parallel-rank") or 0)).finished += 1
-            return response
+            return anthropic_error(response) if path == MESSAGES else response
         except BadRequest as bad:
-            return error(bad.status, str(bad), bad.param)
+            refused = error(bad.status, str(bad), bad.param, bad.kind)
+            # What pydantic refuses (type "Bad Request") vLLM's global handler answers in
+            # OpenAI's shape on every route; the Messages handler's own errors in Anthropic's.
+            if request.path == MESSAGES and bad.kind != "Bad Request":
+                return anthropic_error(refused)
+            return refused
         except asyncio.CancelledError:
             # The client (the proxy) closed the connection: vLLM aborts the request.
             self.aborted.append(request_id)
@@ -1049,11 +1653,18 @@ class FakeVllm:
             self.running -= 1
 
     async def complete(
-        self, request: web.Request, body: dict[str, Any], request_id: str
+        self, request: web.Request, path: str, body: dict[str, Any], request_id: str
     ) -> web.StreamResponse:
+        """One generating request, its ``path`` the API whose rules apply (api_path)."""
+        # What pydantic refuses as it reads the body, before any other check.
+        check_int_fields(path, body)
         stream = body.get("stream", False)
-        if body.get("stream_options") is not None and not stream:
-            raise BadRequest("Stream options can only be defined when `stream=True`.")
+        if body.get("stream_options") is not None and not stream and path != MESSAGES:
+            raise validation_error(
+                "Stream options can only be defined when `stream=True`.", "stream_options"
+            )
+        if is_chat(path):
+            check_tools(body)
         rank_header = request.headers.get("X-data-parallel-rank")
         if rank_header is not None and (
             not rank_header.isdigit() or int(rank_header) >= self.dp_size
@@ -1068,11 +1679,13 @@ class FakeVllm:
             return error(500, "The server had an error while processing your request.")
         if not self.serves(model := body.get("model")):
             raise BadRequest(self.unknown_model(str(model)), "model", status=404)
-        if request.path == RESPONSES:
+        if path == RESPONSES:
             refuse_stored(body)
+        if is_chat(path):
+            refuse_tool_choice(body)
         # vLLM's child requests: one per prompt of a batch and per choice of ``n``.
-        sampling = sampling_of(request.path, body)
-        prompts, count = prompts_of(request.path, body), sample_count(sampling)
+        sampling = sampling_of(path, body)
+        prompts, count = prompts_of(path, body), sample_count(sampling)
         for prompt in prompts:
             refuse_unencodable(prompt)
             if is_token_prompt(prompt):
@@ -1081,7 +1694,16 @@ class FakeVllm:
         # With a tokenizer, the model reads (and usage counts) the tokenizer's ids.
         ids = [self.prompt_blocks(p).ids if self.tokenizer is not None else None for p in prompts]
         generations = [
-            generate(prompt, sampling, choice, self.max_model_len, ids=prompt_ids)
+            generate(
+                prompt,
+                sampling,
+                choice,
+                self.max_model_len,
+                tokenizer=self.tokenizer,
+                ids=prompt_ids,
+                path=path,
+                reasoning=self.reasoning_parser,
+            )
             for prompt, prompt_ids in zip(prompts, ids, strict=True)
             for choice in range(count)
         ]
@@ -1115,7 +1737,7 @@ class FakeVllm:
                 request.transport.abort()
                 self.dropped += 1
                 raise asyncio.CancelledError
-            return await self.answer(request, body, request_id, generations)
+            return await self.answer(request, path, body, request_id, generations)
         worker: str | None = None
         failure: str | None = None
         if params.get("do_remote_prefill"):
@@ -1136,7 +1758,7 @@ class FakeVllm:
         if failure is not None:
             assert response is not None
             return await self.fail_in_band(
-                response, request, body, request_id, failure, generations
+                response, request, path, body, request_id, failure, generations
             )
         if worker is not None:
             await asyncio.sleep(self.pull_delay)
@@ -1160,11 +1782,11 @@ class FakeVllm:
                 if response is None:
                     return error(500, "Internal server error")  # vLLM says no more
                 return await self.fail_in_band(
-                    response, request, body, request_id, failure, generations
+                    response, request, path, body, request_id, failure, generations
                 )
         else:
             await asyncio.sleep(self.delay)
-        return await self.answer(request, body, request_id, generations, response)
+        return await self.answer(request, path, body, request_id, generations, response)
 
     # --- Mooncake, simulated over HTTP
 
@@ -1297,22 +1919,47 @@ class FakeVllm:
     async def answer(
         self,
         request: web.Request,
+        path: str,
         body: dict[str, Any],
         request_id: str,
         generations: list[Generation],
         response: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
-        if request.path == RESPONSES:
+        if path == RESPONSES:
             return await self.answer_response(request, body, request_id, generations[0], response)
-        return await self.answer_choices(request, body, request_id, generations, response)
+        if path == MESSAGES:
+            return await self.answer_message(request, body, request_id, generations[0], response)
+        return await self.answer_choices(request, path, body, request_id, generations, response)
+
+    def reading(self, path: str, body: dict[str, Any]) -> Reading:
+        """How this server's chat parser reads a request's answer (chat_completion/serving.py):
+        with --reasoning-parser, reasoning and content apart; include_reasoning false hides
+        the reasoning and the token ids (hide_stream_metadata). hide_token_ids: as
+        include_reasoning false with a parser whose reasoning already ended."""
+        if not is_chat(path) or not (self.reasoning_parser or self.hide_token_ids):
+            return Reading()
+        shown = body.get("include_reasoning", True) is not False and not self.hide_token_ids
+        return Reading(True, shown, self.hide_token_ids and not self.reasoning_parser)
+
+    def chat_usage(self, usage: dict[str, Any], generations: list[Generation]) -> dict[str, Any]:
+        """A chat's usage: with a reasoning parser it counts the reasoning tokens too."""
+        if not self.reasoning_parser:
+            return usage
+        thought = sum(count_reasoning_tokens(g.token_ids) for g in generations)
+        return usage | {"completion_tokens_details": {"reasoning_tokens": thought}}
 
     def response_object(
         self, body: dict[str, Any], request_id: str, generation: Generation
     ) -> dict[str, Any]:
         """A Responses answer as vLLM 0.32 writes it (the fields a client reads): one message
         of output text; "incomplete" for max_output_tokens where the cap ended it (what a
-        prefill's one token does), and kv_transfer_params null (vLLM's, as a prefill's)."""
-        text = "".join(generation.tokens)
+        prefill's one token does), max_output_tokens the cap it ran with (seen: 506 for a
+        6-token prompt without one, on max_model_len 512), and kv_transfer_params null
+        (vLLM's, as a prefill's). With a reasoning parser, the message holds the content only
+        (vLLM adds a reasoning item, which the fake leaves out)."""
+        text = generation.text
+        if self.reasoning_parser:
+            text = parse_reasoning(text)[1] or ""
         length = generation.finish_reason == "length"
         part: dict[str, Any] = {
             "annotations": [],
@@ -1322,12 +1969,13 @@ class FakeVllm:
         }
         message = {"id": f"msg_{request_id}", "content": [part], "role": "assistant"}
         message |= {"status": "completed", "type": "message"}
-        tokens = len(generation.tokens)
+        tokens = len(generation.token_ids)
+        thought = count_reasoning_tokens(generation.token_ids) if self.reasoning_parser else 0
         usage: dict[str, Any] = {
             "input_tokens": generation.prompt_tokens,
             "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": generation.prompt_tokens + tokens,
         }
         return {
@@ -1338,7 +1986,7 @@ class FakeVllm:
             "model": body.get("model", MODEL),
             "object": "response",
             "output": [message],
-            "max_output_tokens": body.get("max_output_tokens"),
+            "max_output_tokens": generation.cap,
             "previous_response_id": None,
             "status": "incomplete" if length else "completed",
             "usage": usage,
@@ -1353,12 +2001,14 @@ class FakeVllm:
         generation: Generation,
         response: web.StreamResponse | None,
     ) -> web.StreamResponse:
-        """A Responses answer, whole or streamed: its events in order, each token a delta,
-        and no [DONE]. A mid-stream fault cuts the stream (vLLM 0.32 has no error event that
-        such a stream can carry)."""
+        """A Responses answer, whole or streamed: its events in order, a delta for each step
+        that has text (responses/serving.py, _process_simple_streaming_events: an empty one
+        makes no event, and the message's item and part open with the first text), and no
+        [DONE]. A mid-stream fault cuts the stream (vLLM 0.32 has no error event that such a
+        stream can carry)."""
         done = self.response_object(body, request_id, generation)
         if not body.get("stream"):
-            await asyncio.sleep(self.token_delay * len(generation.tokens))
+            await asyncio.sleep(self.token_delay * len(generation.token_ids))
             self.begin_sent(request_id, compact(done))
             return await self.whole(request, done)
         if response is None:
@@ -1366,14 +2016,21 @@ class FakeVllm:
         events = ResponseEvents(done)
         for event in events.head():
             await self.write(response, request_id, event)
-        for position, token in enumerate(generation.tokens):
+        deltas = generation.deltas
+        if self.reasoning_parser:
+            deltas = [
+                (m or {}).get("content") or "" for m in chat_deltas(generation, Reading(True))
+            ]
+        for position, text in enumerate(deltas):
             if position in (self.break_after_tokens, self.error_after_tokens) and (
                 self.take_fault()
             ):
                 assert request.transport is not None
                 request.transport.abort()
                 return response
-            await self.write(response, request_id, events.delta(token))
+            if text:
+                for event in events.delta(text):
+                    await self.write(response, request_id, event)
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
         for event in events.tail():
@@ -1384,19 +2041,26 @@ class FakeVllm:
     async def answer_choices(
         self,
         request: web.Request,
+        path: str,
         body: dict[str, Any],
         request_id: str,
         generations: list[Generation],
         response: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
         """The choices as vLLM 0.32 writes them: one per generation, indexed in order; streamed,
-        chunks of one choice each (a chat's role chunks first), the choices' tokens in turn.
-        With ``return_token_ids`` each chunk carries its token's id and a choice's first its
-        prompt's (a chat's role chunk); without, the same fields are null. A generate request's
-        (tokens mode) carry token ids only, in its own shape (generate_choice)."""
-        chat = request.path.endswith("/chat/completions")
-        tokens_only = request.path == GENERATE
+        a chunk for each choice's token (a chat's role chunks first), the choices' tokens in
+        turn, each chunk's text what the detokenizer let out at that token (Generation.deltas:
+        "" inside a character or while stop strings hold text back). With
+        ``return_token_ids`` each chunk carries its token's id and a choice's first its
+        prompt's (a chat's role chunk); without, the same fields are null. A chat read by a
+        reasoning parser (Reading) streams reasoning and content apart, and skips the chunks of
+        the tokens it swallows unless they must carry token ids. A generate request's (tokens
+        mode) carry token ids only, in its own shape (generate_choice)."""
+        chat = is_chat(path)
+        tokens_only = path == GENERATE
         ids = bool(body.get("return_token_ids")) and not tokens_only
+        reading = self.reading(path, body)
+        shown_ids = ids and not reading.hides_metadata
         created = int(time.time())
         base: dict[str, Any] = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
@@ -1406,16 +2070,18 @@ class FakeVllm:
         }
         if tokens_only:
             base = {"request_id": f"generate-tokens-{request_id}"}
-        count = sample_count(sampling_of(request.path, body))
+        count = sample_count(sampling_of(path, body))
         prompt_tokens = sum(g.prompt_tokens for g in generations[::count])  # once per prompt
-        completion_tokens = sum(len(g.tokens) for g in generations)
+        completion_tokens = sum(len(g.token_ids) for g in generations)
         usage = {  # in vLLM's order
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
         }
+        if chat:
+            usage = self.chat_usage(usage, generations)
         if not body.get("stream"):
-            longest = max(len(g.tokens) for g in generations)
+            longest = max(len(g.token_ids) for g in generations)
             await asyncio.sleep(self.token_delay * longest)  # generating them
             if tokens_only:
                 payload = generate_answer(base, body, created, usage, generations)
@@ -1423,17 +2089,16 @@ class FakeVllm:
                 return await self.whole(request, payload)
             choices = []
             for index, generation in enumerate(generations):
-                text = "".join(generation.tokens)
                 choice: dict[str, Any] = {"index": index}
                 if chat:
-                    choice["message"] = {"role": "assistant", "content": text}
+                    choice["message"] = chat_message(generation, reading)
                 else:
-                    choice["text"] = text
+                    choice["text"] = generation.text
                 choice |= {"logprobs": None, "finish_reason": generation.finish_reason}
-                choice["stop_reason"] = None
+                choice["stop_reason"] = generation.stop_reason
                 if not chat:  # a chat's are the answer's, below
                     choice["prompt_token_ids"] = generation.prompt_token_ids if ids else None
-                choice["token_ids"] = generation.token_ids if ids else None
+                choice["token_ids"] = generation.token_ids if shown_ids else None
                 choices.append(choice)
             payload = {**base, "choices": choices, "usage": usage}
             if chat:
@@ -1450,7 +2115,8 @@ class FakeVllm:
             for index, generation in enumerate(generations):
                 chunk = role_chunk(base, index, generation, ids)
                 await self.frame(response, request_id, chunk, ids)
-        longest = max(len(g.tokens) for g in generations)
+        deltas = [chat_deltas(g, reading) for g in generations] if chat else []
+        longest = max(len(g.token_ids) for g in generations)
         for position in range(longest):
             if position == self.break_after_tokens and self.take_fault():
                 assert request.transport is not None
@@ -1458,34 +2124,41 @@ class FakeVllm:
                 return response
             if position == self.error_after_tokens and self.take_fault():
                 # vLLM's engine failed mid-generation: an error event, [DONE], the end.
-                await self.frame(response, request_id, error_event(ENGINE_FAILED))
+                await self.write(response, request_id, error_frame(ENGINE_FAILED))
                 await self.write(response, request_id, b"data: [DONE]\n\n")
                 await response.write_eof()
                 return response
             for index, generation in enumerate(generations):
-                if position >= len(generation.tokens):
+                if position >= len(generation.token_ids):
                     continue
-                token = generation.tokens[position]
-                last = position == len(generation.tokens) - 1
+                token = generation.token_ids[position]
+                last = position == len(generation.token_ids) - 1
                 finish = generation.finish_reason if last else None
-                shown = ids and not self.hide_token_ids
-                token_ids = [generation.token_ids[position]] if shown else None
+                stop_reason = generation.stop_reason if last else None
                 if tokens_only:
-                    choice = generate_choice(index, finish, [generation.token_ids[position]])
+                    choice = generate_choice(index, finish, [token], stop_reason)
                     chunk = {**base, "usage": None, "output_mode": "tokens", "choices": [choice]}
                     await self.frame(response, request_id, chunk)
                     continue
                 if chat:
-                    choice = {"index": index, "delta": {"content": token}, "logprobs": None}
+                    delta = deltas[index][position]
+                    if delta is None:
+                        # A token the parser swallowed: a chunk only to end the choice or to
+                        # carry its id (chat_completion/serving.py, delta_message is None).
+                        if not last and not shown_ids:
+                            continue
+                        delta = {}
+                    choice = {"index": index, "delta": delta, "logprobs": None}
                     choice["finish_reason"] = finish
                     if last:
-                        choice["stop_reason"] = None
+                        choice["stop_reason"] = stop_reason
                 else:
-                    choice = {"index": index, "text": token, "logprobs": None}
-                    choice |= {"finish_reason": finish, "stop_reason": None}
+                    text = generation.deltas[position]
+                    choice = {"index": index, "text": text, "logprobs": None}
+                    choice |= {"finish_reason": finish, "stop_reason": stop_reason}
                     first = ids and position == 0
                     choice["prompt_token_ids"] = generation.prompt_token_ids if first else None
-                choice["token_ids"] = token_ids
+                choice["token_ids"] = [token] if shown_ids else None
                 chunk = {**base, "choices": [choice]}
                 if last and not include_usage:
                     chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
@@ -1508,10 +2181,81 @@ class FakeVllm:
         await response.write_eof()
         return response
 
+    async def answer_message(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        request_id: str,
+        generation: Generation,
+        response: web.StreamResponse | None = None,
+    ) -> web.StreamResponse:
+        """An Anthropic Messages answer as vLLM 0.32 makes it of its chat's (anthropic/
+        serving.py; seen on vLLM 0.32): whole, messages_full_converter's message with
+        exclude_none; streamed, message_stream_converter's events over the chat's chunks:
+        message_start, a content block per run of thinking or text (empty deltas make no
+        event), content_block_stop, message_delta with the stop reason and usage,
+        message_stop. No [DONE]. A fault mid-stream: the error event that vLLM's converter
+        writes when the chat's error chunk is no chunk (its message differs: pydantic's)."""
+        chat_id = f"chatcmpl-{request_id}"
+        model = body.get("model", MODEL)
+        reading = Reading(self.reasoning_parser)
+        stop, stop_sequence = anthropic_stop(generation)
+        usage = {"input_tokens": generation.prompt_tokens}
+        usage["output_tokens"] = len(generation.token_ids)
+        if not body.get("stream"):
+            await asyncio.sleep(self.token_delay * len(generation.token_ids))
+            reasoning: str | None = None
+            content: str | None = generation.text
+            if self.reasoning_parser:
+                reasoning, content = parse_reasoning(generation.text)
+            blocks: list[dict[str, Any]] = []
+            if reasoning:
+                signature = uuid.uuid4().hex
+                blocks.append({"type": "thinking", "thinking": reasoning, "signature": signature})
+            if content:
+                blocks.append({"type": "text", "text": content})
+            payload: dict[str, Any] = {"id": chat_id, "type": "message", "role": "assistant"}
+            payload |= {"content": blocks or [{"type": "text", "text": ""}], "model": model}
+            payload["stop_reason"] = stop
+            if stop_sequence is not None:
+                payload["stop_sequence"] = stop_sequence
+            payload["usage"] = usage
+            self.begin_sent(request_id, compact(payload))
+            return await self.whole(request, payload)
+        if response is None:
+            response = await event_stream(request)
+        events = MessageEvents()
+        start = message_start(chat_id, model, generation.prompt_tokens)
+        await self.write(response, request_id, events.event("message_start", message=start))
+        for position, delta in enumerate(chat_deltas(generation, reading)):
+            if position == self.break_after_tokens and self.take_fault():
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+            if position == self.error_after_tokens and self.take_fault():
+                failure = {"type": "internal_error", "message": ENGINE_FAILED}
+                await self.write(response, request_id, events.event("error", error=failure))
+                await response.write_eof()
+                return response
+            for event in events.deltas(delta or {}):
+                await self.write(response, request_id, event)
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+        for event in events.close():
+            await self.write(response, request_id, event)
+        ending = {"stop_reason": stop, "stop_sequence": stop_sequence}
+        await self.write(
+            response, request_id, events.event("message_delta", delta=ending, usage=usage)
+        )
+        await self.write(response, request_id, events.event("message_stop"))
+        await response.write_eof()
+        return response
+
     async def fail_in_band(
         self,
         response: web.StreamResponse,
         request: web.Request,
+        path: str,
         body: dict[str, Any],
         request_id: str,
         failure: str,
@@ -1519,15 +2263,27 @@ class FakeVllm:
     ) -> web.StreamResponse:
         """A stream that fails before its first token, as vLLM 0.32's does (seen): a chat's
         role chunk, then an error event and [DONE]. A Responses stream has sent its first
-        events, and is cut: vLLM's has no error event that its stream can carry."""
-        if request.path == RESPONSES:
+        events, and is cut: vLLM's has no error event that its stream can carry. A Messages
+        stream: message_start (of the role chunk), then the converter's error event."""
+        if path == RESPONSES:
             events = ResponseEvents(self.response_object(body, request_id, generations[0]))
             for event in events.head():
                 await self.write(response, request_id, event)
             assert request.transport is not None
             request.transport.abort()
             raise asyncio.CancelledError
-        if request.path.endswith("/chat/completions"):
+        if path == MESSAGES:
+            message_events = MessageEvents()
+            chat_id, model = f"chatcmpl-{request_id}", body.get("model", MODEL)
+            start = message_start(chat_id, model, generations[0].prompt_tokens)
+            await self.write(
+                response, request_id, message_events.event("message_start", message=start)
+            )
+            failed = {"type": "internal_error", "message": failure}
+            await self.write(response, request_id, message_events.event("error", error=failed))
+            await response.write_eof()
+            return response
+        if is_chat(path):
             base = {
                 "id": f"chatcmpl-{request_id}",
                 "object": "chat.completion.chunk",
@@ -1536,7 +2292,7 @@ class FakeVllm:
             }
             ids = bool(body.get("return_token_ids"))
             await self.frame(response, request_id, role_chunk(base, 0, generations[0], ids), ids)
-        await self.frame(response, request_id, error_event(failure))
+        await self.write(response, request_id, error_frame(failure))
         await self.write(response, request_id, b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -1549,9 +2305,160 @@ class FakeVllm:
         await self.write(response, request_id, b"data: " + compact(obj) + b"\n\n", plain)
 
 
-def generate_choice(index: int, finish: str | None, token_ids: list[int]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Reading:
+    """How a chat's answer is read: ``parser``, by a reasoning parser (DeepSeek-R1's: its
+    think tokens swallowed, reasoning and content apart); ``shown``, include_reasoning (false
+    hides the reasoning and every chunk's token ids: hide_stream_metadata); ``ended``, the
+    reasoning taken as over before the answer (as a prompt that closed it)."""
+
+    parser: bool = False
+    shown: bool = True
+    ended: bool = False
+
+    @property
+    def hides_metadata(self) -> bool:
+        return self.parser and not self.shown
+
+
+def chat_deltas(generation: Generation, reading: Reading) -> list[dict[str, Any] | None]:
+    """Each token's delta message in a chat stream, as vLLM 0.32 builds it (None: no
+    message). Without a parser: the content, "" included. With one (DelegatingParser.
+    parse_delta over DeepSeekR1ReasoningParser, one token a delta): while reasoning — unless
+    the prompt's ids ended it (is_reasoning_end) — a think-start or think-end token alone is
+    no message, the end one ending it, any other token {"reasoning": text}; then
+    {"content": text}. include_reasoning false sets reasoning to None (so it is written null)
+    and drops a message left without content, "" included."""
+    if not reading.parser:
+        return [{"content": text} for text in generation.deltas]
+    ended = reading.ended or generation.prompt_reasoning_ended
+    messages: list[dict[str, Any] | None] = []
+    for token, text in zip(generation.token_ids, generation.deltas, strict=True):
+        message: dict[str, Any] | None
+        if ended:
+            message = {"content": text}
+        elif token in (THINK_START_ID, THINK_END_ID):
+            message, ended = None, token == THINK_END_ID
+        else:
+            message = {"reasoning": text}
+        if message is not None and not reading.shown:
+            message["reasoning"] = None
+            if not message.get("content"):
+                message = None
+        messages.append(message)
+    return messages
+
+
+def parse_reasoning(text: str) -> tuple[str | None, str | None]:
+    """A whole answer's reasoning and content, as BaseThinkingReasoningParser.extract_reasoning
+    splits its text: after a think-start if there is one; without a think-end, all of it is
+    reasoning. Unlike a stream's parser it does not ask whether the prompt ended the
+    reasoning (Parser.set_prompt_token_ids does nothing): an answer continued after its
+    think-end is all content streamed, all reasoning whole."""
+    before, start, after = text.partition(THINK_START)
+    text = after if start else before
+    if THINK_END not in text:
+        return text, None
+    reasoning, _, content = text.partition(THINK_END)
+    return reasoning, content or None
+
+
+def count_reasoning_tokens(token_ids: list[int]) -> int:
+    """BaseThinkingReasoningParser.count_reasoning_tokens: the tokens between a think-start
+    and its think-end."""
+    count = depth = 0
+    for token in token_ids:
+        if token == THINK_START_ID:
+            depth += 1
+        elif token == THINK_END_ID:
+            depth = max(depth - 1, 0)
+        elif depth:
+            count += 1
+    return count
+
+
+def chat_message(generation: Generation, reading: Reading) -> dict[str, Any]:
+    """A whole chat answer's message: its text as content, or, read by a reasoning parser,
+    its reasoning and content apart (reasoning null with include_reasoning false)."""
+    content: str | None = generation.text
+    reasoning: str | None = None
+    if reading.parser and not reading.ended:
+        reasoning, content = parse_reasoning(generation.text)
+    return {
+        "role": "assistant",
+        "content": content,
+        "reasoning": reasoning if reading.shown else None,
+    }
+
+
+def message_start(chat_id: str, model: str, prompt_tokens: int) -> dict[str, Any]:
+    """message_start's message: the chat's id and model, nothing generated yet; its usage
+    from the role chunk (the converter asks for continuous usage stats)."""
+    start: dict[str, Any] = {"id": chat_id, "type": "message", "role": "assistant"}
+    start |= {"content": [], "model": model, "stop_reason": None, "stop_sequence": None}
+    return start | {"usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
+
+
+def anthropic_stop(generation: Generation) -> tuple[str | None, str | None]:
+    """_to_anthropic_stop_reason: the cap's "max_tokens", a stop string's "stop_sequence" and
+    the string, else "end_turn" (EOS or a stop token id)."""
+    if generation.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(generation.stop_reason, str):
+        return "stop_sequence", generation.stop_reason
+    return "end_turn", None
+
+
+class MessageEvents:
+    """A streamed Messages answer's events (``event: NAME`` then ``data:``), and its content
+    blocks as message_stream_converter opens and closes them: one per run of thinking or of
+    text, numbered; a thinking block closes with a signature delta."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.open: str | None = None  # the kind of the block open now
+
+    @staticmethod
+    def event(kind: str, **fields: Any) -> bytes:
+        return f"event: {kind}\n".encode() + b"data: " + compact({"type": kind, **fields}) + b"\n\n"
+
+    def deltas(self, delta: dict[str, Any]) -> list[bytes]:
+        events: list[bytes] = []
+        for kind, field_name, delta_type in (
+            ("thinking", "reasoning", "thinking_delta"), ("text", "content", "text_delta")
+        ):  # fmt: skip
+            text = delta.get(field_name)
+            if not text:
+                continue
+            if self.open != kind:
+                events += self.close()
+                block = {"type": kind, kind: ""}
+                events.append(
+                    self.event("content_block_start", content_block=block, index=self.index)
+                )
+                self.open = kind
+            piece = {"type": delta_type, "thinking" if kind == "thinking" else "text": text}
+            events.append(self.event("content_block_delta", delta=piece, index=self.index))
+        return events
+
+    def close(self) -> list[bytes]:
+        """The open block's end (a thinking block's signature first), if one is open."""
+        if self.open is None:
+            return []
+        events = []
+        if self.open == "thinking":
+            signature = {"type": "signature_delta", "signature": uuid.uuid4().hex}
+            events.append(self.event("content_block_delta", delta=signature, index=self.index))
+        events.append(self.event("content_block_stop", index=self.index))
+        self.open, self.index = None, self.index + 1
+        return events
+
+
+def generate_choice(
+    index: int, finish: str | None, token_ids: list[int], stop_reason: int | str | None = None
+) -> dict[str, Any]:
     """A generate answer's choice (tokens mode), its fields in vLLM 0.32's order."""
-    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "stop_reason": None}
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "stop_reason": stop_reason}
     choice |= {"token_ids": token_ids, "routed_experts": None, "sampling_mask": None}
     return choice | {"weight_versions": None, "logprobs": None}
 
@@ -1565,8 +2472,8 @@ def generate_answer(
 ) -> dict[str, Any]:
     """A whole generate answer as vLLM 0.32 writes its GenerateTokensResponse."""
     choices = [
-        generate_choice(index, generation.finish_reason, generation.token_ids)
-        for index, generation in enumerate(generations)
+        generate_choice(index, g.finish_reason, g.token_ids, g.stop_reason)
+        for index, g in enumerate(generations)
     ]
     payload = {**base, "model": body.get("model", MODEL), "created": created, "usage": usage}
     for name in ("prompt_logprobs", "prompt_token_id_logprobs", "prompt_token_ids"):
@@ -1584,11 +2491,14 @@ async def event_stream(request: web.Request) -> web.StreamResponse:
 
 class ResponseEvents:
     """A streamed Responses answer's events, as vLLM 0.32 writes them (``event: NAME`` and
-    ``data:`` the event, numbered), for one output message of text."""
+    ``data:`` the event, numbered), for one output message of text: the response created and
+    in progress at once; the message's item and content part opened with its first text
+    (seen: they come just before the first delta); done, if opened, and completed."""
 
     def __init__(self, done: dict[str, Any]) -> None:
         self.done, self.number = done, 0
         self.item_id = done["output"][0]["id"]
+        self.opened = False
 
     def event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, **fields, "sequence_number": self.number}
@@ -1596,37 +2506,52 @@ class ResponseEvents:
         return f"event: {kind}\n".encode() + b"data: " + compact(payload) + b"\n\n"
 
     def head(self) -> list[bytes]:
-        """What goes out before the first token: the response begun, its message and part."""
+        """What goes out before the first token: the response, begun."""
         begun = self.done | {"status": "in_progress", "output": [], "usage": None}
         begun |= {"incomplete_details": None, "kv_transfer_params": None}
-        item = {"id": self.item_id, "content": [], "role": "assistant", "status": "in_progress"}
-        item["type"] = "message"
-        part = {"annotations": [], "text": "", "type": "output_text", "logprobs": []}
-        place = {"item_id": self.item_id, "output_index": 0}
         return [
             self.event("response.created", response=begun),
             self.event("response.in_progress", response=begun),
-            self.event("response.output_item.added", item=item, output_index=0),
-            self.event("response.content_part.added", content_index=0, part=part, **place),
         ]
 
-    def delta(self, token: str) -> bytes:
-        return self.event(
-            "response.output_text.delta", content_index=0, delta=token,
-            item_id=self.item_id, logprobs=[], output_index=0,
-        )  # fmt: skip
+    def delta(self, text: str) -> list[bytes]:
+        """A step's text (not ""), its message opened first if it is the first."""
+        events = []
+        if not self.opened:
+            self.opened = True
+            item = {"id": self.item_id, "content": [], "role": "assistant"}
+            item |= {"status": "in_progress", "type": "message"}
+            part = {"annotations": [], "text": "", "type": "output_text", "logprobs": []}
+            place = {"item_id": self.item_id, "output_index": 0}
+            events += [
+                self.event("response.output_item.added", item=item, output_index=0),
+                self.event("response.content_part.added", content_index=0, part=part, **place),
+            ]
+        events.append(
+            self.event(
+                "response.output_text.delta",
+                content_index=0,
+                delta=text,
+                item_id=self.item_id,
+                logprobs=[],
+                output_index=0,
+            )
+        )
+        return events
 
     def tail(self) -> list[bytes]:
         message = self.done["output"][0]
         part = message["content"][0]
         place = {"item_id": self.item_id, "output_index": 0}
-        return [
-            self.event("response.output_text.done", content_index=0, logprobs=[],
-                       text=part["text"], **place),
-            self.event("response.content_part.done", content_index=0, part=part, **place),
-            self.event("response.output_item.done", item=message, output_index=0),
-            self.event("response.completed", response=self.done),
-        ]  # fmt: skip
+        events = []
+        if self.opened:
+            events += [
+                self.event("response.output_text.done", content_index=0, logprobs=[],
+                           text=part["text"], **place),
+                self.event("response.content_part.done", content_index=0, part=part, **place),
+                self.event("response.output_item.done", item=message, output_index=0),
+            ]  # fmt: skip
+        return [*events, self.event("response.completed", response=self.done)]
 
 
 def role_chunk(base: dict[str, Any], index: int, generation: Generation, ids: bool) -> Any:
@@ -1642,6 +2567,14 @@ def error_event(message: str) -> dict[str, Any]:
     return {
         "error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}
     }
+
+
+def error_frame(message: str) -> bytes:
+    """error_event's frame as vLLM writes it: create_streaming_error_response is
+    ``json.dumps(ErrorResponse.model_dump())`` (generate/base/serving.py), so json.dumps's
+    defaults, not pydantic's compact JSON: a space after each colon and comma, and non-ASCII
+    escaped (ensure_ascii)."""
+    return b"data: " + json.dumps(error_event(message)).encode() + b"\n\n"
 
 
 TOKEN_ID_KEYS = frozenset({"prompt_token_ids", "token_ids"})
