@@ -1177,6 +1177,7 @@ INJECTABLE = frozenset(
         *("die_after_pull", "fail_pulls", "linger_after_done", "health_status", "health_delay"),
         "die_after_head",
         *("drop_after", "drop_after_pull", "engine_dead", "metrics_status", "extra_waiting"),
+        *("stream_interval", "keepalive_after_finish"),
     }
 )
 
@@ -1197,6 +1198,13 @@ class FakeVllm:
     transfer_delay: float = 0.0  # decode: seconds a KV transfer takes once the KV is there
     pull_delay: float = 0.0  # decode: seconds before it asks for the KV (its scheduler busy)
     keepalive_first: bool = False  # a streaming decode sends ": keep-alive" before its KV
+    # ... and one after its last token's chunk (before the usage and [DONE]), where a break
+    # after every token (break_after_tokens = the answer's length) then cuts it.
+    keepalive_after_finish: bool = False
+    # Tokens per chunk: vLLM's --stream-interval, and what its API server does when it lags
+    # behind the engine (RequestOutputCollector merges the steps' outputs: text and ids
+    # concatenated). A break (break_after_tokens) loses the steps not yet sent.
+    stream_interval: int = 1
     break_after_tokens: int | None = None  # drop the connection mid-stream, after N tokens
     # (all of them: after the last token, before the usage and [DONE])
     fragment_bytes: int | None = None  # a stream's bytes leave in pieces of this size
@@ -1556,7 +1564,10 @@ class FakeVllm:
             return error(bad.status, str(bad), bad.param)
         if self.tokenizer is not None:
             return await self.whole(request, {"prompt": self.tokenizer.decode(ids)})
-        return await self.whole(request, {"prompt": read.rstrip(b"\0").decode("utf-8", "replace")})
+        # The model's own tokens by their bytes, decoded lossily as a byte-level tokenizer does:
+        # ids that end inside a character end in U+FFFD (what vLLM's detokenizer tests).
+        text = b"".join(token_bytes(token) for token in ids or ()) if read else b""
+        return await self.whole(request, {"prompt": text.decode("utf-8", "replace")})
 
     async def handle_load_lora(self, request: web.Request) -> web.Response:
         """vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING): a plain-text 200,
@@ -2117,6 +2128,7 @@ class FakeVllm:
                 await self.frame(response, request_id, chunk, ids)
         deltas = [chat_deltas(g, reading) for g in generations] if chat else []
         longest = max(len(g.token_ids) for g in generations)
+        pending: dict[int, dict[str, Any]] = {}  # per choice: the chunk its merged steps make
         for position in range(longest):
             if position == self.break_after_tokens and self.take_fault():
                 assert request.transport is not None
@@ -2162,9 +2174,13 @@ class FakeVllm:
                 chunk = {**base, "choices": [choice]}
                 if last and not include_usage:
                     chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
+                if (chunk := merged(pending, chunk, index, last, self.stream_interval)) is None:
+                    continue
                 await self.frame(response, request_id, chunk, ids)
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
+        if self.keepalive_after_finish:
+            await self.write(response, request_id, b": keep-alive\n\n")
         if self.break_after_tokens == longest and self.take_fault():
             assert request.transport is not None
             request.transport.abort()
@@ -2452,6 +2468,38 @@ class MessageEvents:
         events.append(self.event("content_block_stop", index=self.index))
         self.open, self.index = None, self.index + 1
         return events
+
+
+def merged(
+    pending: dict[int, dict[str, Any]],
+    chunk: dict[str, Any],
+    index: int,
+    last: bool,
+    interval: int,
+) -> dict[str, Any] | None:
+    """One step's chunk of choice ``index`` merged into those of the steps before it not yet
+    sent, as vLLM's RequestOutputCollector adds outputs (text and token ids concatenated, the
+    rest the latest's; the first's prompt ids kept); the chunk to send once ``interval`` steps
+    are in it, or the choice's last, else None."""
+    held = pending.pop(index, None)
+    if held is not None:
+        (before,), (now,) = held["choices"], chunk["choices"]
+        if "text" in now:
+            now["text"] = before["text"] + now["text"]
+        if "delta" in now and "content" in now["delta"]:
+            now["delta"]["content"] = before["delta"].get("content", "") + now["delta"]["content"]
+        if now.get("token_ids") is not None:
+            now["token_ids"] = before["token_ids"] + now["token_ids"]
+        if before.get("prompt_token_ids") is not None:
+            now["prompt_token_ids"] = before["prompt_token_ids"]
+        chunk["steps"] = held["steps"] + 1
+    else:
+        chunk["steps"] = 1
+    if last or chunk["steps"] >= interval:
+        del chunk["steps"]
+        return chunk
+    pending[index] = chunk
+    return None
 
 
 def generate_choice(

@@ -2081,7 +2081,7 @@ async def run_pd_request(
             return exchange.response
         except ProxyError as failure:
             # 7: a new pair, a new transfer_id; or migration. Else the error it ends with.
-            if (final := exchange.try_again(failure)) is None:
+            if (final := await exchange.try_again(failure)) is None:
                 continue
             return await exchange.fail(final)  # 6: its own answer, or in band once streaming
         except ClientGone:
@@ -2318,7 +2318,7 @@ class Exchange:
         self.retries_left -= 1
         self.state.metrics.retries.labels(stage).inc()
 
-    def try_again(self, failure: ProxyError) -> ProxyError | None:
+    async def try_again(self, failure: ProxyError) -> ProxyError | None:
         """None to start the pair again: nothing of this attempt reached the client, and an
         instance was unreachable or lost the request before answering, or the decode failed
         before its first token (KvLoadFailed). A decode that took the request may have pulled
@@ -2326,7 +2326,7 @@ class Exchange:
         after tokens goes on elsewhere from them (migrate). Else the error the request ends
         with: ``failure``, or one naming every try once none is left."""
         if isinstance(failure, StreamCut):
-            return self.migrate(failure)
+            return await self.migrate(failure)
         if self.relaying:
             return failure
         try:
@@ -2341,7 +2341,7 @@ class Exchange:
             return exhausted
         return None
 
-    def migrate(self, cut: StreamCut) -> ProxyError | None:
+    async def migrate(self, cut: StreamCut) -> ProxyError | None:
         """Go on from the tokens the client has, on another pair, as a completion of the
         prompt's token ids and those (StreamJournal.continuation); the error the stream ends
         with once --migration-limit continuations were made, or where it cannot go on exactly.
@@ -2355,6 +2355,7 @@ class Exchange:
             state.fleet.take_out(cut.decode, cut.message)
         try:
             why = journal.why_not_continued(state.config.migration_limit)
+            why = why or await journal.rewind(self.ends_a_character)
             body = why or journal.continuation(max_model_len(cut.decode, self.model))
         except (ValueError, AttributeError, TypeError) as error:  # not what vLLM writes
             body = f"its last chunks could not be read ({error})"
@@ -2368,6 +2369,26 @@ class Exchange:
         state.metrics.migrations.labels(cut.reason).inc()
         log.warning("%s; going on from its last whole token on another pair", cut.message)
         return None
+
+    async def ends_a_character(self, ids: list[int]) -> bool:
+        """Whether the tokens ``ids`` end on a whole character as the model's tokenizer decodes
+        them: vLLM's /detokenize of the last few, on a decode of the model that did not fail
+        this request, ends in no U+FFFD (the test vLLM's detokenizer makes before it sends
+        text). False where none answers: the place is not taken."""
+        state = self.state
+        try:
+            decodes = [d for d in state.fleet.serving(self.model).decodes if d not in self.tried]
+        except ProxyError:
+            return False
+        fields: dict[str, Any] = {"tokens": ids[-CHARACTER_TOKENS:]}
+        if self.model is not None:
+            fields["model"] = self.model
+        for decode in decodes[:2]:
+            if (
+                text := await detokenized(state, decode, encode_json(fields), self.lines)
+            ) is not None:
+                return not text.endswith("\ufffd")
+        return False
 
     def exhausted(self) -> Unreachable:
         """The error of a request that ran out of tries: it names each, and is not retried."""
@@ -3072,6 +3093,31 @@ def max_model_len(decode: DecodeInstance, model: str | None) -> int | None:
     return None
 
 
+# Tokens whose text tells whether they end a character: a character's bytes span at most 4
+# tokens of a byte-level tokenizer, and those before them decode it whole.
+CHARACTER_TOKENS: Final = 8
+
+
+async def detokenized(
+    state: ProxyState, decode: DecodeInstance, payload: bytes, headers: bytes
+) -> str | None:
+    """The decode's /detokenize of ``payload`` (its text), or None if it could not say."""
+    url = decode.url.join(URL("/detokenize"))
+    leg = None
+    try:
+        async with asyncio.timeout(state.config.health_timeout):
+            leg = await state.upstreams.send(b"POST", url, headers, (payload,))
+            answer = await leg.whole()
+        text = json.loads(answer).get("prompt") if leg.status == 200 else None
+        return text if isinstance(text, str) else None
+    except (LegFailed, TimeoutError, ValueError, AttributeError) as error:
+        log.info("decode %s could not detokenize: %s", decode.url, error)
+        return None
+    finally:
+        if leg is not None:
+            state.upstreams.finish(leg)
+
+
 class StreamCut(ProxyError):
     """A stream's decode failed after tokens reached the client (StreamJournal): its
     connection was lost (``lost``), it sent an error, or its answer ended unfinished."""
@@ -3185,7 +3231,7 @@ EVENTS_PER_REACHED_CHAR: Final = 4
 # token the parser swallowed (an empty delta), reasoning apart from content, calls apart from
 # text. A continuation is a completion, whose text no parser splits (chat_completion/serving.py).
 PARSER_SIGNS: Final = (
-    (b'"delta":{}', "a token its decode's parser swallowed"),
+    (b'"delta":{}', "a token its decode's reasoning or tool parser swallowed"),
     (b'"reasoning":', "reasoning that its decode's reasoning parser split off"),
     (b'"reasoning_content":', "reasoning that its decode's reasoning parser split off"),
     (b'"tool_calls":', "tool calls that its decode's tool parser split off"),
@@ -3346,11 +3392,8 @@ class StreamJournal:
 
     def continuation(self, max_model_len: int | None) -> dict[str, Any] | str:
         """The /v1/completions request that goes on from where the answer can go on exactly
-        (rewind): the prompt's ids and the tokens before it, the client's sampling, the cap
-        left; or why it cannot go on. ``max_model_len`` is the decode's, for a chat's cap."""
-        rewound = self.rewind()
-        if isinstance(rewound, str):
-            return rewound
+        (once rewound): the prompt's ids and the tokens before it, the client's sampling, the
+        cap left; or why it cannot go on. ``max_model_len`` is the decode's, for a chat's cap."""
         generated = json.loads(b"[" + self.generated[:-1] + b"]")
         cap = self.cap(max_model_len)
         if isinstance(cap, str):
@@ -3380,32 +3423,41 @@ class StreamJournal:
             return "its decode's max_model_len, which its cap is, is not known (/v1/models)"
         return max_model_len - self.prompt_count()
 
-    def rewind(self) -> str | None:
+    async def rewind(self, whole: Callable[[list[int]], Awaitable[bool]]) -> str | None:
         """Forget the last tokens back to where the answer can go on exactly, and note what the
         continuation will give again that the client has; or why there is no such place.
 
         A continuation starts its text afresh after its prompt, so it goes on from a token
-        whose step completed a character (vLLM's detokenizer sends text at such a token only;
-        one continued from inside a character sends its prompt's text, seen on 0.32), and from
-        at least ``reach`` characters of text before the end, so that a stop string that
+        that completed a character (vLLM's detokenizer sends text at such a token only; one
+        continued from inside a character sends its whole prompt's text, seen on 0.32), and
+        from at least ``reach`` characters of text before the end, so that a stop string that
         begins in text the client has is matched. With stop strings, vLLM holds back ``held``
-        characters, and the client's text ends that much before its tokens' (a token whose
-        event grew the client's text completed a character all the same). Text and ids past
-        the place the client has already: the continuation gives them again (replay_*).
+        characters, and the client's text ends that much before its tokens'. An event that grew
+        the client's text with one token completed a character; whether one of several tokens
+        (vLLM merges steps when its API server lags, and by --stream-interval) did, ``whole``
+        asks the model's tokenizer: its text cannot say (a token that began a character holds
+        back what came before it in that token too). Text and ids past the place, which the
+        client has already: the continuation gives them again (replay_*).
         """
         events = self.sent_events()
         if isinstance(events, str):
             return events
+        generated: list[int] = json.loads(b"[" + self.generated[:-1] + b"]")
         after: list[Sent] = []
-        length = 0
+        length, later = 0, 0  # text and ids after events[index]
         for index in range(len(events) - 1, -1, -1):
             text, ids = events[index]
-            if text and ids is not None and len(ids) == 1 and length >= self.reach:
+            if (
+                text
+                and ids
+                and length >= self.reach
+                and (len(ids) == 1 or await whole(generated[: len(generated) - later]))
+            ):
                 return self.replay(events[: index + 1], after, self.held)
             after.append(events[index])
-            length += len(text)
+            length, later = length + len(text), later + len(ids or ())
         if not self.whole:
-            return f"no token in its last {len(events)} events completed a character"
+            return f"no token in its last {len(events)} events is known to complete a character"
         return self.replay([], after, 0)
 
     def replay(self, kept: list[Sent], after: list[Sent], held: int) -> str | None:

@@ -603,3 +603,35 @@ def test_the_models_own_tokens_never_pass_for_a_prompts() -> None:
         tail = token.to_bytes(4, "little").rstrip(b"\0")
         with pytest.raises(UnicodeDecodeError):
             tail.decode()
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT], ids=["completion", "chat"])
+async def test_steps_merged_into_chunks_carry_their_text_and_ids_together(
+    runners: list[web.AppRunner], path: str
+) -> None:
+    """vLLM's API server, behind its engine, adds the steps' outputs it has not sent into one
+    (v1/engine/output_processor.py, RequestOutputCollector: text and token ids concatenated),
+    as --stream-interval does by design: the same answer in fewer chunks."""
+    fake = await start_fake(FakeVllm("decode", stream_interval=3), runners)
+    prompt: dict[str, Any] = {"messages": MESSAGES} if path == CHAT else {"prompt": PROMPT}
+    body = {**prompt, "max_tokens": 10, "stream": True, "return_token_ids": True}
+    _, events = await post(fake.url, path, body)
+    texts, ids, finish = tokens_of(events)
+    expected = generate(MESSAGES if path == CHAT else PROMPT, body)
+    assert ids == expected.token_ids and "".join(texts) == expected.text
+    assert len(texts) == 4 and finish == "length"  # 3 + 3 + 3 + 1
+    assert prompt_ids_of(events) == expected.prompt_token_ids
+
+
+async def test_detokenize_ends_in_a_replacement_inside_a_character(
+    runners: list[web.AppRunner],
+) -> None:
+    """/detokenize decodes the model's tokens' bytes lossily, as a byte-level tokenizer does:
+    ids that end inside a character end in U+FFFD, the test vLLM's detokenizer makes."""
+    fake = await start_fake(FakeVllm("decode"), runners)
+    answer = generate(PROMPT, {"max_tokens": 40})
+    inside = next(n for n, token in enumerate(answer.token_ids) if inside_a_character(token))
+    for end, ends_inside in ((inside + 1, True), (inside, False)):
+        status, raw, _ = await send(fake.url, "/detokenize", {"tokens": answer.token_ids[:end]})
+        assert status == 200
+        assert json.loads(raw)["prompt"].endswith("\ufffd") == ends_inside

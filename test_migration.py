@@ -6,12 +6,13 @@ prompt and the tokens sent gives the rest exactly, as greedy vLLM does (PROTOCOL
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import mooncake_proxy as mp
-from fake_vllm import generate, prompt_of
+from fake_vllm import Generation, generate, prompt_of
 from testing_support import (
     CHAT,
     COMPLETIONS,
@@ -83,7 +84,7 @@ async def test_a_stream_whose_decode_is_lost_goes_on_token_for_token(
     events = await stream_of(cluster, path, body)
     assert_one_stream(events)
     expected = generate(prompt_of(path, body), body)
-    assert text_of(path, events) == "".join(expected.tokens)
+    assert text_of(path, events) == expected.text
     chunks = [e for e in events if e != "[DONE]"]
     object_kind = "chat.completion.chunk" if path == CHAT else "text_completion"
     assert {chunk["object"] for chunk in chunks} == {object_kind}
@@ -93,7 +94,7 @@ async def test_a_stream_whose_decode_is_lost_goes_on_token_for_token(
             assert choice.get("token_ids") is None and choice.get("prompt_token_ids") is None
     if usage:
         (last,) = [chunk for chunk in chunks if chunk.get("usage")]
-        assert last["usage"]["completion_tokens"] == len(expected.tokens)
+        assert last["usage"]["completion_tokens"] == len(expected.token_ids)
         assert last["usage"]["prompt_tokens"] == expected.prompt_tokens
     # The continuation: a completion of the prompt's ids and the 5 tokens sent, on the other
     # decode, with 11 tokens left.
@@ -121,7 +122,7 @@ async def test_an_error_sent_mid_stream_goes_on_elsewhere(
     body = request_body(path, stream=True, max_tokens=10, ignore_eos=True)
     events = await stream_of(cluster, path, body)
     assert_one_stream(events)
-    assert text_of(path, events) == "".join(generate(prompt_of(path, body), body).tokens)
+    assert text_of(path, events) == generate(prompt_of(path, body), body).text
     samples = await scrape(cluster)
     assert sample(samples, "mooncake_proxy_migrations_total", reason="in_band") == 1
     assert fleet_of(cluster).decodes[0].usable
@@ -177,9 +178,11 @@ async def test_migrations_stop_at_the_limit(start_cluster: StartCluster) -> None
     assert events[-1] == "[DONE]"
     assert_openai_error(events[-2], 502)
     assert "--migration-limit 2 reached" in events[-2]["error"]["message"]
-    # Each decode cut its part after 2 tokens, 6 in all, none repeated.
+    # Each decode cut its part after 2 tokens; what the client got is the answer's beginning,
+    # nothing repeated (each continuation went on from the last token that ended a character).
     expected = generate(prompt_of(COMPLETIONS, body), body)
-    assert text_of(COMPLETIONS, events[:-2]) == "".join(expected.tokens[:6])
+    text = text_of(COMPLETIONS, events[:-2])
+    assert text and expected.text.startswith(text)
     assert [len(decode.requests) for decode in cluster.decodes] == [1, 1, 1]
 
 
@@ -194,7 +197,7 @@ async def test_a_continuation_whose_kv_pull_fails_is_tried_again(
     body = chat(stream=True, max_tokens=9, ignore_eos=True)
     events = await stream_of(cluster, CHAT, body)
     assert_one_stream(events)
-    assert text_of(CHAT, events) == "".join(generate(prompt_of(CHAT, body), body).tokens)
+    assert text_of(CHAT, events) == generate(prompt_of(CHAT, body), body).text
     # The continuation's first try failed its pull; it was tried again, on either decode.
     continuations = [r for d in cluster.decodes for r in d.requests if r.path == COMPLETIONS]
     assert len(continuations) == 2 and cluster.decodes[1].fail_pulls == 0
@@ -238,9 +241,7 @@ async def test_a_stream_whose_prefill_was_lost_after_a_token_still_goes_on(
         assert cluster.decodes[0].running == 1  # the prefill was lost while it streamed
         events = sse_events(first + await response.read())
     assert_one_stream(events)
-    assert text_of(COMPLETIONS, events) == "".join(
-        generate(prompt_of(COMPLETIONS, body), body).tokens
-    )
+    assert text_of(COMPLETIONS, events) == generate(prompt_of(COMPLETIONS, body), body).text
     samples = await scrape(cluster)
     assert sample(samples, "mooncake_proxy_migrations_total", reason="broken") == 1
 
@@ -271,7 +272,7 @@ async def test_a_stream_cut_after_its_last_token_gets_its_end(
     events = await stream_of(cluster, path, body)
     assert_one_stream(events)
     expected = generate(prompt_of(path, body), body)
-    assert text_of(path, events) == "".join(expected.tokens)
+    assert text_of(path, events) == expected.text
     usage = events[-2]["usage"]
     assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] == expected.prompt_tokens
     assert usage["total_tokens"] == 6 + expected.prompt_tokens
@@ -290,7 +291,7 @@ async def test_events_cut_anywhere_between_reads_go_on_exactly(
     body = request_body(path, stream=True, max_tokens=9, ignore_eos=True)
     events = await stream_of(cluster, path, body)
     assert_one_stream(events)
-    assert text_of(path, events) == "".join(generate(prompt_of(path, body), body).tokens)
+    assert text_of(path, events) == generate(prompt_of(path, body), body).text
     # An uninterrupted one, in pieces too, is byte for byte what vLLM sends unasked.
     async with asyncio.timeout(FAST):
         response = await cluster.client.post(path, json=body)
@@ -302,13 +303,14 @@ async def test_events_cut_anywhere_between_reads_go_on_exactly(
 async def test_a_stream_whose_token_ids_are_withheld_is_not_moved(
     start_cluster: StartCluster,
 ) -> None:
-    """vLLM hides the token ids of a chat whose reasoning it hides: going on without them would
-    repeat the answer, so the stream ends saying why."""
+    """vLLM hides the token ids of a chat whose reasoning its parser hides (its deltas say
+    "reasoning": null): going on without them would repeat the answer, and as a completion
+    would not be parsed, so the stream ends saying why."""
     cluster = await cut_stream(start_cluster, {"break_after_tokens": 3, "hide_token_ids": True})
     events = await stream_of(cluster, CHAT, chat(stream=True, max_tokens=8))
     assert events[-1] == "[DONE]"
     assert_openai_error(events[-2], 502)
-    assert "did not return the token ids" in events[-2]["error"]["message"]
+    assert "reasoning parser" in events[-2]["error"]["message"]
     assert len(cluster.decodes[1].requests) == 0
 
 
@@ -332,7 +334,7 @@ async def test_a_completion_without_a_cap_goes_on_to_vllms_default(
     assert_one_stream(events)
     expected = generate(prompt_of(COMPLETIONS, body), body)
     assert len(expected.token_ids) == 16
-    assert text_of(COMPLETIONS, events) == "".join(expected.tokens)
+    assert text_of(COMPLETIONS, events) == expected.text
     (continued,) = cluster.decodes[1].requests
     assert continued.body["max_tokens"] == 10
 
@@ -360,7 +362,7 @@ async def test_a_continuation_whose_tries_run_out_ends_in_band(
     assert_openai_error(events[-2], 502)
     assert "failed before its first token" in events[-2]["error"]["message"]
     expected = generate(prompt_of(COMPLETIONS, body), body)
-    assert text_of(COMPLETIONS, events[:-2]) == "".join(expected.tokens[:4])
+    assert text_of(COMPLETIONS, events[:-2]) == "".join(expected.deltas[:4])
 
 
 async def test_a_chat_with_an_image_is_not_moved(start_cluster: StartCluster) -> None:
@@ -511,3 +513,214 @@ async def test_after_a_burst_of_faults_every_claim_slot_and_leg_is_let_go(
     ]
     assert gauges and not any(gauges)
     assert sample(samples, "mooncake_proxy_migrations_total", reason="broken") >= 1
+
+
+# --- stop strings, split characters, merged chunks, parsers: as vLLM streams them
+
+
+def prompt_where(
+    path: str, body: dict[str, Any], wanted: Callable[[Generation], int | None]
+) -> tuple[dict[str, Any], Generation, int]:
+    """``body`` with the first prompt of a numbered few whose answer ``wanted`` finds a place
+    in (a token position it returns): the fakes' answers are a function of the prompt."""
+    for number in range(200):
+        text = f"Tell me about KV caches, take {number}"
+        if path == CHAT:
+            body = {**body, "messages": [{"role": "user", "content": text}]}
+        else:
+            body = {**body, "prompt": text}
+        answer = generate(prompt_of(path, body), body)
+        if (place := wanted(answer)) is not None:
+            return body, answer, place
+    raise AssertionError("no prompt has what the test needs")
+
+
+def inside_a_character(answer: Generation) -> int | None:
+    """A cut right after a token that ends inside a character (its step sent no text), with
+    whole characters before it."""
+    for position in range(2, len(answer.deltas) - 2):
+        if answer.deltas[position] == "" and answer.deltas[position - 1]:
+            return position + 1
+    return None
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_chat_or_completion_cut_inside_a_character_goes_on_from_the_last_whole_one(
+    start_cluster: StartCluster, path: str
+) -> None:
+    """The cut comes after a token that began a character: the continuation goes on from the
+    last token that ended one (vLLM continuing from inside one sends its whole prompt's text
+    first), and a client that asked for token ids gets each once."""
+    body = request_body(path, stream=True, max_tokens=16, return_token_ids=True)
+    body, expected, cut = prompt_where(path, body, inside_a_character)
+    cluster = await cut_stream(start_cluster, {"break_after_tokens": cut})
+    events = await stream_of(cluster, path, body)
+    assert_one_stream(events)
+    assert text_of(path, events) == expected.text
+    ids = [i for e in events[:-1] for c in e["choices"] for i in c.get("token_ids") or ()]
+    assert ids == expected.token_ids
+    (continued,) = cluster.decodes[1].requests
+    assert continued.body["prompt"] == expected.prompt_token_ids + expected.token_ids[: cut - 1]
+
+
+async def test_a_chat_without_a_cap_goes_on_to_what_max_model_len_leaves(
+    start_cluster: StartCluster,
+) -> None:
+    """vLLM caps a chat that names none at max_model_len less its prompt: a continuation, a
+    completion (whose default is 16), is told what is left of that, from the decode's
+    /v1/models; min_tokens above 16 goes on too."""
+    length = 64
+    cluster = await cut_stream(
+        start_cluster, {"break_after_tokens": 5}, decode={"max_model_len": length}
+    )
+    body = uncapped(CHAT, ignore_eos=True, min_tokens=30)
+    await eventually(lambda: all(d.served is not None for d in fleet_of(cluster).decodes))
+    events = await stream_of(cluster, CHAT, body)
+    assert_one_stream(events)
+    expected = generate(prompt_of(CHAT, body), body, max_model_len=length)
+    assert len(expected.token_ids) == length - expected.prompt_tokens > 30
+    assert text_of(CHAT, events) == expected.text
+    (continued,) = cluster.decodes[1].requests
+    assert continued.body["max_tokens"] == len(expected.token_ids) - 5
+    assert continued.body["min_tokens"] == 25
+
+
+LONG_STOP = "a stop string of 27 letters"  # never said: vLLM holds 26 characters back
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("cut", [3, 12])
+async def test_text_held_back_for_a_stop_string_is_not_lost(
+    start_cluster: StartCluster, path: str, cut: int
+) -> None:
+    """vLLM holds back the last 26 characters while a 27-character stop string may still
+    match, but sends every token's id at once: going on from the ids would lose the text held
+    back. The continuation goes back far enough, gives that text again, and the client gets
+    each character once: after 3 tokens it had none of it, after 12 the text of the first."""
+    cluster = await cut_stream(start_cluster, {"break_after_tokens": cut})
+    body = request_body(path, stream=True, max_tokens=16, temperature=0, stop=[LONG_STOP])
+    body["stream_options"] = {"include_usage": True}
+    events = await stream_of(cluster, path, body)
+    assert_one_stream(events)
+    expected = generate(prompt_of(path, body), body)
+    assert text_of(path, events) == expected.text
+    assert events[-2]["usage"]["completion_tokens"] == len(expected.token_ids) == 16
+
+
+def spanning_stop(answer: Generation) -> int | None:
+    """A cut between two tokens that both end a character, with four characters before it
+    and three after that make a stop string said nowhere before (stop_across)."""
+    for position in range(5, len(answer.deltas) - 3):
+        if answer.deltas[position - 1] and answer.deltas[position]:
+            before = "".join(answer.deltas[:position])
+            if len(before) > 8 and stop_across(answer, position) not in before[:-1]:
+                return position
+    return None
+
+
+def stop_across(answer: Generation, cut: int) -> str:
+    return "".join(answer.deltas[:cut])[-4:] + answer.deltas[cut][:3]
+
+
+async def test_a_stop_string_across_the_cut_is_matched(start_cluster: StartCluster) -> None:
+    """A stop string whose first characters the tokens before the cut gave, and whose last
+    the next token gives: the original would have stopped there; the continuation, which
+    matches stop strings in its own text only, must be given those first characters again."""
+    plain = request_body(COMPLETIONS, stream=True, max_tokens=16, temperature=0)
+    plain, whole, cut = prompt_where(COMPLETIONS, plain, spanning_stop)
+    stop = stop_across(whole, cut)  # 4 characters before the cut, 3 after
+    body = {**plain, "stop": [stop]}
+    expected = generate(prompt_of(COMPLETIONS, body), body)
+    assert expected.finish_reason == "stop" and expected.stop_reason == stop
+    cluster = await cut_stream(start_cluster, {"break_after_tokens": cut})
+    events = await stream_of(cluster, COMPLETIONS, body)
+    assert_one_stream(events)
+    assert text_of(COMPLETIONS, events) == expected.text
+    finishes = [c for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in finishes] == [("stop", stop)]
+
+
+async def test_a_sampled_stream_with_a_stop_string_is_not_moved(
+    start_cluster: StartCluster,
+) -> None:
+    """Sampled (no temperature 0), going on exactly would draw anew text the client has or
+    that vLLM held back for the stop string: the stream ends saying so, not with a guess."""
+    cluster = await cut_stream(start_cluster, {"break_after_tokens": 8})
+    body = completion(stream=True, max_tokens=16, stop=["said never"])
+    events = await stream_of(cluster, COMPLETIONS, body)
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 502)
+    message = events[-2]["error"]["message"]
+    assert "not continued elsewhere: it samples" in message and "stop strings" in message
+    assert len(cluster.decodes[1].requests) == 0
+
+
+async def test_a_chat_whose_decode_parses_reasoning_is_not_moved(
+    start_cluster: StartCluster,
+) -> None:
+    """A decode with a reasoning parser streams reasoning apart from content; a continuation,
+    a completion, would send it all as content: the stream ends saying why."""
+    cluster = await cut_stream(
+        start_cluster, {"break_after_tokens": 6}, decode={"reasoning_parser": True}
+    )
+    events = await stream_of(cluster, CHAT, chat(stream=True, max_tokens=16, temperature=0))
+    assert events[-1] == "[DONE]"
+    assert_openai_error(events[-2], 502)
+    assert "reasoning or tool parser" in events[-2]["error"]["message"]
+    assert len(cluster.decodes[1].requests) == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_stream_cut_after_its_finish_and_a_keep_alive_is_not_continued(
+    start_cluster: StartCluster, path: str
+) -> None:
+    """Its finish_reason went out, then a keep-alive comment, then the cut: the answer is whole
+    and only its end is owed, however the last read ended."""
+    cluster = await start_cluster(
+        decodes=2,
+        decode={"break_after_tokens": 6, "keepalive_after_finish": True, "token_delay": 0.01},
+    )
+    body = request_body(path, stream=True, max_tokens=6, ignore_eos=True)
+    body["stream_options"] = {"include_usage": True}
+    events = await stream_of(cluster, path, body)
+    assert_one_stream(events)
+    expected = generate(prompt_of(path, body), body)
+    assert text_of(path, events) == expected.text
+    assert events[-2]["usage"]["completion_tokens"] == 6
+    assert sum(len(decode.requests) for decode in cluster.decodes) == 1
+
+
+def merged_cut(inside: bool) -> Callable[[Generation], int | None]:
+    """A cut after the second chunk of three tokens each, with text, whose last token ends
+    inside a character (``inside``) or not: only the model's tokenizer can tell."""
+
+    def find(answer: Generation) -> int | None:
+        deltas = answer.deltas
+        if len(deltas) < 8 or not "".join(deltas[3:6]) or not deltas[2]:
+            return None
+        return 6 if (deltas[5] == "") == inside else None
+
+    return find
+
+
+@pytest.mark.parametrize("inside", [False, True])
+async def test_chunks_of_several_tokens_go_on_from_a_whole_character(
+    start_cluster: StartCluster, inside: bool
+) -> None:
+    """vLLM merges steps into one chunk (its API server behind the engine, or
+    --stream-interval): whether a chunk's last token ended a character its text does not say,
+    so the proxy asks the model's tokenizer (vLLM's /detokenize), and goes on from there or
+    from an earlier chunk, giving again what the client has."""
+    body = completion(stream=True, max_tokens=16, temperature=0)
+    body, expected, cut = prompt_where(COMPLETIONS, body, merged_cut(inside))
+    cluster = await cut_stream(
+        start_cluster, {"break_after_tokens": cut + 1}, decode={"stream_interval": 3}
+    )
+    events = await stream_of(cluster, COMPLETIONS, body)
+    assert_one_stream(events)
+    assert text_of(COMPLETIONS, events) == expected.text
+    (continued,) = [r for r in cluster.decodes[1].requests if r.path == COMPLETIONS]
+    gone_back = 3 if inside else 0
+    assert continued.body["prompt"] == (
+        expected.prompt_token_ids + expected.token_ids[: cut - gone_back]
+    )

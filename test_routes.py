@@ -510,13 +510,18 @@ async def test_anthropics_route_is_passed_on_even_for_a_model_the_proxy_does_not
     start_cluster: StartCluster,
 ) -> None:
     """vLLM answers an unknown model on /v1/messages in Anthropic's error shape: the proxy
-    does not answer it in OpenAI's itself, but lets an instance (here a fake without the
-    route, whose plain 404 comes back as it wrote it)."""
+    does not answer it in OpenAI's itself, but lets an instance, whose answer comes back as
+    it wrote it."""
     cluster = await start_cluster()
     await known_models(cluster, MODEL)
     body = {"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     answer = await cluster.client.post("/v1/messages", json=body)
-    assert answer.status == 404 and answer.content_type == "text/plain"
+    local = await cluster.client.session.post(
+        cluster.decodes[0].api_url + "/v1/messages", json=body
+    )
+    assert answer.status == local.status == 404
+    assert await answer.json() == await local.json()
+    assert (await answer.json())["type"] == "error"  # Anthropic's shape, not OpenAI's
     # Elsewhere the same model is the proxy's own NotFoundError.
     assert (await cluster.client.post("/tokenize", json=body)).content_type == JSON_TYPE[
         "Content-Type"
