@@ -56,6 +56,12 @@ QUICK_SECONDS, FULL_SECONDS = 55.0, 300.0
 CONCURRENCY = 12
 # A decode paces its tokens so: a stream lasts 0.1-0.2 s, long enough to be cut mid-way.
 TOKEN_DELAY = 0.004
+# The fakes' --max-model-len: a chat that names no cap runs to it (less its prompt, 30-40
+# tokens), a hundred tokens or so, as long as the others.
+MAX_MODEL_LEN = 128
+# A stop string never said (vLLM holds back its 26 characters while it may still match) and a
+# word the fakes say often (the answer stops there): with temperature 0, migrated exactly.
+STOPS = ["a stop string of 27 letters", " cache"]
 # The proxy's checks, short so that the fleet reacts within the faults' few seconds.
 HEALTH_INTERVAL, DISCOVERY_INTERVAL, HEALTH_TIMEOUT = 1.0, 0.5, 1.0
 # A client gives up on a request after this long: longer than any fault lasts, so that a
@@ -116,6 +122,7 @@ class Node:
         """Start it (again, on the same ports: a prefill gets new engine ids) and wait for it."""
         argv = [sys.executable, str(HERE / "fake_vllm.py"), "--serve", self.role]
         argv += ["--port", str(self.port), "--token-delay", str(TOKEN_DELAY)]
+        argv += ["--max-model-len", str(MAX_MODEL_LEN)]
         if self.bootstrap_port is not None:
             argv += ["--bootstrap-port", str(self.bootstrap_port)]
         with self.log.open("ab") as out:
@@ -231,25 +238,28 @@ class Planned:
     path: str
     body: dict[str, Any]
     text: str  # what the fake answers, uninterrupted
-    # The texts of its stream's chunks that carry text: a token inside a character (the fakes
-    # write some in pieces, as vLLM's models do) streams "", which is no piece.
-    pieces: list[str]
 
 
 def planned(number: int) -> Planned:
     """Request ``number``: completion or chat, streamed or not, in turn; a prompt of its own
-    and 24-48 tokens. Its answer is the fakes' (generate is deterministic)."""
+    and 24-48 tokens; one in six names no cap (a chat's is what --max-model-len leaves, a
+    completion's vLLM's 16), one in six has stop strings and temperature 0 (STOPS). Its answer
+    is the fakes' (generate is deterministic)."""
     chat, stream = number % 2 == 1, number % 4 >= 2
     words = random.Random(number).choices(VOCAB, k=12)
     prompt = f"chaos request {number}: {' '.join(words)}"
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 24 + number % 25, "stream": stream}
+    if number % 6 == 5:
+        del body["max_tokens"]
+    elif number % 6 == 3:
+        body |= {"stop": STOPS, "temperature": 0}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
     path = CHAT if chat else COMPLETIONS
-    expected = generate(prompt_of(path, body), body)
-    return Planned(path, body, expected.text, [delta for delta in expected.deltas if delta])
+    expected = generate(prompt_of(path, body), body, max_model_len=MAX_MODEL_LEN)
+    return Planned(path, body, expected.text)
 
 
 @dataclass
@@ -299,7 +309,9 @@ async def read_whole(answer: aiohttp.ClientResponse, plan: Planned, outcome: Out
 
 async def read_stream(answer: aiohttp.ClientResponse, plan: Planned, outcome: Outcome) -> None:
     """The SSE events to the end (a client that leaves early counts as gone in the proxy's
-    metrics): the tokens, in order, each once, no error event, and [DONE]."""
+    metrics): the text, each character once and in order, no error event, and [DONE]. Its
+    chunks are vLLM's where nothing failed; a stream that went on elsewhere may have others
+    (a continuation gives again the text vLLM held back, in its own chunks)."""
     pieces: list[str] = []
     done, error = False, None
     async for line in answer.content:
@@ -317,8 +329,8 @@ async def read_stream(answer: aiohttp.ClientResponse, plan: Planned, outcome: Ou
         outcome.kind, outcome.detail = ERROR_EVENT, f"after {len(pieces)} tokens: {error}"
     elif not done:
         outcome.kind, outcome.detail = CUT, f"after {len(pieces)} tokens, no [DONE]"
-    elif pieces != plan.pieces:
-        outcome.kind, outcome.detail = WRONG, f"{len(pieces)} pieces, {len(plan.pieces)} expected"
+    elif (text := "".join(pieces)) != plan.text:
+        outcome.kind, outcome.detail = WRONG, f"{text!r}, not {plan.text!r}"
 
 
 def token_of(event: dict[str, Any]) -> str:

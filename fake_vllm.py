@@ -2803,7 +2803,7 @@ async def serve_one(args: argparse.Namespace) -> int:
     """One fake vLLM server until SIGTERM; then it drains: /health answers 503 at once, new
     requests are still served for ``--drain-delay`` seconds (while load balancers notice), then
     it stops listening, lets its in-flight requests finish and exits 0."""
-    fake = FakeVllm(args.serve, token_delay=args.token_delay)
+    fake = FakeVllm(args.serve, token_delay=args.token_delay, max_model_len=args.max_model_len)
     fake.api_url = f"http://{args.host}:{args.port}"
     apps = [fake.api_app()]
     if args.serve == "prefill":
@@ -2840,6 +2840,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="with --serve: address to bind")
     parser.add_argument("--bootstrap-port", type=int, default=8998)
     parser.add_argument("--token-delay", type=float, default=0.0, help="seconds between tokens")
+    parser.add_argument(
+        "--max-model-len", type=int, default=4096, help="with --serve: vLLM's --max-model-len"
+    )
     parser.add_argument(
         "--drain-delay",
         type=float,
