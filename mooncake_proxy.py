@@ -773,9 +773,10 @@ class ProxyConfig:
     healthy_after: int = setting(1, "good checks in a row that bring an instance back", at_least(1))
     panic_threshold: float = setting(
         0.0,
-        "panic (Envoy's word): while fewer than this share of a role's instances are usable, or "
-        "none is, those out only because their checks timed out take requests again; 0 panics "
-        "only when none is usable, 1 always sends to every instance that is only slow",
+        "panic (Envoy's word): while fewer than this share of a role's instances that run one "
+        "model are usable, or none is, those out only because their checks timed out take "
+        "requests again; 0 panics only when none is usable, 1 always sends to every instance "
+        "that is only slow",
         share,
     )
     max_retries: int = setting(
@@ -1855,8 +1856,10 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
         # Under --workers this page is one worker's view (each checks the fleet itself, and
         # in-flight counts are its own); /metrics adds up the whole daemon.
         "scope": "daemon" if state.config.workers == 1 else f"worker of {state.config.workers}",
-        # Roles sending to instances that only time out, as too few are usable (panic).
+        # Roles sending to instances that only time out, as too few are usable (panic); and
+        # in each, the models whose instances are in one (a panic is judged per model).
         "panic": sorted(fleet.panics),
+        "panic_models": {role: sorted(models) for role, models in sorted(fleet.panics.items())},
         "prefill_instances": len(fleet.prefills),
         "decode_instances": len(fleet.decodes),
         "tokenizer": state.tokenizer.path if state.tokenizer else None,  # with KV events
@@ -6703,6 +6706,30 @@ def in_rotation(backends: Sequence[B]) -> tuple[B, ...]:
     return tuple(backend for backend in usable if not backend.leaving) or usable
 
 
+def panic_takes(backends: Sequence[B], usable: Sequence[B], threshold: float) -> tuple[B, ...]:
+    """The instances of a routing group that take requests only in its panic, as Envoy's panic
+    threshold has it: those out only because their checks timed out, while fewer than
+    ``threshold`` of the group (``usable`` of ``backends``), or none, are usable; () when it
+    is not in one. When most of a fleet fails its checks at once it is more often loaded (or
+    the checks' path is) than down, and taking it all out would turn a slowdown into an
+    outage."""
+    slow = tuple(b for b in backends if not b.usable and b.timed_out and not b.leaving)
+    if slow and (not usable or len(usable) < threshold * len(backends)):
+        return slow
+    return ()
+
+
+def say_panic(role: str, model: str | None, slow: Sequence[Backend]) -> None:
+    """Log a panic's start (``slow``: who takes requests in it) or end (none); ``model``: the
+    group's, where the role's instances run several."""
+    which = f"{role} panic" if model is None else f"{role} panic (model {model or 'not known'})"
+    if slow:
+        names = ", ".join(str(backend.url) for backend in slow)
+        log.warning("%s: too few usable; sending to those that are slow: %s", which, names)
+    else:
+        log.warning("%s over", which)
+
+
 def choose_index(
     candidates: Sequence[T], turn: Iterator[int], policy: Policy, load: Callable[[T], int]
 ) -> int:
@@ -6784,7 +6811,9 @@ class Fleet:
         self._engines: tuple[PrefillEngine, ...] = ()
         self._by_name: tuple[tuple[PrefillEngine, ...], dict[str, PrefillEngine]] = ((), {})
         self._decodes: tuple[DecodeInstance, ...] = ()
-        self.panics: set[str] = set()  # the roles in a panic (unless_panic)
+        # The roles in a panic, each with the routing groups (Backend.model) in one there:
+        # a panic is judged per group, as the group is where a request may go (unless_panic).
+        self.panics: dict[str, set[str]] = {}
         # A Router per stage and routing group: the instances that run one model (Served.model;
         # "" while unknown). A target is in one group's Roster, whose reverse indexes it feeds;
         # a request names a model, and is routed in its group (serving).
@@ -6935,9 +6964,9 @@ class Fleet:
         return len(self._engines)
 
     def refresh(self) -> None:
-        prefills = self.unless_panic(self.prefills)
+        prefills = self.unless_panic("prefill", self.prefills)
         engines = tuple(itertools.chain.from_iterable(p.engines for p in prefills))
-        decodes = self.unless_panic(self.decodes)
+        decodes = self.unless_panic("decode", self.decodes)
         # Kept where nothing changed: a router sums its targets again for a new tuple.
         self._engines = self._engines if engines == self._engines else engines
         self._decodes = self._decodes if decodes == self._decodes else decodes
@@ -7020,27 +7049,28 @@ class Fleet:
                 cards.setdefault(card["id"], card)
         return cards
 
-    def unless_panic(self, backends: Sequence[B]) -> tuple[B, ...]:
-        """The role's instances in the rotation, and, in a panic, those out only because their
-        checks timed out: Envoy's panic threshold. When most of a fleet fails its checks at
-        once it is more often loaded (or the checks' path is) than down, and taking it all out
-        would turn a slowdown into an outage."""
-        usable = in_rotation(backends)
-        slow = tuple(b for b in backends if not b.usable and b.timed_out and not b.leaving)
-        panic = bool(slow) and (
-            not usable or len(usable) < self.config.panic_threshold * len(backends)
-        )
-        role = backends[0].role if backends else ""
-        if panic != (role in self.panics):
-            self.panics ^= {role}
-            if panic:
-                names = ", ".join(str(b.url) for b in slow)
-                log.warning(
-                    "%s panic: too few usable; sending to those that are slow: %s", role, names
-                )
-            else:
-                log.warning("%s panic over", role)
-        return usable + slow if panic else usable
+    def unless_panic(self, role: str, backends: Sequence[B]) -> tuple[B, ...]:
+        """The role's instances that take requests, in their order: group by group (the
+        instances that run one model, Backend.model), those in the rotation and, in the
+        group's panic, those out only because their checks timed out (panic_takes). Per
+        group, as a request can go to its model's group only: one model's decodes all timing
+        out is that model's outage, however well the other models' do."""
+        groups: dict[str, list[B]] = {}
+        for backend in backends:
+            groups.setdefault(backend.model, []).append(backend)
+        before, panicking = self.panics.pop(role, set()), set()
+        taking: set[B] = set()
+        for group, members in groups.items():
+            usable = in_rotation(members)
+            slow = panic_takes(members, usable, self.config.panic_threshold)
+            taking.update(usable + slow)
+            if slow:
+                panicking.add(group)
+            if bool(slow) != (group in before):  # a group gone to another model ends silently
+                say_panic(role, group if len(groups) > 1 else None, slow)
+        if panicking:
+            self.panics[role] = panicking
+        return tuple(backend for backend in backends if backend in taking)
 
     def set_engines(self, instance: PrefillInstance, engine_ids: Sequence[str]) -> None:
         engines = []
@@ -7877,8 +7907,9 @@ class Metrics:
         "missed (never received, not even by replay).", ("result",))
     ready = Metric(Gauge, "ready", "1 while PD requests are served.", mode="livemin")
     panic = Metric(Gauge, "panic",
-        "1 while a role is in a panic: too few of its instances usable, those that only time "
-        "out take requests again (--panic-threshold).", ("role",), mode="livemax")
+        "1 while a role's instances that run a model are in a panic: too few of them usable, "
+        "those that only time out take requests again (--panic-threshold); model is - while "
+        "the instances' models are not known.", ("role", "model"), mode="livemax")
     # "backend", not "instance": Prometheus gives that name to the scraped target.
     usable = Metric(Gauge, "instance_usable", "1 while an instance is in the rotation.",
         ("role", "backend"), mode="livemin")
@@ -7910,6 +7941,7 @@ class Metrics:
         self.rejected_counted = 0
         self.models_met: set[str] = set()  # model_label's
         self.engine_series: set[tuple[str, str, str]] = set()
+        self.panic_series: set[tuple[str, str]] = set()  # (role, model) of each routing group
         self.start_series(state.config)
         self.registry = own
         if self.across_workers:
@@ -7952,8 +7984,7 @@ class Metrics:
         state = self.state
         fleet, connections = state.fleet, state.connections
         self.ready.set(float(state.serving))
-        for role in ("prefill", "decode"):
-            self.panic.labels(role).set(float(role in fleet.panics))
+        self.refresh_panics(fleet)
         series = set()
         for instance in fleet.prefills:
             self.usable.labels("prefill", str(instance.url)).set(float(instance.usable))
@@ -7977,6 +8008,20 @@ class Metrics:
         self.admission_queue.set(state.admission.queued)
         self.connections_rejected.inc(connections.rejected - self.rejected_counted)
         self.rejected_counted = connections.rejected
+
+    def refresh_panics(self, fleet: Fleet) -> None:
+        """A panic series per role and routing group there is (Fleet.unless_panic)."""
+        series = set()
+        for backend in (*fleet.prefills, *fleet.decodes):
+            series.add((backend.role, backend.model or NO_MODEL))
+            panic = backend.model in fleet.panics.get(backend.role, ())
+            self.panic.labels(backend.role, backend.model or NO_MODEL).set(float(panic))
+        for gone in self.panic_series - series:  # a model no instance runs any more
+            if self.across_workers:
+                self.panic.labels(*gone).set(0)
+            else:
+                self.panic.remove(*gone)
+        self.panic_series = series
 
     def forget(self, gone: Sequence[Backend]) -> None:
         """Instances that left the fleet: their gauges go (under --workers, the files keep a
