@@ -8804,8 +8804,9 @@ async def serve(
     warm_up: float = 0.0,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain: stop accepting, let streams finish, exit 0.
-    SIGHUP applies ``reread()``, the configuration as its sources say now. ``warm_up``: how
-    long to wait for a usable fleet before taking connections (a replacement worker's)."""
+    SIGHUP applies ``reread()``, the configuration as its sources say now. Connections are
+    taken once the fleet's first checks have settled (first_checks); ``warm_up``: how long
+    to wait on for a usable fleet (a replacement worker's)."""
     app = create_app(config)
     runner = web.AppRunner(
         app,
@@ -8816,6 +8817,7 @@ async def serve(
         shutdown_timeout=1.0,
     )
     await runner.setup()
+    await first_checks(app[STATE_KEY], first_checks_bound(config))
     await warmed_up(app[STATE_KEY], warm_up)
     tune_gc()
     listener = await listen(runner, sock)
@@ -8854,6 +8856,40 @@ async def serve(
     await runner.cleanup()
     log.info("stopped")
     return 0
+
+
+def checks_settled(state: ProxyState) -> bool:
+    """Every DNS name was looked up once, and every instance named is usable or has failed a
+    check: what the proxy answers now, it answers knowing its fleet."""
+    dns = state.dns_answers.keys() | state.dns_errors.keys()
+    fleet = state.fleet
+    return all(name in dns for name in state.config.dns_names) and all(
+        backend.usable or backend.failures for backend in (*fleet.prefills, *fleet.decodes)
+    )
+
+
+def first_checks_bound(config: ProxyConfig) -> float:
+    """How long the first checks may take: a lookup, then a check that fails if a request of
+    it gets no answer within --health-timeout; and a passing instance is usable after
+    --healthy-after checks, the others --discovery-interval apart."""
+    return 2 * config.health_timeout + (config.healthy_after - 1) * config.discovery_interval
+
+
+async def first_checks(state: ProxyState, within: float) -> None:
+    """Until the fleet's first checks have settled (checks_settled), for ``within`` seconds at
+    most, before the listener takes connections: the port is bound before the app starts,
+    so a request that comes meanwhile waits in its backlog, and is answered by a proxy that
+    knows which instances are usable, instead of 503 "not ready" from one that has not
+    checked them yet (in the first second of a daemon's life, dozens of them). An instance
+    that refuses, or answers not ready, fails its first check at once: the wait is short
+    where the fleet is down, and 503s then say so."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(within):
+            while not checks_settled(state):
+                await asyncio.sleep(FIRST_CHECKS_POLL_SECONDS)
+
+
+FIRST_CHECKS_POLL_SECONDS: Final = 0.01
 
 
 async def warmed_up(state: ProxyState, within: float) -> None:
