@@ -2151,6 +2151,7 @@ class Exchange:
     attempts: int = 0
     failures: list[ProxyError] = field(default_factory=list)  # Unreachable or KvLoadFailed
     tried: set[Backend] = field(default_factory=set)  # unreachable, or failed a KV load
+    sends: list[Sent] = field(default_factory=list)  # what its picks added to routing's index
 
     @classmethod
     def of(cls, request: web.Request, state: ProxyState, body: dict[str, Any]) -> Exchange:
@@ -2261,9 +2262,12 @@ class Exchange:
         fleet = self.state.fleet
         try:
             model = self.model
-            engine = None if self.alone else fleet.claim_prefill(self.tried, self.route, model)
+            sends = self.sends
+            engine = (
+                None if self.alone else fleet.claim_prefill(self.tried, self.route, model, sends)
+            )
             try:
-                return engine, fleet.claim_decode(self.tried, self.route, model)
+                return engine, fleet.claim_decode(self.tried, self.route, model, sends)
             except ProxyError:
                 if engine is not None:
                     fleet.release_prefill(engine)
@@ -2344,6 +2348,8 @@ class Exchange:
 
     async def fail(self, error: ProxyError) -> web.StreamResponse:
         """Answer with the error, or in band once the stream has started (step 6)."""
+        if 400 <= error.status < 500 and not self.relaying:  # refused: cached nowhere
+            self.state.fleet.take_back(self.sends)
         response = self.response
         if not response.prepared:
             raise error  # the middleware answers with it (error_response)
@@ -2511,7 +2517,9 @@ class Attempt:
                 raise failure
             exchange.fail_over("decode", self.decode, failure)
             try:
-                decode = fleet.claim_decode(exchange.tried, exchange.route, exchange.model)
+                decode = fleet.claim_decode(
+                    exchange.tried, exchange.route, exchange.model, exchange.sends
+                )
             except ProxyError:
                 raise exchange.exhausted() from None
             fleet.release_decode(self.decode)
@@ -5003,10 +5011,12 @@ class PrefixIndex:
         """How many of the chain's leading blocks are held."""
         return leading(chain, self.blocks)
 
-    def add(self, chain: Sequence[int]) -> None:
+    def add(self, chain: Sequence[int]) -> Sent:
+        """Hold the chain's blocks from now on; what was new of them, to take back (Sent)."""
         now = time.monotonic()
         self.forget_sends_before(now - PENDING_SECONDS)  # kept short however it is read
         self.sends.append((now, self.clock))
+        sent = Sent(self, chain, self.match(chain), self.clock + len(chain))
         start, self.clock = self.clock, self.clock + len(chain)
         self.blocks.update(zip(chain, range(self.clock, start, -1), strict=True))
         if (holders := self.holders) is not None:
@@ -5017,6 +5027,17 @@ class PrefixIndex:
             kept = dict(newest)
             self.unhold(self.blocks.keys() - kept.keys())
             self.blocks = kept
+        return sent
+
+    def take_back(self, sent: Sent) -> None:
+        """Forget the blocks a send brought (``sent``, add's), those no send since stamped
+        again: the target refused the prompt, and holds none of it."""
+        blocks, top = self.blocks, sent.top
+        brought = range(sent.held, len(sent.chain))
+        gone = [block for i in brought if blocks.get(block := sent.chain[i]) == top - i]
+        for block in gone:
+            del blocks[block]
+        self.unhold(gone)
 
     def attach(self, holders: dict[int, int] | None, bit: int) -> None:
         """Carry ``bit`` in ``holders`` for every block held, from now on (and no longer in
@@ -5047,6 +5068,20 @@ class PrefixIndex:
         self.unhold(self.blocks)
         self.blocks.clear()
         self.sends.clear()
+
+
+@dataclass(slots=True, eq=False)
+class Sent:
+    """What one send added to a PrefixIndex (add), to take back if the prompt is refused
+    (Fleet.take_back): the chain's blocks from ``held`` on were new to it, and each was
+    stamped ``top`` less its place in the chain. Kept with the request (its chain is the
+    RouteKey's own list), so the index holds the send from the pick on, as concurrent
+    arrivals must see it, and loses it only if the send comes to nothing."""
+
+    index: PrefixIndex
+    chain: Sequence[int]
+    held: int  # the chain's leading blocks the index held before (a prefix: PrefixIndex)
+    top: int
 
 
 class SentAfter:
@@ -5414,9 +5449,10 @@ class Roster:
         if target in self.position:
             self.in_flight -= 1
 
-    def sent(self, target: Target, key: RouteKey, now: float, uncached: float) -> None:
-        """What prefix_aware remembers of a request sent: its blocks, and its turn."""
-        target.index.add(key.chain)
+    def sent(self, target: Target, key: RouteKey, now: float, uncached: float) -> Sent:
+        """What prefix_aware remembers of a request sent: its blocks, and its turn; what the
+        blocks added to the target's index, to take back (Sent)."""
+        sent = target.index.add(key.chain)
         target.count_recent(now, uncached)
         if target in self.position:
             self.recent.add(now, 1)
@@ -5429,6 +5465,7 @@ class Roster:
             self.turn_at[key.turn] = target
             if len(self.turn_at) > TURNS_KEPT * max(len(self.targets), 1):
                 del self.turn_at[next(iter(self.turn_at))]
+        return sent
 
     def conversation(self, key: RouteKey) -> set[Target]:
         """Where this process sent the chat's earlier turns."""
@@ -5467,6 +5504,7 @@ class Choice:
     index: int
     reason: str  # affinity, spill, cold, session, fallback or the policy's name
     matched: float  # blocks of the prompt the target is believed to hold
+    sent: Sent | None = None  # what the pick added to the target's index (prefix_aware)
 
 
 @dataclass(slots=True)
@@ -5560,7 +5598,7 @@ class Router:
         self.roster.claimed(target, uncached)
         if key is not None and policy is Policy.PREFIX_AWARE:  # what only prefix_aware reads
             now = time.monotonic()
-            self.roster.sent(target, key, now, uncached)
+            choice.sent = self.roster.sent(target, key, now, uncached)
             self.returns.saw(key, now)
             if self.tell is not None:
                 self.tell(target, key, uncached)
@@ -7115,8 +7153,15 @@ class Fleet:
     # Picks claim their target at once, before any await, so that concurrent arrivals see
     # each other's load; every claim is released when its leg ends.
 
+    # ``sends``, where given, gets what each pick added to the routing indexes (Sent): the
+    # request keeps it, to take back if the prompt is refused (take_back).
+
     def claim_prefill(
-        self, avoid: Collection[Backend] = (), key: RouteKey | None = None, model: str | None = None
+        self,
+        avoid: Collection[Backend] = (),
+        key: RouteKey | None = None,
+        model: str | None = None,
+        sends: list[Sent] | None = None,
     ) -> PrefillEngine:
         serving = self.serving(model)
         engines = serving.engines
@@ -7124,7 +7169,10 @@ class Fleet:
             engines = tuple(e for e in engines if e.instance not in avoid) or engines
         if not engines:
             raise ProxyError(503, f"no usable prefill engine{naming_model(serving)}")
-        engine = engines[serving.prefill_router.pick(engines, self.prefill_policy, key).index]
+        choice = serving.prefill_router.pick(engines, self.prefill_policy, key)
+        if sends is not None and choice.sent is not None:
+            sends.append(choice.sent)
+        engine = engines[choice.index]
         engine.instance.in_flight += 1
         return engine
 
@@ -7135,7 +7183,11 @@ class Fleet:
             self.changed.set()
 
     def claim_decode(
-        self, avoid: Collection[Backend] = (), key: RouteKey | None = None, model: str | None = None
+        self,
+        avoid: Collection[Backend] = (),
+        key: RouteKey | None = None,
+        model: str | None = None,
+        sends: list[Sent] | None = None,
     ) -> DecodeInstance:
         serving = self.serving(model)
         decodes = serving.decodes
@@ -7146,12 +7198,24 @@ class Fleet:
             decodes = tuple(d for d in decodes if d not in avoid) or decodes
         if not decodes:
             raise ProxyError(503, f"no usable decode instance{naming_model(serving)}")
-        return decodes[serving.decode_router.pick(decodes, self.decode_policy, key).index]
+        choice = serving.decode_router.pick(decodes, self.decode_policy, key)
+        if sends is not None and choice.sent is not None:
+            sends.append(choice.sent)
+        return decodes[choice.index]
 
     def release_decode(self, decode: DecodeInstance) -> None:
         self.router_of(decode).release(decode)
         if decode.leaving:
             self.changed.set()
+
+    def take_back(self, sends: list[Sent]) -> None:
+        """A request's prompt was refused (a leg's 4xx before any token): no instance cached
+        it, so what its picks added to the indexes goes: else a prompt that can never be
+        served would draw the next ones that share its head where nothing of it is, and hold
+        its blocks (a 50 MB prompt: an index's 65,536)."""
+        for sent in sends:
+            sent.index.take_back(sent)
+        sends.clear()
 
     def learn_bytes_per_token(self, prompt_bytes: int, prompt_tokens: int) -> None:
         if prompt_tokens > 0 and prompt_bytes > 0:
