@@ -608,6 +608,34 @@ async def test_a_large_request_costs_under_three_times_its_body_at_peak(
     assert (peak - before) * 1024 / len(body) <= 2.75
 
 
+async def test_refused_large_prompts_give_their_memory_back(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    """Prompts past the instances' max_model_len, refused with vLLM's 400: what the failed
+    requests leave is cyclic (exceptions' tracebacks hold the frames that hold the body),
+    which the daemon's rare collections (GC_YOUNG_THRESHOLD) left for good: 2x each body.
+    A collection follows a large request, and the memory goes back to the system."""
+    proxy, _ = await ProxyProcess.start(aiohttp_server, "--policy", "round_robin")
+    pid = proxy.process.pid
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"{proxy.base}/v1/completions"
+            async with session.post(url, json=completion()) as warm:
+                assert warm.status == 200
+            before = proc_status_kib(pid, "VmRSS")
+            body = json.dumps(completion(prompt="x" * (16 << 20))).encode()
+            for _ in range(3):
+                async with session.post(url, data=body, headers=JSON_TYPE) as refused:
+                    assert refused.status == 400
+
+            def kept() -> int:
+                return (proc_status_kib(pid, "VmRSS") - before) * 1024
+
+            await eventually(lambda: kept() < len(body) / 2, 5)  # it kept 2x each body
+    finally:
+        await proxy.stop()
+
+
 async def test_sigterm_lets_a_stream_finish_then_exits_0(aiohttp_server: AiohttpServer) -> None:
     proxy, decode = await ProxyProcess.start(aiohttp_server, decode={"token_delay": 0.1})
     async with aiohttp.ClientSession() as session, asyncio.timeout(20):
