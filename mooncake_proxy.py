@@ -1402,7 +1402,7 @@ class ProxyState:
     dns_errors: dict[DnsName, str] = field(default_factory=dict)
     # Set by a reload: the names are looked up again at once.
     dns_changed: asyncio.Event = field(default_factory=asyncio.Event)
-    # What a large request that failed leaves for the cyclic collector, collected soon.
+    # Collects, soon after each large request, the cyclic garbage a failed one leaves.
     large_garbage: LargeGarbage = field(default_factory=lambda: LargeGarbage())
 
     def __post_init__(self) -> None:
