@@ -8610,6 +8610,10 @@ def run_serve(
     reread: Reread,
     warm_up: float = 0.0,
 ) -> int:
+    # Blocked until serve handles them, once it listens (a worker is forked so: Supervisor):
+    # one that comes while the first checks run (first_checks) then waits for its handler,
+    # where SIGHUP's default action would end the daemon and SIGTERM's skip the drain.
+    signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(serve(config, sock, reread, warm_up))
 
@@ -8951,8 +8955,8 @@ async def serve(
         loop.add_signal_handler(signum, on_signal, signum)
     if reread is not None:
         loop.add_signal_handler(signal.SIGHUP, reload_config, app, reread)
-    # A worker is forked with these blocked (Supervisor): one that came before its handlers
-    # were in place is taken now, instead of ending it (SIGHUP's default action).
+    # Blocked until now (run_serve; a worker is forked so): one that came before its handler
+    # was in place is taken now, instead of ending the process (SIGHUP's default action).
     signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
     await stop.wait()
     state = app[STATE_KEY]
