@@ -783,9 +783,10 @@ class ProxyConfig:
     healthy_after: int = setting(1, "good checks in a row that bring an instance back", at_least(1))
     panic_threshold: float = setting(
         0.0,
-        "panic (Envoy's word): while fewer than this share of a role's instances are usable, or "
-        "none is, those out only because their checks timed out take requests again; 0 panics "
-        "only when none is usable, 1 always sends to every instance that is only slow",
+        "panic (Envoy's word): while fewer than this share of a role's instances that run one "
+        "model are usable, or none is, those out only because their checks timed out take "
+        "requests again; 0 panics only when none is usable, 1 always sends to every instance "
+        "that is only slow",
         share,
     )
     max_retries: int = setting(
@@ -1412,6 +1413,8 @@ class ProxyState:
     dns_errors: dict[DnsName, str] = field(default_factory=dict)
     # Set by a reload: the names are looked up again at once.
     dns_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Collects, soon after each large request, the cyclic garbage a failed one leaves.
+    large_garbage: LargeGarbage = field(default_factory=lambda: LargeGarbage())
 
     def __post_init__(self) -> None:
         self.fleet = Fleet(self.config)
@@ -1866,8 +1869,10 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
         # Under --workers this page is one worker's view (each checks the fleet itself, and
         # in-flight counts are its own); /metrics adds up the whole daemon.
         "scope": "daemon" if state.config.workers == 1 else f"worker of {state.config.workers}",
-        # Roles sending to instances that only time out, as too few are usable (panic).
+        # Roles sending to instances that only time out, as too few are usable (panic); and
+        # in each, the models whose instances are in one (a panic is judged per model).
         "panic": sorted(fleet.panics),
+        "panic_models": {role: sorted(models) for role, models in sorted(fleet.panics.items())},
         "prefill_instances": len(fleet.prefills),
         "decode_instances": len(fleet.decodes),
         "tokenizer": state.tokenizer.path if state.tokenizer else None,  # with KV events
@@ -2165,6 +2170,7 @@ class Exchange:
     first_token: FirstToken | None = None
     failures: list[ProxyError] = field(default_factory=list)  # Unreachable or KvLoadFailed
     tried: set[Backend] = field(default_factory=set)  # unreachable, or failed a KV load
+    sends: list[Sent] = field(default_factory=list)  # what its picks added to routing's index
 
     @classmethod
     def of(cls, request: web.Request, state: ProxyState, body: dict[str, Any]) -> Exchange:
@@ -2294,9 +2300,12 @@ class Exchange:
         fleet = self.state.fleet
         try:
             model = self.model
-            engine = None if self.alone else fleet.claim_prefill(self.tried, self.route, model)
+            sends = self.sends
+            engine = (
+                None if self.alone else fleet.claim_prefill(self.tried, self.route, model, sends)
+            )
             try:
-                return engine, fleet.claim_decode(self.tried, self.route, model)
+                return engine, fleet.claim_decode(self.tried, self.route, model, sends)
             except ProxyError:
                 if engine is not None:
                     fleet.release_prefill(engine)
@@ -2405,6 +2414,8 @@ class Exchange:
 
     async def fail(self, error: ProxyError) -> web.StreamResponse:
         """Answer with the error, or in band once the stream has started (step 6)."""
+        if 400 <= error.status < 500 and not self.relaying:  # refused: cached nowhere
+            self.state.fleet.take_back(self.sends)
         response = self.response
         if not response.prepared:
             raise error  # the middleware answers with it (error_response)
@@ -2600,7 +2611,9 @@ class Attempt:
                 raise failure
             exchange.fail_over("decode", self.decode, failure)
             try:
-                decode = fleet.claim_decode(exchange.tried, exchange.route, exchange.model)
+                decode = fleet.claim_decode(
+                    exchange.tried, exchange.route, exchange.model, exchange.sends
+                )
             except ProxyError:
                 raise exchange.exhausted() from None
             fleet.release_decode(self.decode)
@@ -4674,7 +4687,7 @@ class ClientConnection(web.RequestHandler):
     request is done.
     """
 
-    __slots__ = ("_admitted", "_busy", "_closing", "_head_deadline", "app")
+    __slots__ = ("_admitted", "_busy", "_closing", "_head_deadline", "_received", "app")
 
     def __init__(self, manager: web.Server, app: web.Application, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -4683,6 +4696,7 @@ class ClientConnection(web.RequestHandler):
         self._busy = False  # a request is being handled
         self._admitted = False  # counted against --max-client-connections
         self._closing = False  # answered for the last time: further bytes are dropped
+        self._received = 0  # bytes received since the last request was done
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -4708,6 +4722,7 @@ class ClientConnection(web.RequestHandler):
             return
         if not self._busy and self._head_deadline is None:
             self._start_head_deadline()  # the first bytes of the next request on this connection
+        self._received += len(data)
         super().data_received(data)
 
     def head_received(self) -> None:
@@ -4721,6 +4736,8 @@ class ClientConnection(web.RequestHandler):
 
     def request_done(self) -> None:
         self._busy = False
+        self.app[STATE_KEY].large_garbage.request_done(self._received)
+        self._received = 0
 
     def handle_error(
         self,
@@ -5339,10 +5356,12 @@ class PrefixIndex:
         """How many of the chain's leading blocks are held."""
         return leading(chain, self.blocks)
 
-    def add(self, chain: Sequence[int]) -> None:
+    def add(self, chain: Sequence[int]) -> Sent:
+        """Hold the chain's blocks from now on; what was new of them, to take back (Sent)."""
         now = time.monotonic()
         self.forget_sends_before(now - PENDING_SECONDS)  # kept short however it is read
         self.sends.append((now, self.clock))
+        sent = Sent(self, chain, self.match(chain), self.clock + len(chain))
         start, self.clock = self.clock, self.clock + len(chain)
         self.blocks.update(zip(chain, range(self.clock, start, -1), strict=True))
         if (holders := self.holders) is not None:
@@ -5353,6 +5372,17 @@ class PrefixIndex:
             kept = dict(newest)
             self.unhold(self.blocks.keys() - kept.keys())
             self.blocks = kept
+        return sent
+
+    def take_back(self, sent: Sent) -> None:
+        """Forget the blocks a send brought (``sent``, add's), those no send since stamped
+        again: the target refused the prompt, and holds none of it."""
+        blocks, top = self.blocks, sent.top
+        brought = range(sent.held, len(sent.chain))
+        gone = [block for i in brought if blocks.get(block := sent.chain[i]) == top - i]
+        for block in gone:
+            del blocks[block]
+        self.unhold(gone)
 
     def attach(self, holders: dict[int, int] | None, bit: int) -> None:
         """Carry ``bit`` in ``holders`` for every block held, from now on (and no longer in
@@ -5383,6 +5413,20 @@ class PrefixIndex:
         self.unhold(self.blocks)
         self.blocks.clear()
         self.sends.clear()
+
+
+@dataclass(slots=True, eq=False)
+class Sent:
+    """What one send added to a PrefixIndex (add), to take back if the prompt is refused
+    (Fleet.take_back): the chain's blocks from ``held`` on were new to it, and each was
+    stamped ``top`` less its place in the chain. Kept with the request (its chain is the
+    RouteKey's own list), so the index holds the send from the pick on, as concurrent
+    arrivals must see it, and loses it only if the send comes to nothing."""
+
+    index: PrefixIndex
+    chain: Sequence[int]
+    held: int  # the chain's leading blocks the index held before (a prefix: PrefixIndex)
+    top: int
 
 
 class SentAfter:
@@ -5750,9 +5794,10 @@ class Roster:
         if target in self.position:
             self.in_flight -= 1
 
-    def sent(self, target: Target, key: RouteKey, now: float, uncached: float) -> None:
-        """What prefix_aware remembers of a request sent: its blocks, and its turn."""
-        target.index.add(key.chain)
+    def sent(self, target: Target, key: RouteKey, now: float, uncached: float) -> Sent:
+        """What prefix_aware remembers of a request sent: its blocks, and its turn; what the
+        blocks added to the target's index, to take back (Sent)."""
+        sent = target.index.add(key.chain)
         target.count_recent(now, uncached)
         if target in self.position:
             self.recent.add(now, 1)
@@ -5765,6 +5810,7 @@ class Roster:
             self.turn_at[key.turn] = target
             if len(self.turn_at) > TURNS_KEPT * max(len(self.targets), 1):
                 del self.turn_at[next(iter(self.turn_at))]
+        return sent
 
     def conversation(self, key: RouteKey) -> set[Target]:
         """Where this process sent the chat's earlier turns."""
@@ -5803,6 +5849,7 @@ class Choice:
     index: int
     reason: str  # affinity, spill, cold, session, fallback or the policy's name
     matched: float  # blocks of the prompt the target is believed to hold
+    sent: Sent | None = None  # what the pick added to the target's index (prefix_aware)
 
 
 @dataclass(slots=True)
@@ -5896,7 +5943,7 @@ class Router:
         self.roster.claimed(target, uncached)
         if key is not None and policy is Policy.PREFIX_AWARE:  # what only prefix_aware reads
             now = time.monotonic()
-            self.roster.sent(target, key, now, uncached)
+            choice.sent = self.roster.sent(target, key, now, uncached)
             self.returns.saw(key, now)
             if self.tell is not None:
                 self.tell(target, key, uncached)
@@ -7042,6 +7089,30 @@ def in_rotation(backends: Sequence[B]) -> tuple[B, ...]:
     return tuple(backend for backend in usable if not backend.leaving) or usable
 
 
+def panic_takes(backends: Sequence[B], usable: Sequence[B], threshold: float) -> tuple[B, ...]:
+    """The instances of a routing group that take requests only in its panic, as Envoy's panic
+    threshold has it: those out only because their checks timed out, while fewer than
+    ``threshold`` of the group (``usable`` of ``backends``), or none, are usable; () when it
+    is not in one. When most of a fleet fails its checks at once it is more often loaded (or
+    the checks' path is) than down, and taking it all out would turn a slowdown into an
+    outage."""
+    slow = tuple(b for b in backends if not b.usable and b.timed_out and not b.leaving)
+    if slow and (not usable or len(usable) < threshold * len(backends)):
+        return slow
+    return ()
+
+
+def say_panic(role: str, model: str | None, slow: Sequence[Backend]) -> None:
+    """Log a panic's start (``slow``: who takes requests in it) or end (none); ``model``: the
+    group's, where the role's instances run several."""
+    which = f"{role} panic" if model is None else f"{role} panic (model {model or 'not known'})"
+    if slow:
+        names = ", ".join(str(backend.url) for backend in slow)
+        log.warning("%s: too few usable; sending to those that are slow: %s", which, names)
+    else:
+        log.warning("%s over", which)
+
+
 def choose_index(
     candidates: Sequence[T], turn: Iterator[int], policy: Policy, load: Callable[[T], int]
 ) -> int:
@@ -7123,7 +7194,9 @@ class Fleet:
         self._engines: tuple[PrefillEngine, ...] = ()
         self._by_name: tuple[tuple[PrefillEngine, ...], dict[str, PrefillEngine]] = ((), {})
         self._decodes: tuple[DecodeInstance, ...] = ()
-        self.panics: set[str] = set()  # the roles in a panic (unless_panic)
+        # The roles in a panic, each with the routing groups (Backend.model) in one there:
+        # a panic is judged per group, as the group is where a request may go (unless_panic).
+        self.panics: dict[str, set[str]] = {}
         # A Router per stage and routing group: the instances that run one model (Served.model;
         # "" while unknown). A target is in one group's Roster, whose reverse indexes it feeds;
         # a request names a model, and is routed in its group (serving).
@@ -7274,9 +7347,9 @@ class Fleet:
         return len(self._engines)
 
     def refresh(self) -> None:
-        prefills = self.unless_panic(self.prefills)
+        prefills = self.unless_panic("prefill", self.prefills)
         engines = tuple(itertools.chain.from_iterable(p.engines for p in prefills))
-        decodes = self.unless_panic(self.decodes)
+        decodes = self.unless_panic("decode", self.decodes)
         # Kept where nothing changed: a router sums its targets again for a new tuple.
         self._engines = self._engines if engines == self._engines else engines
         self._decodes = self._decodes if decodes == self._decodes else decodes
@@ -7359,27 +7432,28 @@ class Fleet:
                 cards.setdefault(card["id"], card)
         return cards
 
-    def unless_panic(self, backends: Sequence[B]) -> tuple[B, ...]:
-        """The role's instances in the rotation, and, in a panic, those out only because their
-        checks timed out: Envoy's panic threshold. When most of a fleet fails its checks at
-        once it is more often loaded (or the checks' path is) than down, and taking it all out
-        would turn a slowdown into an outage."""
-        usable = in_rotation(backends)
-        slow = tuple(b for b in backends if not b.usable and b.timed_out and not b.leaving)
-        panic = bool(slow) and (
-            not usable or len(usable) < self.config.panic_threshold * len(backends)
-        )
-        role = backends[0].role if backends else ""
-        if panic != (role in self.panics):
-            self.panics ^= {role}
-            if panic:
-                names = ", ".join(str(b.url) for b in slow)
-                log.warning(
-                    "%s panic: too few usable; sending to those that are slow: %s", role, names
-                )
-            else:
-                log.warning("%s panic over", role)
-        return usable + slow if panic else usable
+    def unless_panic(self, role: str, backends: Sequence[B]) -> tuple[B, ...]:
+        """The role's instances that take requests, in their order: group by group (the
+        instances that run one model, Backend.model), those in the rotation and, in the
+        group's panic, those out only because their checks timed out (panic_takes). Per
+        group, as a request can go to its model's group only: one model's decodes all timing
+        out is that model's outage, however well the other models' do."""
+        groups: dict[str, list[B]] = {}
+        for backend in backends:
+            groups.setdefault(backend.model, []).append(backend)
+        before, panicking = self.panics.pop(role, set()), set()
+        taking: set[B] = set()
+        for group, members in groups.items():
+            usable = in_rotation(members)
+            slow = panic_takes(members, usable, self.config.panic_threshold)
+            taking.update(usable + slow)
+            if slow:
+                panicking.add(group)
+            if bool(slow) != (group in before):  # a group gone to another model ends silently
+                say_panic(role, group if len(groups) > 1 else None, slow)
+        if panicking:
+            self.panics[role] = panicking
+        return tuple(backend for backend in backends if backend in taking)
 
     def set_engines(self, instance: PrefillInstance, engine_ids: Sequence[str]) -> None:
         engines = []
@@ -7424,8 +7498,15 @@ class Fleet:
     # Picks claim their target at once, before any await, so that concurrent arrivals see
     # each other's load; every claim is released when its leg ends.
 
+    # ``sends``, where given, gets what each pick added to the routing indexes (Sent): the
+    # request keeps it, to take back if the prompt is refused (take_back).
+
     def claim_prefill(
-        self, avoid: Collection[Backend] = (), key: RouteKey | None = None, model: str | None = None
+        self,
+        avoid: Collection[Backend] = (),
+        key: RouteKey | None = None,
+        model: str | None = None,
+        sends: list[Sent] | None = None,
     ) -> PrefillEngine:
         serving = self.serving(model)
         engines = serving.engines
@@ -7433,7 +7514,10 @@ class Fleet:
             engines = tuple(e for e in engines if e.instance not in avoid) or engines
         if not engines:
             raise ProxyError(503, f"no usable prefill engine{naming_model(serving)}")
-        engine = engines[serving.prefill_router.pick(engines, self.prefill_policy, key).index]
+        choice = serving.prefill_router.pick(engines, self.prefill_policy, key)
+        if sends is not None and choice.sent is not None:
+            sends.append(choice.sent)
+        engine = engines[choice.index]
         engine.instance.in_flight += 1
         return engine
 
@@ -7444,7 +7528,11 @@ class Fleet:
             self.changed.set()
 
     def claim_decode(
-        self, avoid: Collection[Backend] = (), key: RouteKey | None = None, model: str | None = None
+        self,
+        avoid: Collection[Backend] = (),
+        key: RouteKey | None = None,
+        model: str | None = None,
+        sends: list[Sent] | None = None,
     ) -> DecodeInstance:
         serving = self.serving(model)
         decodes = serving.decodes
@@ -7455,12 +7543,24 @@ class Fleet:
             decodes = tuple(d for d in decodes if d not in avoid) or decodes
         if not decodes:
             raise ProxyError(503, f"no usable decode instance{naming_model(serving)}")
-        return decodes[serving.decode_router.pick(decodes, self.decode_policy, key).index]
+        choice = serving.decode_router.pick(decodes, self.decode_policy, key)
+        if sends is not None and choice.sent is not None:
+            sends.append(choice.sent)
+        return decodes[choice.index]
 
     def release_decode(self, decode: DecodeInstance) -> None:
         self.router_of(decode).release(decode)
         if decode.leaving:
             self.changed.set()
+
+    def take_back(self, sends: list[Sent]) -> None:
+        """A request's prompt was refused (a leg's 4xx before any token): no instance cached
+        it, so what its picks added to the indexes goes: else a prompt that can never be
+        served would draw the next ones that share its head where nothing of it is, and hold
+        its blocks (a 50 MB prompt: an index's 65,536)."""
+        for sent in sends:
+            sent.index.take_back(sent)
+        sends.clear()
 
     def learn_bytes_per_token(self, prompt_bytes: int, prompt_tokens: int) -> None:
         if prompt_tokens > 0 and prompt_bytes > 0:
@@ -8216,8 +8316,9 @@ class Metrics:
         "missed (never received, not even by replay).", ("result",))
     ready = Metric(Gauge, "ready", "1 while PD requests are served.", mode="livemin")
     panic = Metric(Gauge, "panic",
-        "1 while a role is in a panic: too few of its instances usable, those that only time "
-        "out take requests again (--panic-threshold).", ("role",), mode="livemax")
+        "1 while a role's instances that run a model are in a panic: too few of them usable, "
+        "those that only time out take requests again (--panic-threshold); model is - while "
+        "the instances' models are not known.", ("role", "model"), mode="livemax")
     # "backend", not "instance": Prometheus gives that name to the scraped target.
     usable = Metric(Gauge, "instance_usable", "1 while an instance is in the rotation.",
         ("role", "backend"), mode="livemin")
@@ -8249,6 +8350,7 @@ class Metrics:
         self.rejected_counted = 0
         self.models_met: set[str] = set()  # model_label's
         self.engine_series: set[tuple[str, str, str]] = set()
+        self.panic_series: set[tuple[str, str]] = set()  # (role, model) of each routing group
         self.start_series(state.config)
         self.registry = own
         if self.across_workers:
@@ -8291,8 +8393,7 @@ class Metrics:
         state = self.state
         fleet, connections = state.fleet, state.connections
         self.ready.set(float(state.serving))
-        for role in ("prefill", "decode"):
-            self.panic.labels(role).set(float(role in fleet.panics))
+        self.refresh_panics(fleet)
         series = set()
         for instance in fleet.prefills:
             self.usable.labels("prefill", str(instance.url)).set(float(instance.usable))
@@ -8316,6 +8417,20 @@ class Metrics:
         self.admission_queue.set(state.admission.queued)
         self.connections_rejected.inc(connections.rejected - self.rejected_counted)
         self.rejected_counted = connections.rejected
+
+    def refresh_panics(self, fleet: Fleet) -> None:
+        """A panic series per role and routing group there is (Fleet.unless_panic)."""
+        series = set()
+        for backend in (*fleet.prefills, *fleet.decodes):
+            series.add((backend.role, backend.model or NO_MODEL))
+            panic = backend.model in fleet.panics.get(backend.role, ())
+            self.panic.labels(backend.role, backend.model or NO_MODEL).set(float(panic))
+        for gone in self.panic_series - series:  # a model no instance runs any more
+            if self.across_workers:
+                self.panic.labels(*gone).set(0)
+            else:
+                self.panic.remove(*gone)
+        self.panic_series = series
 
     def forget(self, gone: Sequence[Backend]) -> None:
         """Instances that left the fleet: their gauges go (under --workers, the files keep a
@@ -8834,6 +8949,10 @@ def run_serve(
     reread: Reread,
     warm_up: float = 0.0,
 ) -> int:
+    # Blocked until serve handles them, once it listens (a worker is forked so: Supervisor):
+    # one that comes while the first checks run (first_checks) then waits for its handler,
+    # where SIGHUP's default action would end the daemon and SIGTERM's skip the drain.
+    signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(serve(config, sock, reread, warm_up))
 
@@ -9091,6 +9210,47 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
 
 
+# Where GC_YOUNG_THRESHOLD has collections come rarely, the cyclic garbage of a large request
+# that failed is kept with its body: an exception's traceback holds the frames that hold the
+# body, its parsed prompt and the legs' encoding, and each frame the exception or the task
+# that holds it. Three refused 50 MB prompts kept 300 MiB for good (300 requests later: their
+# count of objects, a hundred each, came nowhere near the threshold), where a served one
+# leaves none (research/refused-prompts). So a request that received at least this much is
+# followed by a full collection. It walks every object of the requests in flight: 0.03 ms
+# idle, 13 ms with 200 streams in flight, 245 ms with 1,000 (research/refused-prompts/
+# gc_cost.py); collections are kept LARGE_GARBAGE_SECONDS apart at least, and far enough
+# apart to take no more than LARGE_GARBAGE_SHARE of the time.
+LARGE_GARBAGE_BYTES: Final = LARGE_BUFFER_BYTES
+
+LARGE_GARBAGE_SECONDS: Final = 1.0
+
+LARGE_GARBAGE_SHARE: Final = 0.01
+
+
+class LargeGarbage:
+    """Collects what large requests leave (LARGE_GARBAGE_BYTES), soon after each ends."""
+
+    def __init__(self) -> None:
+        self.due: asyncio.TimerHandle | None = None
+        self.next_at = -math.inf  # the loop's time from which another may run
+
+    def request_done(self, received: int) -> None:
+        """A request ended, with ``received`` bytes of it: collect once its frames are done
+        (the next turn of the loop), or as soon as the last collection allows."""
+        if received < LARGE_GARBAGE_BYTES or self.due is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self.due = loop.call_later(max(0.0, self.next_at - loop.time()), self.collect)
+
+    def collect(self) -> None:
+        self.due = None
+        started = time.perf_counter()
+        gc.collect()
+        took = time.perf_counter() - started
+        wait = max(LARGE_GARBAGE_SECONDS, took / LARGE_GARBAGE_SHARE)
+        self.next_at = asyncio.get_running_loop().time() + wait
+
+
 async def serve(
     config: ProxyConfig,
     sock: socket.socket,
@@ -9098,8 +9258,9 @@ async def serve(
     warm_up: float = 0.0,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain: stop accepting, let streams finish, exit 0.
-    SIGHUP applies ``reread()``, the configuration as its sources say now. ``warm_up``: how
-    long to wait for a usable fleet before taking connections (a replacement worker's)."""
+    SIGHUP applies ``reread()``, the configuration as its sources say now. Connections are
+    taken once the fleet's first checks have settled (first_checks); ``warm_up``: how long
+    to wait on for a usable fleet (a replacement worker's)."""
     app = create_app(config)
     runner = web.AppRunner(
         app,
@@ -9110,6 +9271,7 @@ async def serve(
         shutdown_timeout=1.0,
     )
     await runner.setup()
+    await first_checks(app[STATE_KEY], first_checks_bound(config))
     await warmed_up(app[STATE_KEY], warm_up)
     tune_gc()
     listener = await listen(runner, sock)
@@ -9132,8 +9294,8 @@ async def serve(
         loop.add_signal_handler(signum, on_signal, signum)
     if reread is not None:
         loop.add_signal_handler(signal.SIGHUP, reload_config, app, reread)
-    # A worker is forked with these blocked (Supervisor): one that came before its handlers
-    # were in place is taken now, instead of ending it (SIGHUP's default action).
+    # Blocked until now (run_serve; a worker is forked so): one that came before its handler
+    # was in place is taken now, instead of ending the process (SIGHUP's default action).
     signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
     await stop.wait()
     state = app[STATE_KEY]
@@ -9148,6 +9310,40 @@ async def serve(
     await runner.cleanup()
     log.info("stopped")
     return 0
+
+
+def checks_settled(state: ProxyState) -> bool:
+    """Every DNS name was looked up once, and every instance named is usable or has failed a
+    check: what the proxy answers now, it answers knowing its fleet."""
+    dns = state.dns_answers.keys() | state.dns_errors.keys()
+    fleet = state.fleet
+    return all(name in dns for name in state.config.dns_names) and all(
+        backend.usable or backend.failures for backend in (*fleet.prefills, *fleet.decodes)
+    )
+
+
+def first_checks_bound(config: ProxyConfig) -> float:
+    """How long the first checks may take: a lookup, then a check that fails if a request of
+    it gets no answer within --health-timeout; and a passing instance is usable after
+    --healthy-after checks, the others --discovery-interval apart."""
+    return 2 * config.health_timeout + (config.healthy_after - 1) * config.discovery_interval
+
+
+async def first_checks(state: ProxyState, within: float) -> None:
+    """Until the fleet's first checks have settled (checks_settled), for ``within`` seconds at
+    most, before the listener takes connections: the port is bound before the app starts,
+    so a request that comes meanwhile waits in its backlog, and is answered by a proxy that
+    knows which instances are usable, instead of 503 "not ready" from one that has not
+    checked them yet (in the first second of a daemon's life, dozens of them). An instance
+    that refuses, or answers not ready, fails its first check at once: the wait is short
+    where the fleet is down, and 503s then say so."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(within):
+            while not checks_settled(state):
+                await asyncio.sleep(FIRST_CHECKS_POLL_SECONDS)
+
+
+FIRST_CHECKS_POLL_SECONDS: Final = 0.01
 
 
 async def warmed_up(state: ProxyState, within: float) -> None:

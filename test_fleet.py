@@ -33,6 +33,7 @@ from testing_support import (
     FAST,
     HERE,
     KV_TIMEOUT,
+    Cluster,
     ProxyProcess,
     StartCluster,
     access_lines,
@@ -1171,6 +1172,7 @@ async def test_a_fleet_whose_checks_all_time_out_panics_and_serves_on(
     assert [a.status for a in answers] == [200] * 4
     status = await (await cluster.client.get("/healthcheck")).json()
     assert status["panic"] == ["decode"] and status["ready"] is True
+    assert status["panic_models"] == {"decode": ["fake-model"]}
     assert all(d["timed_out"] and not d["usable"] for d in status["decode"])
     assert sample(await scrape(cluster), "mooncake_proxy_panic", role="decode") == 1
     assert any("decode panic" in r.getMessage() for r in caplog.records)
@@ -1214,3 +1216,75 @@ async def test_the_panic_threshold_is_the_share_of_usable_instances_below_which_
     took = [len(d.requests) - b for d, b in zip(cluster.decodes, before, strict=True)]
     assert (took == [2, 2, 2]) if threshold else (took == [6, 0, 0]), took
     assert ("decode" in fleet.panics) == bool(threshold)
+
+
+# Two models behind one proxy: a prefill and a decode each.
+TWO_MODELS = {
+    "prefill_dp": (1, 1),
+    "decodes": 2,
+    "each_prefill": ({"model": "tiny-a"}, {"model": "tiny-b"}),
+    "each_decode": ({"model": "tiny-a"}, {"model": "tiny-b"}),
+}
+
+
+async def models_known(cluster: Cluster) -> None:
+    """Until the proxy read every instance's /v1/models: each is in its model's group."""
+    fleet = fleet_of(cluster)
+    await eventually(lambda: all(b.served is not None for b in (*fleet.prefills, *fleet.decodes)))
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+async def test_a_panic_is_judged_per_model(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture, threshold: float
+) -> None:
+    """Model b's only decode times out its checks while model a's answers: b's requests can go
+    to b's decode only, so b is in a panic and its decode takes them; a's are not touched. The
+    role as a whole has half its decodes usable, which is no panic (at either threshold), and
+    b's requests got 503 "no usable decode instance" when the role was judged whole."""
+    caplog.set_level("WARNING", logger="mooncake_proxy")
+    cluster = await start_cluster(
+        **TWO_MODELS,
+        health_interval=0.05,
+        discovery_interval=0.05,
+        health_timeout=0.5,
+        panic_threshold=threshold,
+    )
+    await models_known(cluster)
+    fleet = fleet_of(cluster)
+    cluster.decodes[1].health_delay = 2.0
+    await eventually(lambda: not fleet.decodes[1].usable and fleet.decodes[1].timed_out, 10)
+    for model in ("tiny-a", "tiny-b") * 2:
+        answer = await cluster.client.post(COMPLETIONS, json=completion(model=model))
+        assert answer.status == 200, await answer.text()
+    assert [len(d.requests) for d in cluster.decodes] == [2, 2]
+    assert fleet.panics == {"decode": {"tiny-b"}}
+    status = await (await cluster.client.get("/healthcheck")).json()
+    assert status["panic"] == ["decode"] and status["panic_models"] == {"decode": ["tiny-b"]}
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_panic", role="decode", model="tiny-b") == 1
+    assert sample(samples, "mooncake_proxy_panic", role="decode", model="tiny-a") == 0
+    assert sample(samples, "mooncake_proxy_panic", role="prefill") == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("decode panic (model tiny-b): ") for m in messages), messages
+    cluster.decodes[1].health_delay = 0.0
+    await eventually(lambda: fleet.decodes[1].usable and not fleet.panics, 10)
+    assert "decode panic (model tiny-b) over" in [r.getMessage() for r in caplog.records]
+    samples = await scrape(cluster)
+    assert sample(samples, "mooncake_proxy_panic", role="decode", model="tiny-b") == 0
+
+
+async def test_a_model_whose_only_decode_leaves_keeps_it_until_another_of_its_model_is_usable(
+    start_cluster: StartCluster,
+) -> None:
+    """A reload that replaces model a's decode with one not up yet: the leaving one serves a
+    on, as another model's usable decode cannot take a's requests (in_rotation, per model)."""
+    cluster = await start_cluster(**TWO_MODELS, health_interval=60)
+    await models_known(cluster)
+    fleet = fleet_of(cluster)
+    replacement = URL(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    prefills = [p.spec for p in fleet.prefills]
+    fleet.set_members(prefills, [replacement, fleet.decodes[1].url], {})
+    assert fleet.decodes[0].leaving and not fleet.decodes[2].usable
+    answer = await cluster.client.post(COMPLETIONS, json=completion(model="tiny-a"))
+    assert answer.status == 200, await answer.text()
+    assert len(cluster.decodes[0].requests) == 1

@@ -608,6 +608,34 @@ async def test_a_large_request_costs_under_three_times_its_body_at_peak(
     assert (peak - before) * 1024 / len(body) <= 2.75
 
 
+async def test_refused_large_prompts_give_their_memory_back(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    """Prompts past the instances' max_model_len, refused with vLLM's 400: what the failed
+    requests leave is cyclic (exceptions' tracebacks hold the frames that hold the body),
+    which the daemon's rare collections (GC_YOUNG_THRESHOLD) left for good: 2x each body.
+    A collection follows a large request, and the memory goes back to the system."""
+    proxy, _ = await ProxyProcess.start(aiohttp_server, "--policy", "round_robin")
+    pid = proxy.process.pid
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"{proxy.base}/v1/completions"
+            async with session.post(url, json=completion()) as warm:
+                assert warm.status == 200
+            before = proc_status_kib(pid, "VmRSS")
+            body = json.dumps(completion(prompt="x" * (16 << 20))).encode()
+            for _ in range(3):
+                async with session.post(url, data=body, headers=JSON_TYPE) as refused:
+                    assert refused.status == 400
+
+            def kept() -> int:
+                return (proc_status_kib(pid, "VmRSS") - before) * 1024
+
+            await eventually(lambda: kept() < len(body) / 2, 5)  # it kept 2x each body
+    finally:
+        await proxy.stop()
+
+
 async def test_sigterm_lets_a_stream_finish_then_exits_0(aiohttp_server: AiohttpServer) -> None:
     proxy, decode = await ProxyProcess.start(aiohttp_server, decode={"token_delay": 0.1})
     async with aiohttp.ClientSession() as session, asyncio.timeout(20):
@@ -897,6 +925,69 @@ async def test_sighup_as_the_workers_start_ends_none_of_them(
         log = await proxy.stop()
     assert "exited" not in log and "killed" not in log, log
     assert log.count("configuration reloaded") >= 2  # each worker took it, once serving
+
+
+async def port_taken(base: str) -> float:
+    """Once a connection to ``base``'s port is taken (its backlog's, from the bind on), when."""
+    host, port = base.removeprefix("http://").split(":")
+    async with asyncio.timeout(15):
+        while True:
+            try:
+                _, writer = await asyncio.open_connection(host, int(port))
+            except OSError:
+                await asyncio.sleep(0.01)
+                continue
+            writer.close()
+            return time.monotonic()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_requests_as_the_port_opens_wait_for_the_first_checks(
+    aiohttp_server: AiohttpServer, workers: int
+) -> None:
+    """The port takes connections from when it is bound, before the fleet's first checks have
+    ended (each /health takes 0.5 s here): requests then wait for them, in every worker,
+    instead of getting 503 "proxy is not ready" from a fleet not checked yet."""
+    flags = ("--workers", str(workers))
+    proxy, _ = await ProxyProcess.start(
+        aiohttp_server, *flags, both={"health_delay": 0.5}, ready=False
+    )
+    try:
+        await port_taken(proxy.base)
+        answers = await asyncio.gather(*(post_completions(proxy.base, 1) for _ in range(8)))
+        assert answers == [[200]] * 8
+    finally:
+        log = await proxy.stop()
+    assert "exited" not in log, log
+
+
+@pytest.mark.parametrize("down", ["refused", "starting"])
+async def test_a_decode_down_as_the_daemon_starts_gets_a_prompt_503(
+    aiohttp_server: AiohttpServer, down: str
+) -> None:
+    """Waiting for the first checks is no hang: a decode that refuses its port, or answers its
+    /health 503 (vLLM loading its model), fails its first check at once, and a request is
+    answered 503 "not ready" as soon as that is known."""
+    prefill = FakeVllm("prefill")
+    api = await serve(aiohttp_server, prefill.api_app())
+    bootstrap = await serve(aiohttp_server, prefill.bootstrap_app())
+    prefill.api_url = f"http://127.0.0.1:{api.port}"
+    decode = f"http://127.0.0.1:{free_port()}"  # refused: nothing listens there
+    if down == "starting":
+        starting = await serve(aiohttp_server, FakeVllm("decode", health_status=503).api_app())
+        decode = f"http://127.0.0.1:{starting.port}"
+    proxy = await ProxyProcess.launch(
+        "--prefill", prefill.api_url, str(bootstrap.port), "--decode", decode, ready=False
+    )
+    try:
+        opened = await port_taken(proxy.base)
+        url, body = f"{proxy.base}{COMPLETIONS}", completion()
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as answer:
+            error = (await answer.json())["error"]
+        assert answer.status == 503 and "no usable decode instance" in error["message"]
+        assert time.monotonic() - opened < 2.0
+    finally:
+        await proxy.stop()
 
 
 async def test_a_reload_under_workers_sends_every_request_to_the_new_decode(

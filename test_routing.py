@@ -769,6 +769,34 @@ async def test_a_restarted_engine_is_believed_to_hold_nothing(start_cluster: Sta
     await eventually(lambda: decode.index.blocks == {})
 
 
+@pytest.mark.parametrize("refuses", ["prefill", "decode"])
+async def test_a_refused_prompt_leaves_none_of_its_blocks_in_the_indexes(
+    start_cluster: StartCluster, refuses: str
+) -> None:
+    """A prompt past the instances' max_model_len, refused with vLLM's 400 by the prefill or
+    by the decode (which answers first when both refuse): no instance cached it, so its picks
+    are taken back, the blocks it shared with a prompt served before excepted. The picks
+    recorded it at once (concurrent arrivals see it), so only what it added goes."""
+    accepting = {"max_model_len": 1 << 26}
+    cluster = await start_cluster(
+        prefill={} if refuses == "prefill" else accepting,
+        decode={} if refuses == "decode" else accepting,
+    )
+    fleet = fleet_of(cluster)
+    served = long_prompt("a shared head", 4096)  # 1,024 tokens: within 4,096
+    assert (await cluster.client.post(COMPLETIONS, json=completion(prompt=served))).status == 200
+    targets: list[mp.Target] = [*fleet.prefills[0].engines, *fleet.decodes]
+    held = [set(target.index.blocks) for target in targets]
+    assert all(len(blocks) == 8 for blocks in held)
+    refused = completion(prompt=served + long_prompt(" and more", 256 << 10))  # 64 Ki tokens
+    answer = await cluster.client.post(COMPLETIONS, json=refused)
+    assert answer.status == 400 and "maximum context length" in await answer.text()
+    assert len(getattr(cluster, f"{refuses}s")[0].requests) == 2  # the one that refused it
+    assert [set(target.index.blocks) for target in targets] == held
+    for router in fleet.routers.values():  # the reverse indexes the decisions read too
+        assert set(router.roster.held) <= set().union(*held)
+
+
 # --- replicas told of each other's sends (--peer)
 
 
