@@ -2414,9 +2414,9 @@ class Exchange:
 
     async def fail(self, error: ProxyError) -> web.StreamResponse:
         """Answer with the error, or in band once the stream has started (step 6)."""
-        if 400 <= error.status < 500 and not self.relaying:  # refused: cached nowhere
-            self.state.fleet.take_back(self.sends)
         response = self.response
+        if 400 <= error.status < 500 and not response.prepared:  # refused: cached nowhere
+            self.state.fleet.take_back(self.sends)
         if not response.prepared:
             raise error  # the middleware answers with it (error_response)
         self.stats.outcome = f"stream_error:{error.reason}"
@@ -3252,7 +3252,7 @@ PARSER_SIGNS: Final = (
 
 # One event the client got: its text, and its new token ids (None: ids a continuation gives
 # again, its text the client's all the same).
-Sent = tuple[str, tuple[int, ...] | None]
+Given = tuple[str, tuple[int, ...] | None]
 
 
 class StreamJournal:
@@ -3289,7 +3289,7 @@ class StreamJournal:
         # The last reads relayed as the decode wrote them (parsed only on a cut), or events
         # as the client got them (a continuation's, and what a rewind gave again).
         limit = RECENT_EVENTS + EVENTS_PER_REACHED_CHAR * self.reach
-        self.recent: collections.deque[bytes | Sent] = collections.deque(maxlen=limit)
+        self.recent: collections.deque[bytes | Given] = collections.deque(maxlen=limit)
         self.whole = True  # recent still holds the answer's first events
         self.error: str | None = None  # an error event the decode sent after tokens
         self.continued = False  # a continuation's events are relayed (take_continued)
@@ -3325,7 +3325,7 @@ class StreamJournal:
             data = self.take_prompt(data)
         return self.noted(data, data.split(TOKEN_IDS))
 
-    def keep(self, data: bytes | Sent) -> None:
+    def keep(self, data: bytes | Given) -> None:
         """Note one read (or a continuation's event): kept among the last; whether the answer
         finished, and whether a parser shows (a few scans of bytes per read, no parse)."""
         if len(self.recent) == self.recent.maxlen:
@@ -3456,7 +3456,7 @@ class StreamJournal:
         if isinstance(events, str):
             return events
         generated: list[int] = json.loads(b"[" + self.generated[:-1] + b"]")
-        after: list[Sent] = []
+        after: list[Given] = []
         length, later = 0, 0  # text and ids after events[index]
         for index in range(len(events) - 1, -1, -1):
             text, ids = events[index]
@@ -3473,7 +3473,7 @@ class StreamJournal:
             return f"no token in its last {len(events)} events is known to complete a character"
         return self.replay([], after, 0)
 
-    def replay(self, kept: list[Sent], after: list[Sent], held: int) -> str | None:
+    def replay(self, kept: list[Given], after: list[Given], held: int) -> str | None:
         """Go on from the end of ``kept``: the events ``after`` it (latest first) are given
         again, their text past the first ``held`` characters too (those are the kept tokens'
         text, sent late)."""
@@ -3491,10 +3491,10 @@ class StreamJournal:
         self.recent.append(("".join(e[0] for e in reversed(after)), None))
         return None
 
-    def sent_events(self) -> list[Sent] | str:
+    def sent_events(self) -> list[Given] | str:
         """Each event the client got, from the last reads (parsed: only on a cut); or why they
         cannot tell where to go on from."""
-        events: list[Sent] = []
+        events: list[Given] = []
         for read in self.recent:
             if not isinstance(read, bytes):
                 events.append(read)
