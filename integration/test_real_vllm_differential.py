@@ -168,7 +168,12 @@ KILLED: dict[str, int] = {
 }
 LEFT_AFTER_KILL = 20  # token chunks the uninterrupted answer must have after the kill's
 REDRAWS = 6  # fresh prompts tried for one long enough (the model may sample EOS early)
-TRIES = 6  # tries at a kill mid-stream, of which at most ATTEMPTS killed a decode (see below)
+# Tries at a kill mid-stream, and of them how many may kill a decode whose answer was whole
+# already (a restart each) before the case fails. Such voids were 1 to 4 of 11 to 14 tries in a
+# run of the table here: one more than the migration module's ATTEMPTS, as it has 2 cases, this
+# module 10.
+TRIES = 8
+VOID_KILLS = ATTEMPTS + 1
 
 
 @pytest.fixture(scope="module")
@@ -485,8 +490,8 @@ def test_a_stream_whose_decode_is_killed_ends_as_vllms_own_or_says_why(
             break
         voided.append(trial.figures)
         kills += trial.killed is not None
-        if kills == ATTEMPTS:
-            raise AssertionError(f"{ATTEMPTS} decodes killed, none mid-answer: {voided}")
+        if kills == VOID_KILLS:
+            raise AssertionError(f"{kills} decodes killed, none mid-answer: {voided}")
     else:
         raise AssertionError(f"no try of {TRIES} killed the decode mid-stream: {voided}")
     figures = f"killed {name}: {trial.figures}; stream {trial.took:.2f} s" + (
