@@ -78,7 +78,7 @@ from test_real_vllm_migration import (  # the kill mid-stream machinery
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 STOP_SHORT = "LL"  # in most of this model's answers within 100 tokens; vLLM holds 1 back
 STOP_27 = "this stop string never hits"  # vLLM holds the last 26 characters back as it streams
-UNICODE = "héllo wörld ☃ 日本語"  # two-, three- and four-byte UTF-8 characters
+UNICODE = "héllo wörld ☃ 日本語"  # characters of two and three bytes in UTF-8
 
 
 @dataclass(frozen=True)
@@ -453,15 +453,28 @@ def test_the_proxys_answer_is_vllms_own(
 def reference(cluster: MigrationCluster, shape: Shape, kill_after: int) -> tuple[dict, Stream]:
     """A fresh streamed body of the shape whose uninterrupted answer, from a decode alone,
     runs long enough to be killed mid-way (this model may sample its EOS early), and that
-    answer: vLLM's own, what the client must get."""
+    answer: vLLM's own, what the client must get.
+
+    Its chunk read as the kill comes carries text. The proxy gives again the last tokens the
+    client has that carried none (StreamJournal.settle): a completion without a cap killed
+    after one textless token went on from the prompt alone, twice, and a continuation that
+    took the wrong cap went unseen (with 4 tokens sent it ended 4 tokens too long)."""
     # Chunks, not tokens: a decode alone may send its first few tokens in one chunk.
     least = kill_after + min(LEFT_AFTER_KILL, max(4, kill_after // 2))
     for _ in range(REDRAWS):
         body = shape.body(stream=True)
         own = read_stream(cluster.decodes[0].url, shape.path, body)
-        if len(own.token_chunks()) >= least:
+        chunks = own.token_chunks()
+        if len(chunks) >= least and has_text(chunks[kill_after - 1]):
             return body, own
-    raise AssertionError(f"no answer of {REDRAWS} ran {least} chunks")
+    raise AssertionError(f"no answer of {REDRAWS} ran {least} chunks, with text at the kill")
+
+
+def has_text(chunk: dict[str, Any]) -> bool:
+    return any(
+        choice.get("text") or (choice.get("delta") or {}).get("content")
+        for choice in chunk["choices"]
+    )
 
 
 @pytest.mark.parametrize(("name", "kill_after"), list(KILLED.items()), ids=list(KILLED))
