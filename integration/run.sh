@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The proxy against real vLLM on the CPU with real Mooncake KV transfer: builds (or reuses) the
 # environment, then runs integration/test_real_vllm.py, whose fixture starts a prefill, a decode
-# and the proxy and stops them all at the end, then the routing and migration modules, each with
-# servers of its own (module fixtures, in this order: one cluster up at a time).
+# and the proxy and stops them all at the end, then the routing, migration, differential and
+# models modules, each with servers of its own (module fixtures, in this order: one cluster up
+# at a time).
 #
 # If the environment cannot be built (a registry unreachable), this says so loudly and exits 0,
 # so a developer without it runs the rest; REAL_VLLM_REQUIRED=1 (CI sets it) makes that a
@@ -26,5 +27,6 @@ root=$(bash integration/setup_env.sh | tail -n 1) && [ -d "$root/venv" ] \
 
 VLLM_ENV_ROOT=$root exec .venv/bin/python -m pytest \
     integration/test_real_vllm.py integration/test_real_vllm_routing.py \
-    integration/test_real_vllm_migration.py integration/test_real_vllm_models.py \
+    integration/test_real_vllm_migration.py integration/test_real_vllm_differential.py \
+    integration/test_real_vllm_models.py \
     -v -p no:cacheprovider -o asyncio_mode=strict "$@"

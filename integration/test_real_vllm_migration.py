@@ -366,12 +366,14 @@ class Trial:
         return self.sent < 0 and whole and not any("error" in e for e in self.stream.events)
 
 
-def kill_mid_stream(cluster: MigrationCluster, path: str, body: dict[str, Any]) -> Trial:
+def kill_mid_stream(
+    cluster: MigrationCluster, path: str, body: dict[str, Any], kill_after: int = KILL_AFTER
+) -> Trial:
     # Counted from here: earlier requests are done on both decodes' counters too.
     assert wait_for(lambda: all(running(d) == 0 for d in cluster.decodes), 10)
     logged = {d.name: d.logged() for d in cluster.decodes}
     served = {d.name: metric(d, "vllm:request_success_total") for d in cluster.decodes}
-    pacer = Pacer(cluster, KILL_AFTER)
+    pacer = Pacer(cluster, kill_after)
     proxy_logged, started = cluster.proxy.logged(), time.monotonic()
     stream = read_stream(cluster.proxy.url, path, body, pacer)
     took = time.monotonic() - started
