@@ -2392,10 +2392,10 @@ class Exchange:
         fields: dict[str, Any] = {"tokens": ids[-CHARACTER_TOKENS:]}
         if self.model is not None:
             fields["model"] = self.model
+        payload = encode_json(fields)
         for decode in decodes[:2]:
-            if (
-                text := await detokenized(state, decode, encode_json(fields), self.lines)
-            ) is not None:
+            text = await detokenized(state, decode, payload, self.lines)
+            if text is not None:
                 return not text.endswith("\ufffd")
         return False
 
