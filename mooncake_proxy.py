@@ -2342,13 +2342,25 @@ class Exchange:
             if isinstance(failure, KvLoadFailed):  # no instance is out: a transfer failed
                 self.fail_over("decode", None, failure)
                 self.tried.update(failure.pair or ())  # another pair, where there is one
-                return None
-            if not isinstance(failure, Unreachable) or failure.backend is None:
+            elif isinstance(failure, Unreachable) and failure.backend is not None:
+                self.fail_over(failure.backend.role, failure.backend, failure)
+            else:
                 return failure
-            self.fail_over(failure.backend.role, failure.backend, failure)
         except ProxyError as exhausted:
             return exhausted
-        return None
+        return self.too_late(failure)
+
+    def too_late(self, failure: ProxyError) -> ProxyError | None:
+        """A whole answer's retry, once --first-token-timeout has passed since the request
+        came: none starts (its first byte comes with its last, so the wait itself is not cut;
+        a stream's attempts are held to it by until_first_token). None: try again."""
+        limit = self.state.config.first_token_timeout
+        if limit is None or self.deadline is not None:
+            return None
+        if (waited := time.monotonic() - self.stats.started) < limit:
+            return None
+        message = f"{failure.message}; not tried again after {waited:.0f} s (--first-token-timeout)"
+        return ProxyError(504, message, reason="first_token_timeout")
 
     async def migrate(self, cut: StreamCut) -> ProxyError | None:
         """Go on from the tokens the client has, on another pair, as a completion of the

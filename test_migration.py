@@ -724,3 +724,22 @@ async def test_chunks_of_several_tokens_go_on_from_a_whole_character(
     assert continued.body["prompt"] == (
         expected.prompt_token_ids + expected.token_ids[: cut - gone_back]
     )
+
+
+async def test_a_whole_answer_is_not_tried_again_past_the_first_token_deadline(
+    start_cluster: StartCluster,
+) -> None:
+    """A whole answer's first byte comes with its last, so its wait is not cut; but once
+    --first-token-timeout has passed, a failure is not tried again (KV pulls that time out one
+    pair after another held a client for three of vLLM's 480 s KV timeouts)."""
+    cluster = await start_cluster(
+        decodes=2, decode={"pull_delay": 0.6, "fail_pulls": 5}, first_token_timeout=0.3
+    )
+    async with asyncio.timeout(FAST):
+        response = await cluster.client.post(COMPLETIONS, json=completion())
+        payload = await response.json()
+    assert response.status == 504
+    assert_openai_error(payload, 504)
+    message = payload["error"]["message"]
+    assert "failed before its first token" in message and "not tried again after" in message
+    assert sum(len(decode.requests) for decode in cluster.decodes) == 1
