@@ -722,7 +722,7 @@ class ProxyConfig:
         300.0,
         "seconds a streamed request may wait for its first token, retries included (and a "
         "stream going on elsewhere for its continuation's); then 504, or an in-band error "
-        "once streaming; 0 for none",
+        "once streaming; a whole answer is not tried again after it; 0 for none",
         seconds_or_none,
     )
     # Past vLLM's default VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT the decode gives up on the KV.
