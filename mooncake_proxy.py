@@ -789,8 +789,11 @@ class ProxyConfig:
         "that is only slow",
         share,
     )
+    # Three, not two: the budget is the request's, its stream's continuations included, and
+    # the chaos benchmark's three faults in three seconds (a failed pull, a killed decode, a
+    # prefill gone) used up two once (1 of 16,784 lost; 2026-12-07).
     max_retries: int = setting(
-        2,
+        3,
         "per request, how many times the pair is tried again: a leg that could not connect "
         "or was lost before answering, or a decode that failed before its first token (a "
         "failed KV pull); never after bytes reached the client, never for a 4xx; one budget "
