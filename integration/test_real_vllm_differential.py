@@ -41,27 +41,20 @@ what it cached meanwhile. Every PD answer must also have pulled its prompt's KV:
 from __future__ import annotations
 
 import json
-import os
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 from test_real_vllm import (  # the suite's own servers and helpers
-    DECODE_MAX_MODEL_LEN,
     KV_ABORT_TIMEOUT,
     MODEL,
-    PROXY,
     Server,
-    free_port,
     metric,
     stall_in,
     unique_prompt,
-    vllm_server,
     wait_for,
 )
 from test_real_vllm_migration import (  # the kill mid-stream machinery
@@ -72,6 +65,7 @@ from test_real_vllm_migration import (  # the kill mid-stream machinery
     counts,
     is_role_chunk,
     kill_mid_stream,
+    one_prefill_two_decodes,
     read_stream,
 )
 
@@ -180,47 +174,9 @@ VOID_KILLS = ATTEMPTS + 1
 def differential_cluster(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[MigrationCluster]:
-    root = Path(os.environ["VLLM_ENV_ROOT"])
-    logs = Path(os.environ.get("REAL_VLLM_LOGS") or tmp_path_factory.mktemp("differential-logs"))
-    logs.mkdir(parents=True, exist_ok=True)
-    # As the migration module's: the prefill takes the decodes' length (a continuation's
-    # prompt is the prompt and the tokens sent).
-    prefill = vllm_server(
-        root, logs, "kv_producer", DECODE_MAX_MODEL_LEN, name="differential-prefill"
-    )
-    decodes = (
-        vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name="differential-decode-a"),
-        vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name="differential-decode-b"),
-    )
-    port = free_port()
-    argv = [sys.executable, str(PROXY), "--port", str(port)]
-    argv += ["--decode", decodes[0].url, "--decode", decodes[1].url]
-    argv += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
-    # Patient with three CPU vLLMs on 2 cores (test_real_vllm.py says why); decodes in turn.
-    argv += ["--connect-timeout", "30", "--health-timeout", "10"]
-    argv += ["--decode-policy", "round_robin"]
-    proxy = Server(
-        "differential-proxy", argv, dict(os.environ), logs / "differential-proxy.log",
-        f"http://127.0.0.1:{port}",
-    )  # fmt: skip
-    servers = (prefill, *decodes, proxy)
-    try:
-        for server in servers:
-            server.start()
-        for server in (prefill, *decodes):
-            server.wait_healthy(300)
-        for server in (prefill, *decodes):
-            server.warm_up()
-        proxy.wait_healthy(60)
-        cluster = MigrationCluster(prefill, decodes, proxy)
-        cluster.all_decodes_up()
+    """The migration module's cluster (one prefill, two decodes, decodes in turn)."""
+    with one_prefill_two_decodes(tmp_path_factory, "differential") as cluster:
         yield cluster
-        for line in cluster.figures:
-            print(line)
-    finally:
-        for server in reversed(servers):
-            server.stop()
-        print(f"\nserver logs: {logs}")
 
 
 # --- answers as views: the fields compared, by name

@@ -19,6 +19,7 @@ The module's servers start after the other modules' are down (``run.sh`` runs it
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -77,15 +78,25 @@ class MigrationCluster:
 
 @pytest.fixture(scope="module")
 def migration_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MigrationCluster]:
+    with one_prefill_two_decodes(tmp_path_factory, "migration") as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def one_prefill_two_decodes(
+    tmp_path_factory: pytest.TempPathFactory, name: str
+) -> Iterator[MigrationCluster]:
+    """One prefill, two decodes and the proxy in front of them, all stopped at the end, also
+    when a test fails; ``name`` names their logs (the differential module's cluster too)."""
     root = Path(os.environ["VLLM_ENV_ROOT"])
-    logs = Path(os.environ.get("REAL_VLLM_LOGS") or tmp_path_factory.mktemp("migration-logs"))
+    logs = Path(os.environ.get("REAL_VLLM_LOGS") or tmp_path_factory.mktemp(f"{name}-logs"))
     logs.mkdir(parents=True, exist_ok=True)
     # The prefill takes the decodes' length: a continuation's prompt is the prompt and the
     # tokens already sent, and its prefill leg must accept it.
-    prefill = vllm_server(root, logs, "kv_producer", DECODE_MAX_MODEL_LEN, name="migration-prefill")
+    prefill = vllm_server(root, logs, "kv_producer", DECODE_MAX_MODEL_LEN, name=f"{name}-prefill")
     decodes = (
-        vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name="migration-decode-a"),
-        vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name="migration-decode-b"),
+        vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name=f"{name}-decode-a"),
+        vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name=f"{name}-decode-b"),
     )
     port = free_port()
     argv = [sys.executable, str(PROXY), "--port", str(port)]
@@ -96,7 +107,7 @@ def migration_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Migr
     argv += ["--connect-timeout", "30", "--health-timeout", "10"]
     argv += ["--decode-policy", "round_robin"]
     proxy = Server(
-        "migration-proxy", argv, dict(os.environ), logs / "migration-proxy.log",
+        f"{name}-proxy", argv, dict(os.environ), logs / f"{name}-proxy.log",
         f"http://127.0.0.1:{port}",
     )  # fmt: skip
     servers = (prefill, *decodes, proxy)
