@@ -8293,7 +8293,8 @@ class Metrics:
         "Client requests by route, final HTTP status and model (MODEL_LABELS).",
         ("route", "status", "model"))
     errors = Metric(Counter, "errors",
-        "Failed legs (stage prefill/decode) and clients gone (stage client), by reason.",
+        "Failed legs (stage prefill/decode), clients gone (stage client), first tokens that did "
+        "not come in time (stage request), by reason.",
         ("stage", "reason"))
     duration = Metric(Histogram, "request_duration_seconds",
         "End-to-end time of a client request.", ("route", "model"))
