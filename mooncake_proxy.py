@@ -1551,10 +1551,9 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     model = body.get("model") if isinstance(body.get("model"), str) else None
     if model is not None:
         request[STATS_KEY].model = model[:100]
-    serving = state.fleet.serving(model)  # vLLM's 404 for a model none serves, before a wait
-    request[STATS_KEY].model_label = state.metrics.model_label(serving.model)
-    if request.path == RESPONSES_PATH:
-        refuse_stored_responses(body)
+    group = state.fleet.serving(model)  # vLLM's 404 for a model none serves, before a wait
+    request[STATS_KEY].model_label = state.metrics.model_label(group.model)
+    plan = plan_request(request.path, request.headers, body, state.config, group)
     admission = state.admission
     try:
         waited = await admission.enter(request_priority(request, body))
@@ -1565,7 +1564,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         if admission.limit:
             state.metrics.admission_wait.observe(waited)
             require_ready(state)  # the fleet may have changed while it waited
-        return await run_pd_request(request, state, body)
+        return await run_pd_request(request, state, plan, body)
     finally:
         admission.leave()
 
@@ -1776,30 +1775,6 @@ def answer_text(answer: bytes) -> str:
     with contextlib.suppress(ValueError, AttributeError, TypeError):
         return str(json.loads(answer)["error"]["message"])[:300]
     return answer.decode("utf-8", "replace")[:300]
-
-
-def refuse_stored_responses(body: Mapping[str, Any]) -> None:
-    """A Responses request that needs a response kept on one server: 400, saying why. The
-    proxy sends a request's prefill and decode to two servers, and the next request of a
-    conversation to others again, so none holds what another stored (SGLang's gateway
-    answers so too). The conversation's items can be sent in ``input`` instead."""
-    if body.get("previous_response_id") is not None:
-        raise ProxyError(
-            400,
-            "previous_response_id is not supported through the PD proxy: the response it names "
-            "is stored on one vLLM server, and this request's prefill and decode run on others; "
-            "send the conversation's items in 'input' instead",
-            param="previous_response_id",
-            reason="stored_response",
-        )
-    if lax_bool(body.get("background")):
-        raise ProxyError(
-            400,
-            "background is not supported through the PD proxy: a background response is stored "
-            "on the vLLM server that runs it, which later requests through the proxy do not reach",
-            param="background",
-            reason="stored_response",
-        )
 
 
 async def handle_stored_response(request: web.Request) -> web.Response:
@@ -2063,6 +2038,132 @@ def error_response(
 
 
 # ================================================================================================
+# 4b. The plan
+# Holds the API table (one Api row per route the PD flow serves: where its fields are, what it
+# refuses) and the Plan a request is given once, before any claim (plan_request).
+# ================================================================================================
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    """One route the PD flow serves, as vLLM reads its requests (API_ROUTES): where the prompt,
+    the cap and the stop strings are, how its stream is written, what the proxy refuses."""
+
+    path: str
+    prompt: str  # the field that holds the prompt
+    chat: bool  # messages, which the model's chat template renders (vLLM's chat defaults)
+    conversation: bool  # the prompt is turns (a chat's messages, Responses' input items)
+    sampling: str | None  # the object holding the cap and the stops; None: the body itself
+    cap: str  # the field of the cap the prefill is given (one token)
+    stores: bool  # vLLM keeps its answers (Responses' store): the prefill's one is not to be
+    batch: bool  # a list of prompts is several requests to vLLM (fans_out)
+    named_events: bool  # its stream's events are named (an error event too)
+    tokenized_here: bool  # the proxy's tokenizer reads its prompt as vLLM does (KV events)
+    continues: str | None = None  # why a stream of it does not go on elsewhere; None: it can
+    refuse: Callable[[Mapping[str, Any]], None] | None = None  # raises for what it refuses
+
+
+def refuse_stored_responses(body: Mapping[str, Any]) -> None:
+    """A Responses request that needs a response kept on one server: 400, saying why. The
+    proxy sends a request's prefill and decode to two servers, and the next request of a
+    conversation to others again, so none holds what another stored (SGLang's gateway
+    answers so too). The conversation's items can be sent in ``input`` instead."""
+    if body.get("previous_response_id") is not None:
+        raise ProxyError(
+            400,
+            "previous_response_id is not supported through the PD proxy: the response it names "
+            "is stored on one vLLM server, and this request's prefill and decode run on others; "
+            "send the conversation's items in 'input' instead",
+            param="previous_response_id",
+            reason="stored_response",
+        )
+    if lax_bool(body.get("background")):
+        raise ProxyError(
+            400,
+            "background is not supported through the PD proxy: a background response is stored "
+            "on the vLLM server that runs it, which later requests through the proxy do not reach",
+            param="background",
+            reason="stored_response",
+        )
+
+
+COMPLETIONS_API: Final = Api(
+    COMPLETION_PATHS[0], "prompt", chat=False, conversation=False, sampling=None,
+    cap="max_tokens", stores=False, batch=True, named_events=False, tokenized_here=True,
+)  # fmt: skip
+CHAT_API: Final = Api(
+    COMPLETION_PATHS[1], "messages", chat=True, conversation=True, sampling=None,
+    cap="max_tokens", stores=False, batch=False, named_events=False, tokenized_here=True,
+)  # fmt: skip
+# Its events are not rebuilt from token ids; its items are rendered by vLLM, not the
+# proxy's tokenizer.
+RESPONSES_API: Final = Api(
+    RESPONSES_PATH, "input", chat=False, conversation=True, sampling=None,
+    cap="max_output_tokens", stores=True, batch=False, named_events=True, tokenized_here=False,
+    continues="a Responses stream is not continued elsewhere", refuse=refuse_stored_responses,
+)  # fmt: skip
+# A continuation is a completion's request, whose prompt is token ids: not this one's events.
+GENERATE_API: Final = Api(
+    GENERATE_PATH, "token_ids", chat=False, conversation=False, sampling="sampling_params",
+    cap="max_tokens", stores=False, batch=False, named_events=False, tokenized_here=True,
+    continues="a generate stream is not continued elsewhere",
+)  # fmt: skip
+
+API_ROUTES: Final[Mapping[str, Api]] = {
+    api.path: api for api in (COMPLETIONS_API, CHAT_API, RESPONSES_API, GENERATE_API)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a PD request is to do, settled once in the handler (plan_request) and read by its
+    run: its API, its model and that model's serving group, the route its prompt goes by,
+    whether it goes to a decode alone, whether its stream can go on elsewhere, and what of
+    its body both legs share."""
+
+    api: Api
+    model: str | None  # what the client named: the serving group's (Fleet.serving)
+    group: Serving  # as it was when the request came (each attempt asks for it as it is)
+    stream: bool
+    route: RouteKey | None  # for prefix_aware routing; None: not routed by prefix
+    alone: str | None  # why it goes to a decode alone (fans_out); None: PD
+    unmigratable: str | None  # why its stream cannot go on elsewhere; None: it can, or no stream
+    shared: SharedBody | None  # a large body's fields both legs send, encoded once
+
+
+def plan_request(
+    path: str, headers: Mapping[str, str], body: Mapping[str, Any], config: ProxyConfig,
+    group: Serving,
+) -> Plan:  # fmt: skip
+    """The plan of a request to a PD route (PD_PATHS) for the model ``group`` serves; raises
+    ProxyError for what its API refuses. Pure: no socket, no clock, nothing of the fleet's
+    but the group."""
+    api = API_ROUTES[path]
+    if api.refuse is not None:
+        api.refuse(body)
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    route = None
+    if Policy.PREFIX_AWARE in config.policies:
+        user = body.get("user")
+        session = headers.get(SESSION_HEADER) or (user if isinstance(user, str) else None)
+        route = route_key(api.path, body, session, config.prefix_block_bytes)
+        if model is not None and group.adapter:
+            route = dataclasses.replace(route, adapter=adapter_seed(group.adapter))
+    alone = fans_out(api.path, body)
+    # A large body's fields that both legs send are encoded once, for both; a small one's
+    # legs are each encoded whole, which costs less than the pieces (3 us a request).
+    size = headers.get(hdrs.CONTENT_LENGTH)  # None: chunked
+    small = size is not None and size.isdigit() and int(size) < LEG_BODY_COPY_LIMIT
+    stream = body.get("stream") is True
+    why = None
+    if stream:
+        why = "it goes to a decode alone" if alone else api.continues
+        why = why or unmigratable(body, config.migration_limit)
+    shared = None if small else SharedBody.of(body)
+    return Plan(api, model, group, stream, route, alone, why, shared)
+
+
+# ================================================================================================
 # 5. The PD flow
 # Holds one request as the protocol's steps (run_pd_request), its attempts (Exchange, Attempt),
 # what a failure means (prefill_outcome, upstream_failure), the relay of the decode's bytes, and
@@ -2072,11 +2173,11 @@ def error_response(
 
 
 async def run_pd_request(
-    request: web.Request, state: ProxyState, body: dict[str, Any]
+    request: web.Request, state: ProxyState, plan: Plan, body: dict[str, Any]
 ) -> web.StreamResponse:
     """One PD request, as docs/flow.md's "The PD steps" numbers them (1 is the
-    handler's: the body is parsed, the proxy is ready)."""
-    exchange = Exchange.of(request, state, body)
+    handler's: the body is parsed, the proxy is ready, the request planned)."""
+    exchange = Exchange.of(request, state, plan, body)
     await exchange.learn_tokens()
     while True:
         try:
@@ -2104,6 +2205,7 @@ class RelayResponse(web.StreamResponse):
     """
 
     _send_headers_immediately = False
+    writer: AbstractStreamWriter | None = None  # once prepared
 
 
 class ClientWire:
@@ -2144,39 +2246,69 @@ class ClientGone(Exception):
     """Writing to the client failed: it closed its connection before its answer was whole."""
 
 
-@dataclass(eq=False)
-class Exchange:
-    """One client request on its way through the PD flow: what its attempts share."""
+@dataclass(slots=True)
+class Tries:
+    """A request's tries of pairs, its continuations' included: one budget (--max-retries),
+    what failed, and what its picks left in routing's indexes."""
 
-    request: web.Request
-    state: ProxyState
-    body: dict[str, Any]
-    stats: RequestStats
-    headers: dict[str, str]  # for both legs; each attempt sets its own X-Request-Id
-    lines: bytes  # the headers as written (header_lines), for the attempt they name
-    shared: SharedBody | None  # what both legs of every attempt send of a large body
-    retries_left: int
-    route: RouteKey | None = None  # for prefix_aware routing
-    alone: str | None = None  # why it goes to a decode alone (fans_out), if it does
-    # A stream that can go on elsewhere after its first token (migration), or why it cannot.
-    journal: StreamJournal | None = None
-    unmigratable: str | None = None
-    path: str = ""  # what the legs ask for: the client's path; a continuation's completions
-    model: str | None = None  # what the client named: which instances serve it (Fleet.serving)
-    response: RelayResponse = field(default_factory=RelayResponse)
-    writer: AbstractStreamWriter | None = None  # the response's, once prepared
-    relaying: bool = False  # the attempt's tokens reach the client: it can no longer retry
-    attempts: int = 0
-    # When a stream's first token must have come by (loop time; --first-token-timeout), and
-    # the scope that holds its attempts to it until it came (until_first_token).
-    deadline: float | None = None
-    first_token: FirstToken | None = None
+    left: int  # retries not yet used
+    count: int = 0
     failures: list[ProxyError] = field(default_factory=list)  # Unreachable or KvLoadFailed
     tried: set[Backend] = field(default_factory=set)  # unreachable, or failed a KV load
     sends: list[Sent] = field(default_factory=list)  # what its picks added to routing's index
 
+    def exhausted(self) -> Unreachable:
+        """The error of a request that ran out of tries: it names each, and is not retried."""
+        last = self.failures[-1]
+        message = last.message
+        if len(self.failures) > 1:
+            tried = "; ".join(failure.message for failure in self.failures)
+            message = f"{len(self.failures)} attempts failed: {tried}"
+        return Unreachable(last.status, message, reason=last.reason)
+
+
+@dataclass(slots=True)
+class LegRequest:
+    """What the legs of the next attempt send: the client's request, or a continuation's (a
+    completion, whatever the client's API); the headers, whose request id each retry renews
+    (``lines``: as written, header_lines); the route its prompt goes by (learn_tokens)."""
+
+    api: Api
+    body: dict[str, Any]
+    shared: SharedBody | None  # what both legs of every attempt send of a large body
+    headers: dict[str, str]
+    lines: bytes
+    route: RouteKey | None
+
+    def payload(self, leg: Mapping[str, Any]) -> LegPayload:
+        """``leg`` (a body the rewriting functions made of the client's) as it is sent."""
+        return (encode_json(leg),) if self.shared is None else self.shared.with_fields(leg)
+
+
+@dataclass(eq=False, slots=True)
+class Exchange:
+    """One client request on its way through the PD flow: its plan, and the state of its run
+    that its attempts share."""
+
+    request: web.Request
+    state: ProxyState
+    plan: Plan
+    stats: RequestStats
+    legs: LegRequest
+    tries: Tries
+    # A stream that can go on elsewhere after its first token (migration).
+    journal: StreamJournal | None = None
+    response: RelayResponse = field(default_factory=RelayResponse)
+    relaying: bool = False  # the attempt's tokens reach the client: it can no longer retry
+    # When a stream's first token must have come by (loop time; --first-token-timeout), and
+    # the scope that holds its attempts to it until it came (until_first_token).
+    deadline: float | None = None
+    first_token: FirstToken | None = None
+
     @classmethod
-    def of(cls, request: web.Request, state: ProxyState, body: dict[str, Any]) -> Exchange:
+    def of(
+        cls, request: web.Request, state: ProxyState, plan: Plan, body: dict[str, Any]
+    ) -> Exchange:
         stats = request[STATS_KEY]
         headers = upstream_headers(request.headers, stats.request_id, state.config)
         stats.trace_id = trace_id_of(headers)
@@ -2184,44 +2316,21 @@ class Exchange:
             stats.span = state.tracing.request_span(request.headers, stats.route)
             stats.span.set_attribute("mooncake.request_id", stats.request_id)
             stats.trace_id = trace_id_of_span(stats.span)
-        model = body.get("model") if isinstance(body.get("model"), str) else None
-        route = None
-        if state.fleet.routes_by_prefix:
-            user = body.get("user")
-            session = request.headers.get(SESSION_HEADER) or (
-                user if isinstance(user, str) else None
-            )
-            route = route_key(request.path, body, session, state.config.prefix_block_bytes)
-            if model is not None and (adapter := state.fleet.serving(model).adapter):
-                route = dataclasses.replace(route, adapter=adapter_seed(adapter))
+        if plan.alone is not None:
+            state.metrics.of(state.metrics.prefill_skipped, plan.alone).inc()
         lines = header_lines(headers)  # the first attempt's, rendered before any claim
-        if (alone := fans_out(request.path, body)) is not None:
-            state.metrics.of(state.metrics.prefill_skipped, alone).inc()
-        # A large body's fields that both legs send are encoded once, for both; a small one's
-        # legs are each encoded whole, which costs less than the pieces (3 us a request).
-        size = request.content_length  # None: chunked
-        shared = None if size is not None and size < LEG_BODY_COPY_LIMIT else SharedBody.of(body)
-        retries = state.config.max_retries
-        exchange = cls(request, state, body, stats, headers, lines, shared, retries, route, alone)
-        exchange.path, exchange.model = request.path, model
+        legs = LegRequest(plan.api, body, plan.shared, headers, lines, plan.route)
+        exchange = cls(request, state, plan, stats, legs, Tries(state.config.max_retries))
         exchange.deadline = exchange.first_token_deadline()
-        if body.get("stream") is True:
-            why = "it goes to a decode alone" if alone else None
-            if request.path == RESPONSES_PATH:  # its events are not rebuilt from token ids
-                why = why or "a Responses stream is not continued elsewhere"
-            if request.path == GENERATE_PATH:  # a continuation is a completion's request
-                why = why or "a generate stream is not continued elsewhere"
-            why = why or unmigratable(body, state.config.migration_limit)
-            if why is None:
-                exchange.journal = StreamJournal(request.path, body)
-            exchange.unmigratable = why
+        if plan.stream and plan.unmigratable is None:
+            exchange.journal = StreamJournal(plan.api, body)
         return exchange
 
     def first_token_deadline(self) -> float | None:
         """From now, when a stream's first token must have come (None: no limit, or not a
         stream: a whole answer's first byte comes with its last)."""
         limit = self.state.config.first_token_timeout
-        if limit is None or self.body.get("stream") is not True:
+        if limit is None or not self.plan.stream:
             return None
         return asyncio.get_running_loop().time() + limit
 
@@ -2235,29 +2344,22 @@ class Exchange:
         self.first_token = FirstToken(self.deadline, limit, self.state.metrics)
         return self.first_token
 
-    def payload(self, leg: Mapping[str, Any]) -> LegPayload:
-        """``leg`` (a body the rewriting functions made of the client's) as it is sent."""
-        return (encode_json(leg),) if self.shared is None else self.shared.with_fields(leg)
-
     async def learn_tokens(self) -> None:
         """With KV events heard, the prompt's token ids as vLLM computes them, as far as they
         match blocks the engines hold (a long prompt is tokenized in a thread, off the loop)."""
-        state = self.state
-        if self.route is None or not state.fleet.hears_kv_events:
+        state, legs = self.state, self.legs
+        if legs.route is None or not state.fleet.hears_kv_events or not legs.api.tokenized_here:
             return
-        if self.request.path == RESPONSES_PATH:  # vLLM's rendering of its items: not ours
-            return
-        if (tokens := prompt_token_ids(self.request.path, self.body)) is not None:
-            self.route = dataclasses.replace(self.route, tokens=tokens)
+        if (tokens := prompt_token_ids(legs.api.path, legs.body)) is not None:
+            legs.route = dataclasses.replace(legs.route, tokens=tokens)
         elif (tokenizer := state.tokenizer) is not None:
             views = state.fleet.kv_views()
-            path, seed = self.request.path, self.route.adapter
-            reading = TokenReading(tokenizer, path, self.body, views, seed)
-            if self.route.length > INLINE_TOKENS:
+            reading = TokenReading(tokenizer, legs.api.path, legs.body, views, legs.route.adapter)
+            if legs.route.length > INLINE_TOKENS:
                 await asyncio.to_thread(reading.read)
             else:
                 reading.read()
-            self.route = reading.key(self.route)
+            legs.route = reading.key(legs.route)
             if reading.share < 1.0:
                 state.read_rest(reading)
 
@@ -2266,7 +2368,7 @@ class Exchange:
         engine (none for a decode alone), a decode and the legs' upstream connections claimed;
         the first attempt goes by the request's id, a retry by a new one (so a new
         ``transfer_id``)."""
-        if self.failures and isinstance(failed := self.failures[-1], KvLoadFailed):
+        if self.tries.failures and isinstance(failed := self.tries.failures[-1], KvLoadFailed):
             await failed.suspect_checked(self.state.config.health_timeout)
         engine, decode = self.claim_pair()
         try:
@@ -2275,59 +2377,60 @@ class Exchange:
             )
         except BaseException as error:
             self.state.fleet.release_decode(decode)
-            legs = f"decode {decode.url}"
+            named = f"decode {decode.url}"
             if engine is not None:
                 self.state.fleet.release_prefill(engine)
-                legs = f"prefill {engine.url} rank {engine.dp_rank} and {legs}"
+                named = f"prefill {engine.url} rank {engine.dp_rank} and {named}"
             if isinstance(error, TimeoutError):
-                raise pool_exhausted(self.state.config, legs) from None
+                raise pool_exhausted(self.state.config, named) from None
             raise
-        self.attempts += 1
-        request_id = self.stats.request_id
-        if self.attempts > 1:
+        self.tries.count += 1
+        request_id, legs = self.stats.request_id, self.legs
+        if self.tries.count > 1:
             request_id = mint_request_id(self.request.headers.get(REQUEST_ID_HEADER))
-            self.stats.request_id = self.headers[REQUEST_ID_HEADER] = request_id
-            self.lines = header_lines(self.headers)  # passed once already: cannot fail now
+            self.stats.request_id = legs.headers[REQUEST_ID_HEADER] = request_id
+            legs.lines = header_lines(legs.headers)  # passed once already: cannot fail now
         if not self.response.prepared:  # a continuation's stream has its id already
             self.response.headers[REQUEST_ID_HEADER] = request_id
         if engine is not None:
             self.stats.prefill = f"{engine.url}#{engine.dp_rank}"
         self.stats.decode = str(decode.url)
-        if self.failures:
-            failure, where = self.failures[-1].message, (engine or decode).url
+        if self.tries.failures:
+            failure, where = self.tries.failures[-1].message, (engine or decode).url
             log.info("%s; retrying on %s as request %s", failure, where, request_id)
         return Attempt(self, request_id, engine, decode)
 
     def claim_pair(self) -> tuple[PrefillEngine | None, DecodeInstance]:
-        """A prefill engine (None for a decode alone) and a decode, among those not tried."""
-        fleet = self.state.fleet
+        """From the model's serving group as it is now: a prefill engine (None for a decode
+        alone) and a decode, among those not tried."""
+        fleet, tries, route = self.state.fleet, self.tries, self.legs.route
         try:
-            model = self.model
-            sends = self.sends
-            engine = (
-                None if self.alone else fleet.claim_prefill(self.tried, self.route, model, sends)
-            )
+            group = fleet.serving(self.plan.model)
+            engine = None
+            if self.plan.alone is None:
+                engine = group.claim_prefill(tries.tried, route, tries.sends)
             try:
-                return engine, fleet.claim_decode(self.tried, self.route, model, sends)
+                return engine, group.claim_decode(tries.tried, route, tries.sends)
             except ProxyError:
                 if engine is not None:
                     fleet.release_prefill(engine)
                 raise
         except ProxyError as nothing_left:
-            raise self.exhausted() if self.failures else nothing_left from None
+            raise tries.exhausted() if tries.failures else nothing_left from None
 
     def fail_over(self, stage: str, backend: Backend | None, failure: ProxyError) -> None:
         """Step 7, for either leg: take the instance that could not be reached (if one could
         not) out of the rotation and allow another try; raises naming every try when none is
         left."""
-        self.failures.append(failure)
+        tries = self.tries
+        tries.failures.append(failure)
         if backend is not None:
-            self.tried.add(backend)
+            tries.tried.add(backend)
             self.state.fleet.take_out(backend, failure.message)
         self.state.metrics.errors.labels(stage, failure.reason).inc()
-        if self.retries_left <= 0:
-            raise self.exhausted()
-        self.retries_left -= 1
+        if tries.left <= 0:
+            raise tries.exhausted()
+        tries.left -= 1
         self.state.metrics.retries.labels(stage).inc()
 
     async def try_again(self, failure: ProxyError) -> ProxyError | None:
@@ -2344,7 +2447,7 @@ class Exchange:
         try:
             if isinstance(failure, KvLoadFailed):  # no instance is out: a transfer failed
                 self.fail_over("decode", None, failure)
-                self.tried.update(failure.pair or ())  # another pair, where there is one
+                self.tries.tried.update(failure.pair or ())  # another pair, where there is one
             elif isinstance(failure, Unreachable) and failure.backend is not None:
                 self.fail_over(failure.backend.role, failure.backend, failure)
             else:
@@ -2369,27 +2472,28 @@ class Exchange:
         """Go on from the tokens the client has, on another pair, as a completion of the
         prompt's token ids and those (StreamJournal.continuation); the error the stream ends
         with once --migration-limit continuations were made, or where it cannot go on exactly.
-        A continuation draws on the request's one budget of tries (retries_left), and has its
-        own deadline to its first token."""
+        A continuation draws on the request's one budget of tries (Tries), and has its own
+        deadline to its first token."""
         journal, state = self.journal, self.state
         assert journal is not None  # a stream is cut (StreamCut) only with a journal
         state.metrics.errors.labels("decode", cut.reason).inc()
-        self.tried.add(cut.decode)
+        self.tries.tried.add(cut.decode)
         if cut.lost:  # its connection went: likely down, as a refused one is
             state.fleet.take_out(cut.decode, cut.message)
         try:
             why = journal.why_not_continued(state.config.migration_limit)
             why = why or await journal.rewind(self.ends_a_character)
-            body = why or journal.continuation(max_model_len(cut.decode, self.model))
+            body = why or journal.continuation(max_model_len(cut.decode, self.plan.model))
         except (ValueError, AttributeError, TypeError) as error:  # not what vLLM writes
             body = f"its last chunks could not be read ({error})"
         if isinstance(body, str):
             cut.message = f"{cut.message}; not continued elsewhere: {body}"
             return cut
-        self.body, self.path, self.shared = body, CONTINUATION_PATH, None
+        legs = self.legs
+        legs.body, legs.api, legs.shared = body, CONTINUATION_API, None
         self.relaying = False
         self.deadline = self.first_token_deadline()
-        self.failures.append(cut)
+        self.tries.failures.append(cut)
         state.metrics.migrations.labels(cut.reason).inc()
         log.warning("%s; going on from its last whole token on another pair", cut.message)
         return None
@@ -2401,27 +2505,19 @@ class Exchange:
         text). False where none answers: the place is not taken."""
         state = self.state
         try:
-            decodes = [d for d in state.fleet.serving(self.model).decodes if d not in self.tried]
+            group = state.fleet.serving(self.plan.model)
         except ProxyError:
             return False
+        decodes = [d for d in group.decodes if d not in self.tries.tried]
         fields: dict[str, Any] = {"tokens": ids[-CHARACTER_TOKENS:]}
-        if self.model is not None:
-            fields["model"] = self.model
+        if self.plan.model is not None:
+            fields["model"] = self.plan.model
         payload = encode_json(fields)
         for decode in decodes[:2]:
-            text = await detokenized(state, decode, payload, self.lines)
+            text = await detokenized(state, decode, payload, self.legs.lines)
             if text is not None:
                 return not text.endswith("\ufffd")
         return False
-
-    def exhausted(self) -> Unreachable:
-        """The error of a request that ran out of tries: it names each, and is not retried."""
-        last = self.failures[-1]
-        message = last.message
-        if len(self.failures) > 1:
-            tried = "; ".join(failure.message for failure in self.failures)
-            message = f"{len(self.failures)} attempts failed: {tried}"
-        return Unreachable(last.status, message, reason=last.reason)
 
     def count_failure(self, stage: str, failure: ProxyError) -> None:
         if not isinstance(failure, Unreachable | KvLoadFailed | StreamCut):  # counted as tried
@@ -2431,13 +2527,13 @@ class Exchange:
         """Answer with the error, or in band once the stream has started (step 6)."""
         response = self.response
         if 400 <= error.status < 500 and not response.prepared:  # refused: cached nowhere
-            self.state.fleet.take_back(self.sends)
+            self.state.fleet.take_back(self.tries.sends)
         if not response.prepared:
             raise error  # the middleware answers with it (error_response)
         self.stats.outcome = f"stream_error:{error.reason}"
         log.warning("stream already started, ending it with an error: %s", error.message)
         if response.headers.get(hdrs.CONTENT_TYPE, "").startswith(SSE_CONTENT_TYPE):
-            frame = error.sse_frame(named=self.request.path == RESPONSES_PATH)
+            frame = error.sse_frame(named=self.plan.api.named_events)
             self.stats.bytes_out += len(frame)
             with contextlib.suppress(ConnectionError):
                 await response.write(frame)
@@ -2529,8 +2625,8 @@ class Attempt:
     def send_prefill(self, engine: PrefillEngine) -> asyncio.Task[None]:
         """Step 4's prefill leg, as a task beside the decode; its claims go when it ends."""
         exchange = self.exchange
-        leg = prefill_body(exchange.body, self.transfer_id, exchange.path)
-        payload = exchange.payload(leg)
+        leg = prefill_body(exchange.legs.body, self.transfer_id, exchange.legs.api)
+        payload = exchange.legs.payload(leg)
         rank = b"%s: %d\r\n" % (DP_RANK_HEADER.encode(), engine.dp_rank)
         self.prefill_span, headers = self.leg_span("prefill", engine.instance)
         headers += rank
@@ -2555,10 +2651,10 @@ class Attempt:
 
     def leg_span(self, stage: str, backend: Backend) -> tuple[Any, bytes]:
         """The leg's headers; with tracing, its own span too, which they name as their parent."""
-        exchange = self.exchange
+        exchange, legs = self.exchange, self.exchange.legs
         if exchange.stats.span is None or exchange.state.tracing is None:
-            return None, exchange.lines
-        span, headers = exchange.state.tracing.leg(exchange.stats.span, stage, exchange.headers)
+            return None, legs.lines
+        span, headers = exchange.state.tracing.leg(exchange.stats.span, stage, legs.headers)
         span.set_attribute("server.address", str(backend.url))
         if self.engine is not None:
             span.set_attribute("mooncake.transfer_id", self.transfer_id)
@@ -2600,17 +2696,17 @@ class Attempt:
         failed before answering may have pulled it (a non-streamed one answers only once it
         generated all): the prefill gives a transfer out once, so the failure goes up, and
         the pair starts again whole (Exchange.try_again)."""
-        exchange = self.exchange
+        exchange, legs = self.exchange, self.exchange.legs
         fleet, upstreams = exchange.state.fleet, exchange.state.upstreams
         if self.engine is None:
-            body = alone_body(exchange.body)
+            body = alone_body(legs.body)
         else:
-            body = decode_body(exchange.body, self.engine, self.transfer_id)
+            body = decode_body(legs.body, self.engine, self.transfer_id)
         if exchange.journal is not None:  # what the stream would go on from (StreamJournal)
             body["return_token_ids"] = True
-        payload = exchange.payload(body)
+        payload = legs.payload(body)
         while True:
-            url = self.decode.routes[exchange.path]
+            url = self.decode.routes[legs.api.path]
             self.decode_span, headers = self.leg_span("decode", self.decode)
             try:
                 self.decode_leg = leg = await upstreams.send(b"POST", url, headers, payload)
@@ -2625,12 +2721,12 @@ class Attempt:
             if not isinstance(failure, Unreachable):
                 raise failure
             exchange.fail_over("decode", self.decode, failure)
+            tries = exchange.tries
             try:
-                decode = fleet.claim_decode(
-                    exchange.tried, exchange.route, exchange.model, exchange.sends
-                )
+                group = fleet.serving(exchange.plan.model)
+                decode = group.claim_decode(tries.tried, legs.route, tries.sends)
             except ProxyError:
-                raise exchange.exhausted() from None
+                raise tries.exhausted() from None
             fleet.release_decode(self.decode)
             log.info("decode %s unreachable, trying %s", url, decode.url)
             self.decode, exchange.stats.decode = decode, str(decode.url)
@@ -2657,7 +2753,7 @@ class Attempt:
                 async with asyncio.timeout(limit):
                     await self.decode_leg_through()
         except (LegFailed, TimeoutError) as error:
-            url = self.decode.routes[exchange.path]
+            url = self.decode.routes[exchange.legs.api.path]
             failure = transport_error("decode", url, error)
             if isinstance(error, LegFailed):
                 if not exchange.relaying:
@@ -2671,8 +2767,8 @@ class Attempt:
                     return
             exchange.count_failure("decode", failure)
             message = failure.message
-            if exchange.unmigratable is not None and isinstance(error, LegFailed):
-                message = f"{message}; not continued elsewhere: {exchange.unmigratable}"
+            if (why := exchange.plan.unmigratable) is not None and isinstance(error, LegFailed):
+                message = f"{message}; not continued elsewhere: {why}"
             raise ProxyError(failure.status, message, reason="broken") from None
         except ProxyError as failure:
             exchange.count_failure("decode", failure)
@@ -2684,7 +2780,7 @@ class Attempt:
 
     async def decode_leg_through(self) -> None:
         leg = await self.open_decode()
-        url = self.decode.routes[self.exchange.path]
+        url = self.decode.routes[self.exchange.legs.api.path]
         if leg.status >= 400:
             body = await leg.whole()
             if leg.status >= 500:
@@ -2763,7 +2859,7 @@ class PrefillWatch:
 
     async def __aenter__(self) -> None:
         self.prefill.add_done_callback(self.prefill_done)
-        if self.exchange.body.get("stream") is True:
+        if self.exchange.plan.stream:
             self.instance.down_watchers.add(self.instance_down)
         self.running = True
         await self.scope.__aenter__()
@@ -2818,7 +2914,7 @@ async def send_prefill(
 ) -> None:
     """The prefill leg; raises ProxyError for every outcome after which no KV will be sent."""
     state = exchange.state
-    url = engine.instance.routes[exchange.path]
+    url = engine.instance.routes[exchange.legs.api.path]
     where = f"prefill rank {engine.dp_rank}"
     started = time.monotonic()
     leg = None
@@ -2832,8 +2928,9 @@ async def send_prefill(
         if problem:
             raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
         exchange.stats.prefill_answered = time.monotonic()
-        if exchange.route is not None and exchange.path == exchange.request.path:
-            state.fleet.learn_bytes_per_token(exchange.route.length, prompt_tokens)
+        legs = exchange.legs
+        if legs.route is not None and legs.api is exchange.plan.api:  # not a continuation's
+            state.fleet.learn_bytes_per_token(legs.route.length, prompt_tokens)
     except (LegFailed, TimeoutError) as error:
         failure = transport_error(where, url, error, engine.instance)
         exchange.count_failure("prefill", failure)
@@ -2987,10 +3084,10 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
     if attempt.watch is not None:
         attempt.watch.kv_arrived()
     if not continued:
-        exchange.writer = await response.prepare(exchange.request)
+        response.writer = await response.prepare(exchange.request)
         stats.first_byte = time.monotonic()
         stats.status_sent = response.status
-    assert exchange.writer is not None  # None only for a response already ended
+    assert response.writer is not None  # None only for a response already ended
     relay = DecodeRelay(exchange, gaps) if journal is None else JournalRelay(exchange, gaps)
     try:
         if first and (first := relay.events(first)):
@@ -3000,7 +3097,7 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
             raise ClientGone
         complete = False
         if journal is None or journal.error is None:
-            complete = await leg.stream_to(relay, exchange.writer.drain)
+            complete = await leg.stream_to(relay, response.writer.drain)
     except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
         raise ClientGone from None
     if journal is not None and (why := journal.cut_by(complete)) is not None:
@@ -3168,7 +3265,7 @@ UNMIGRATABLE_FIELDS: Final = (
 )
 
 # A continuation is a completion of token ids, whatever the client's request was.
-CONTINUATION_PATH: Final = "/v1/completions"
+CONTINUATION_API: Final = COMPLETIONS_API
 
 # What a continuation does not take from the client's request: what makes or shapes the
 # prompt (the token ids replace it), chat-only fields, and the fields it sets itself.
@@ -3288,8 +3385,8 @@ class StreamJournal:
                  *("greedy", "whole", "replay_ids", "replay_text", "diverged", "last"),
                  "usage_sent")  # fmt: skip
 
-    def __init__(self, path: str, body: Mapping[str, Any]) -> None:
-        self.body, self.chat = body, path.endswith("/chat/completions")
+    def __init__(self, api: Api, body: Mapping[str, Any]) -> None:
+        self.body, self.chat = body, api.chat
         self.strip = not lax_bool(body.get("return_token_ids"))
         options = body.get("stream_options")
         self.usage = isinstance(options, dict) and bool(options.get("include_usage"))
@@ -3809,7 +3906,9 @@ def transfer_id_for(request_id: str) -> str:
     return f"xfer-{request_id}"
 
 
-def prefill_body(body: Mapping[str, Any], transfer_id: str, path: str = "") -> dict[str, Any]:
+def prefill_body(
+    body: Mapping[str, Any], transfer_id: str, api: Api = COMPLETIONS_API
+) -> dict[str, Any]:
     """The prefill leg: one length-capped token whose only purpose is the KV cache.
 
     The prefill pushes KV only if its single token ends the request by length. EOS, a stop
@@ -3822,14 +3921,13 @@ def prefill_body(body: Mapping[str, Any], transfer_id: str, path: str = "") -> d
     for key in ("stream_options", "min_tokens", "stop", "stop_token_ids"):
         prefill.pop(key, None)
     prefill["stream"] = False
-    if path == GENERATE_PATH:
-        if "sampling_params" in body:  # required: vLLM refuses a request without
-            prefill["sampling_params"] = capped_sampling(body["sampling_params"])
+    if api.sampling is not None:
+        if api.sampling in body:  # required: vLLM refuses a request without
+            prefill[api.sampling] = capped_sampling(body[api.sampling])
     else:
-        if path == RESPONSES_PATH:
-            prefill["max_output_tokens"], prefill["store"] = 1, False
-        else:
-            prefill["max_tokens"] = 1
+        prefill[api.cap] = 1
+        if api.stores:
+            prefill["store"] = False
         if "max_completion_tokens" in prefill:
             prefill["max_completion_tokens"] = 1
         prefill["ignore_eos"] = True
@@ -3883,14 +3981,15 @@ SAMPLE_COUNTS: Final = ("n", "best_of")
 def fans_out(path: str, body: Mapping[str, Any]) -> str | None:
     """Why vLLM would split this request (the field that says so), or None if it would not.
     Values are read as vLLM's validation reads them: "3" and 3.0 are 3."""
-    fields = body.get("sampling_params") if path == GENERATE_PATH else body
+    api = API_ROUTES[path]
+    fields = body.get(api.sampling) if api.sampling is not None else body
     fields = fields if isinstance(fields, dict) else {}
     for name in SAMPLE_COUNTS:
         if lax_int(fields.get(name)) > 1:
             return name
     if lax_bool(body.get("use_beam_search")):
         return "use_beam_search"
-    if path == COMPLETION_PATHS[0] and is_prompt_batch(body.get("prompt")):
+    if api.batch and is_prompt_batch(body.get(api.prompt)):
         return "prompt"
     return None
 
@@ -5040,17 +5139,17 @@ def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, bytes, li
     of the rest each of its turns before an answer sent, the latest first, at most
     EARLIER_TURNS (none where none answered yet; None for a completion)."""
     head = str(body.get("model", "")).encode() + b"\0"
-    chat = path.endswith("/chat/completions")
-    if chat or path == RESPONSES_PATH:
+    api = API_ROUTES[path]
+    if api.conversation:
         if tools := body.get("tools"):
             head += encode_json({"tools": tools}) + b"\n"
-        messages = body.get("messages") if chat else response_messages(body)
+        messages = body.get(api.prompt) if api.chat else response_messages(body)
         messages = messages if isinstance(messages, list) else []
         lines = [message_line(m) for m in messages]
         ends = itertools.accumulate(map(len, lines), initial=0)
         befores = [end for end, m in zip(ends, messages, strict=False) if is_answer(m)]
         return head, b"".join(lines), befores[: -EARLIER_TURNS - 1 : -1]
-    prompt = body.get("token_ids" if path == GENERATE_PATH else "prompt")
+    prompt = body.get(api.prompt)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch: it is placed by its first prompt
     if isinstance(prompt, str):
@@ -5086,9 +5185,10 @@ def message_line(message: object) -> bytes:
 def prompt_token_ids(path: str, body: Mapping[str, Any]) -> list[int] | None:
     """A completion's prompt given as token ids (a batch: its first), or a generate request's,
     which need no tokenizer."""
-    if path.endswith("/chat/completions"):
+    api = API_ROUTES[path]
+    if api.conversation:
         return None
-    prompt = body.get("token_ids" if path == GENERATE_PATH else "prompt")
+    prompt = body.get(api.prompt)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         prompt = prompt[0]
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
@@ -5939,6 +6039,7 @@ class Router:
         self.load_weight = load_weight
         self.balance = balance
         self.fresh_for = fresh_for
+        self.policy = Policy.ROUND_ROBIN  # its stage's, as the configuration says (Fleet.tune)
         self.turn = itertools.count()
         self.roster = Roster()
         # Blocks a request has to compute, on average: what one more queued request weighs.
@@ -6204,7 +6305,7 @@ class PromptTokenizer:
     def text(self, path: str, body: Mapping[str, Any]) -> tuple[str, bool] | None:
         """The text vLLM tokenizes for this request, and whether with special tokens."""
         try:
-            if path.endswith("/chat/completions"):
+            if API_ROUTES[path].chat:
                 text = self.chat_text(body)
                 special = body.get("add_special_tokens", False)  # vLLM's defaults, per API
             else:
@@ -7162,6 +7263,47 @@ class Serving:
     model: str | None = None
     adapter: str | None = None  # the model, where it is a LoRA adapter (its KV events' blocks)
 
+    # Picks claim their target at once, before any await, so that concurrent arrivals see
+    # each other's load; every claim is released when its leg ends (Fleet.release_*: by the
+    # router of the group the target is in then). ``sends`` gets what each pick added to the
+    # routing indexes (Sent): the request keeps it, to take back if the prompt is refused
+    # (Fleet.take_back).
+
+    def claim_prefill(
+        self, avoid: Collection[Backend] = (), key: RouteKey | None = None,
+        sends: list[Sent] | None = None,
+    ) -> PrefillEngine:  # fmt: skip
+        engines = self.engines
+        if avoid:  # passed over while another is left (see claim_decode)
+            engines = tuple(e for e in engines if e.instance not in avoid) or engines
+        if not engines:
+            raise ProxyError(503, f"no usable prefill engine{naming_model(self)}")
+        router = self.prefill_router
+        choice = router.pick(engines, router.policy, key)
+        if sends is not None and choice.sent is not None:
+            sends.append(choice.sent)
+        engine = engines[choice.index]
+        engine.instance.in_flight += 1
+        return engine
+
+    def claim_decode(
+        self, avoid: Collection[Backend] = (), key: RouteKey | None = None,
+        sends: list[Sent] | None = None,
+    ) -> DecodeInstance:  # fmt: skip
+        decodes = self.decodes
+        if avoid:
+            # Those tried are passed over while another is left. One that could not be
+            # reached is out of the rotation anyway; one whose KV load failed stays in it
+            # and, the last one left, may be tried again.
+            decodes = tuple(d for d in decodes if d not in avoid) or decodes
+        if not decodes:
+            raise ProxyError(503, f"no usable decode instance{naming_model(self)}")
+        router = self.decode_router
+        choice = router.pick(decodes, router.policy, key)
+        if sends is not None and choice.sent is not None:
+            sends.append(choice.sent)
+        return decodes[choice.index]
+
 
 def naming_model(serving: Serving) -> str:
     """For a 503: the model the request named, where the fleet knows models."""
@@ -7249,6 +7391,7 @@ class Fleet:
             config.prefill_load_weight if stage == "prefill" else config.decode_load_weight
         )
         router.balance, router.fresh_for = config.balance_factor, 3 * config.load_interval
+        router.policy = config.policies[0 if stage == "prefill" else 1]
         router.observe = self.observe
         router.tell = self.tell if stage == "prefill" else None
 
@@ -7510,12 +7653,6 @@ class Fleet:
             log.warning("%s %s left the rotation: %s", backend.role, backend.url, error)
         self.refresh()
 
-    # Picks claim their target at once, before any await, so that concurrent arrivals see
-    # each other's load; every claim is released when its leg ends.
-
-    # ``sends``, where given, gets what each pick added to the routing indexes (Sent): the
-    # request keeps it, to take back if the prompt is refused (take_back).
-
     def claim_prefill(
         self,
         avoid: Collection[Backend] = (),
@@ -7523,18 +7660,8 @@ class Fleet:
         model: str | None = None,
         sends: list[Sent] | None = None,
     ) -> PrefillEngine:
-        serving = self.serving(model)
-        engines = serving.engines
-        if avoid:  # passed over while another is left (see claim_decode)
-            engines = tuple(e for e in engines if e.instance not in avoid) or engines
-        if not engines:
-            raise ProxyError(503, f"no usable prefill engine{naming_model(serving)}")
-        choice = serving.prefill_router.pick(engines, self.prefill_policy, key)
-        if sends is not None and choice.sent is not None:
-            sends.append(choice.sent)
-        engine = engines[choice.index]
-        engine.instance.in_flight += 1
-        return engine
+        """From ``model``'s serving group (Serving.claim_prefill)."""
+        return self.serving(model).claim_prefill(avoid, key, sends)
 
     def release_prefill(self, engine: PrefillEngine) -> None:
         self.router_of(engine).release(engine)
@@ -7549,19 +7676,8 @@ class Fleet:
         model: str | None = None,
         sends: list[Sent] | None = None,
     ) -> DecodeInstance:
-        serving = self.serving(model)
-        decodes = serving.decodes
-        if avoid:
-            # Those tried are passed over while another is left. One that could not be
-            # reached is out of the rotation anyway; one whose KV load failed stays in it
-            # and, the last one left, may be tried again.
-            decodes = tuple(d for d in decodes if d not in avoid) or decodes
-        if not decodes:
-            raise ProxyError(503, f"no usable decode instance{naming_model(serving)}")
-        choice = serving.decode_router.pick(decodes, self.decode_policy, key)
-        if sends is not None and choice.sent is not None:
-            sends.append(choice.sent)
-        return decodes[choice.index]
+        """From ``model``'s serving group (Serving.claim_decode)."""
+        return self.serving(model).claim_decode(avoid, key, sends)
 
     def release_decode(self, decode: DecodeInstance) -> None:
         self.router_of(decode).release(decode)

@@ -94,7 +94,7 @@ def steps(state: mp.ProxyState, loop: asyncio.AbstractEventLoop) -> dict[str, Ca
 
     def leg_bodies() -> tuple[bytes, bytes]:
         transfer_id = mp.transfer_id_for("cmpl-x")
-        prefill = mp.prefill_body(BODY, transfer_id, "/v1/completions")
+        prefill = mp.prefill_body(BODY, transfer_id, mp.COMPLETIONS_API)
         decode = mp.decode_body(BODY, engine, transfer_id)
         return mp.encode_json(prefill), mp.encode_json(decode)
 
