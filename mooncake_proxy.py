@@ -2135,15 +2135,15 @@ def plan_request(
     path: str, headers: Mapping[str, str], body: Mapping[str, Any], config: ProxyConfig,
     group: Serving,
 ) -> Plan:  # fmt: skip
-    """The plan of a request to a PD route (PD_PATHS) for the model ``group`` serves; raises
-    ProxyError for what its API refuses. Pure: no socket, no clock, nothing of the fleet's
-    but the group."""
+    """The plan of a request to a PD route (PD_PATHS) for the model ``group`` serves (whose
+    routers' policies say whether it is routed by prefix); raises ProxyError for what its API
+    refuses. Pure: no socket, no clock, nothing of the fleet's but the group."""
     api = API_ROUTES[path]
     if api.refuse is not None:
         api.refuse(body)
     model = body.get("model") if isinstance(body.get("model"), str) else None
     route = None
-    if Policy.PREFIX_AWARE in config.policies:
+    if Policy.PREFIX_AWARE in (group.prefill_router.policy, group.decode_router.policy):
         user = body.get("user")
         session = headers.get(SESSION_HEADER) or (user if isinstance(user, str) else None)
         route = route_key(api.path, body, session, config.prefix_block_bytes)

@@ -859,6 +859,11 @@ async def test_a_non_streamed_decode_is_left_to_finish_when_its_prefill_goes_dow
     assert len(cluster.decodes[0].requests) == 1  # not started again
 
 
+def decide_decodes_by(fleet: mp.Fleet, policy: mp.Policy) -> None:
+    """As a reload would set it: each decode router's policy."""
+    fleet.configure(dataclasses.replace(fleet.config, decode_policy=policy))
+
+
 async def test_retries_are_bounded_and_the_error_names_what_was_tried(
     start_cluster: StartCluster,
 ) -> None:
@@ -867,7 +872,7 @@ async def test_retries_are_bounded_and_the_error_names_what_was_tried(
         await cluster.kill(fake)
     fleet = fleet_of(cluster)
     # Make the three dead ones come first.
-    fleet.decode_policy = mp.Policy.ROUND_ROBIN
+    decide_decodes_by(fleet, mp.Policy.ROUND_ROBIN)
     response = await cluster.client.post(COMPLETIONS, json=completion())
     assert response.status == 502
     message = (await response.json())["error"]["message"]
@@ -1137,12 +1142,12 @@ async def test_a_burst_does_not_pile_onto_the_one_idle_decode(start_cluster: Sta
     cluster = await start_cluster(decodes=2, decode={"token_delay": 0.05})
     busy, idle = cluster.decodes
     fleet = fleet_of(cluster)
-    fleet.decode_policy = mp.Policy.ROUND_ROBIN  # place one long stream on the first decode
+    decide_decodes_by(fleet, mp.Policy.ROUND_ROBIN)  # place one long stream on the first decode
     long_stream = asyncio.create_task(
         cluster.client.post(COMPLETIONS, json=completion(stream=True, max_tokens=200))
     )
     await eventually(lambda: busy.running == 1)
-    fleet.decode_policy = mp.Policy.LEAST_LOADED
+    decide_decodes_by(fleet, mp.Policy.LEAST_LOADED)
     # Ten at once: each pick must see the picks before it, or all ten go to the idle one.
     burst = [cluster.client.post(COMPLETIONS, json=completion()) for _ in range(10)]
     assert [a.status for a in await asyncio.gather(*burst)] == [200] * 10

@@ -21,14 +21,15 @@ COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 GENERATE = "/inference/v1/generate"
 
-PREFIX_AWARE = mp.ProxyConfig(prefills=(SPEC,), decodes=(URL("http://d:1"),))  # the default
-ROUND_ROBIN = dataclasses.replace(PREFIX_AWARE, policy=mp.Policy.ROUND_ROBIN)
+CONFIG = mp.ProxyConfig(prefills=(SPEC,), decodes=(URL("http://d:1"),))
 SMALL = {"Content-Length": "300"}
 
 
-def group(adapter: str | None = None) -> mp.Serving:
-    """A serving group with no instance: planning reads only its adapter."""
+def group(adapter: str | None = None, policy: mp.Policy = mp.Policy.ROUND_ROBIN) -> mp.Serving:
+    """A serving group with no instance: planning reads its routers' policies and adapter."""
     routers = (mp.Router("prefill", 1.0, 1.0, 0.0), mp.Router("decode", 1.0, 1.0, 0.0))
+    for router in routers:
+        router.policy = policy
     return mp.Serving((), (), *routers, model=adapter, adapter=adapter)
 
 
@@ -36,7 +37,7 @@ def plan(
     path: str,
     body: dict[str, Any],
     headers: dict[str, str] | None = None,
-    config: mp.ProxyConfig = ROUND_ROBIN,
+    config: mp.ProxyConfig = CONFIG,
     serving: mp.Serving | None = None,
 ) -> mp.Plan:
     given = SMALL if headers is None else headers
@@ -125,7 +126,7 @@ def test_a_plan_is_frozen() -> None:
 
 
 def test_migration_limit_0_leaves_every_stream_where_it_is() -> None:
-    config = dataclasses.replace(ROUND_ROBIN, migration_limit=0)
+    config = dataclasses.replace(CONFIG, migration_limit=0)
     assert plan(CHAT, chat(stream=True), config=config).unmigratable == "--migration-limit is 0"
 
 
@@ -141,12 +142,13 @@ def test_what_the_responses_row_refuses_is_a_400_naming_the_field(body: dict[str
 
 def test_a_prefix_aware_plan_has_a_route_key_the_session_and_the_adapter_shape() -> None:
     body = chat(messages=[{"role": "user", "content": "x" * 2000}])
-    planned = plan(CHAT, body, config=PREFIX_AWARE)
+    planned = plan(CHAT, body, serving=group(policy=mp.Policy.PREFIX_AWARE))
     assert planned.route is not None and not planned.route.session and planned.route.adapter == 0
     assert len(planned.route.chain) == planned.route.length // mp.ROUTING_BLOCK_BYTES
-    session = plan(CHAT, body, {**SMALL, mp.SESSION_HEADER: "s1"}, PREFIX_AWARE)
+    headers = {**SMALL, mp.SESSION_HEADER: "s1"}
+    session = plan(CHAT, body, headers, serving=group(policy=mp.Policy.PREFIX_AWARE))
     assert session.route is not None and session.route.session
-    lora = plan(CHAT, {**body, "model": "sql"}, config=PREFIX_AWARE, serving=group("sql"))
+    lora = plan(CHAT, {**body, "model": "sql"}, serving=group("sql", mp.Policy.PREFIX_AWARE))
     assert lora.route is not None and lora.route.adapter == mp.adapter_seed("sql") != 0
 
 
