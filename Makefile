@@ -7,11 +7,13 @@
 #               make bench-routing-scale  routing's cost from 8 to 1,024 engines, in process (~2 min)
 #               make chaos         requests lost while faults hit the cluster (ARGS=--quick: 1-2 min)
 #               make reference     docs/reference.md from the parser, after changing a flag
+#               make flow          docs/flow.md's walk of a streamed chat, after changing the module
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
 .PHONY: demo test integration bench bench-quick bench-routing bench-routing-scale chaos reference lint check clean
+.PHONY: flow
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-precise.txt requirements-tracing.txt
 	python3 -m venv $(VENV)
@@ -51,6 +53,10 @@ integration: $(VENV)/.installed
 reference: $(VENV)/.installed
 	$(PY) docs/reference.py
 
+# docs/flow.md's walk of a streamed chat, after changing the module (test_module_shape.py checks it).
+flow: $(VENV)/.installed
+	$(PY) docs/flow.py
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -58,6 +64,7 @@ lint: $(VENV)/.installed
 		test_config.py test_legs.py test_fleet.py test_routing.py test_kv_events.py test_operations.py \
 		test_docs.py test_migration.py test_routes.py test_fake.py test_plan.py fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py bench_chaos.py \
 		bench_ablation.py docs/reference.py \
+		docs/flow.py test_module_shape.py \
 		research/request-floor/prices.py research/request-floor/gc_time.py \
 		research/refused-prompts/measure.py research/refused-prompts/gc_cost.py
 
