@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import difflib
 import importlib
+import itertools
 import re
 import sys
 import textwrap
@@ -106,10 +107,12 @@ testing_support = importlib.import_module("testing_support")
 
 @dataclass(frozen=True)
 class Stop:
-    """A definition the walk enters: its qualified name and the line of its def or class."""
+    """A definition the walk enters: its qualified name, the line of its def or class, and
+    that of the top-level definition that holds it (a method's class)."""
 
     name: str
     line: int
+    top: int
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,10 @@ class Index:
             return None
         line = code.co_firstlineno  # a decorated def's: its first decorator's line
         holding = [d for d in self.definitions.get(name, ()) if d.first <= line <= d.last]
-        return Stop(name, holding[0].line if holding else line)
+        outer = name.split(".")[0]
+        tops = [d for d in self.definitions.get(outer, ()) if d.first <= line <= d.last]
+        at = holding[0].line if holding else line
+        return Stop(name, at, tops[0].line if tops else at)
 
 
 # --- the walk
@@ -344,8 +350,17 @@ async def walk() -> list[Stop]:
 
 
 def back_jumps(stops: Sequence[Stop]) -> list[int]:
-    """The positions in the walk whose line is above the one before."""
-    return [i for i in range(1, len(stops)) if stops[i].line < stops[i - 1].line]
+    """The positions in the walk that go back up the file: where it first enters a top-level
+    definition (a function, or a class by any of its methods) that begins above the last one
+    it first entered. A class is read as one: from one of its methods to another, or back to
+    one already read, is not a jump."""
+    firsts: list[int] = []
+    read: set[int] = set()
+    for i, stop in enumerate(stops):
+        if stop.top not in read:
+            read.add(stop.top)
+            firsts.append(i)
+    return [b for a, b in itertools.pairwise(firsts) if stops[b].top < stops[a].top]
 
 
 def wrapped(paragraph: str) -> list[str]:
@@ -364,7 +379,10 @@ def section(stops: Sequence[Stop]) -> str:
         "the client has read `data: [DONE]` and the handler has returned; each with the line "
         "of its `def` or `class`. Methods are `Class.method`; nested functions, lambdas and "
         "comprehensions are counted as the definition that holds them. Code the proxy runs on "
-        "its own (health checks, scrapes) is left out, and a warm-up chat goes first."
+        "its own (health checks, scrapes) is left out, and a warm-up chat goes first. The "
+        "walk goes back up the file where it first enters a top-level definition (a function, "
+        "or a class by any of its methods) that begins above the last one it first entered: a "
+        "class is read as one."
     )
     checked = (
         "`make flow` writes this list (docs/flow.py, whose docstring says how); "
