@@ -21,31 +21,31 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-precise.t
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) fake_vllm.py $(ARGS)
+	$(PY) tests/fake_vllm.py $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
-	$(PY) bench_mooncake_proxy.py --json bench.json --plot bench.png
+	$(PY) bench/bench_mooncake_proxy.py --json bench.json --plot bench.png
 
 bench-quick: $(VENV)/.installed
-	$(PY) bench_mooncake_proxy.py --quick
+	$(PY) bench/bench_mooncake_proxy.py --quick
 
 bench-routing: $(VENV)/.installed
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
-	$(PY) bench_routing.py --json routing.json --plot routing.png
+	$(PY) bench/bench_routing.py --json routing.json --plot routing.png
 
 # Simulated in process (no servers): the current router's decision time per stage, its indexes'
 # memory and its hit rate against an oracle, from 8 to 1,024 prefill engines.
 bench-routing-scale: $(VENV)/.installed
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
-	$(PY) bench_routing.py --scale --json routing-scale.json --plot routing-scale.png
+	$(PY) bench/bench_routing.py --scale --json routing-scale.json --plot routing-scale.png
 
 # By hand, not in CI: it shows what fails, and its figures depend on timing.
 chaos: $(VENV)/.installed
-	$(PY) bench_chaos.py $(ARGS)
+	$(PY) bench/bench_chaos.py $(ARGS)
 
 integration: $(VENV)/.installed
 	bash integration/run.sh
@@ -53,20 +53,16 @@ integration: $(VENV)/.installed
 reference: $(VENV)/.installed
 	$(PY) docs/reference.py
 
-# docs/flow.md's walk of a streamed chat, after changing the module (test_module_shape.py checks it).
+# docs/flow.md's walk of a streamed chat, after changing the module (tests/test_module_shape.py checks it).
 flow: $(VENV)/.installed
 	$(PY) docs/flow.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --strict mooncake_proxy.py conftest.py testing_support.py test_mooncake_proxy.py \
-		test_config.py test_legs.py test_fleet.py test_routing.py test_kv_events.py test_operations.py \
-		test_docs.py test_migration.py test_routes.py test_fake.py test_plan.py fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py bench_chaos.py \
-		bench_ablation.py docs/reference.py \
-		docs/flow.py test_module_shape.py \
-		research/request-floor/prices.py research/request-floor/gc_time.py \
-		research/refused-prompts/measure.py research/refused-prompts/gc_cost.py
+	$(VENV)/bin/mypy --strict mooncake_proxy.py tests bench/*.py docs/reference.py docs/flow.py \
+		bench/research/request-floor/prices.py bench/research/request-floor/gc_time.py \
+		bench/research/refused-prompts/measure.py bench/research/refused-prompts/gc_cost.py
 
 check: lint test
 

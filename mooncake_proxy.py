@@ -4958,7 +4958,7 @@ def tls_problem(error: OSError | ssl.SSLError) -> str:
 # ================================================================================================
 
 # Routing's tuned numbers, all in one list. Each constant below says what measured it (the
-# routing benchmark, bench_routing.py, unless it says otherwise); the flags' defaults are in
+# routing benchmark, bench/bench_routing.py, unless it says otherwise); the flags' defaults are in
 # ProxyConfig (2) and docs/routing.md gives their reasons:
 #   --balance-factor 1.25       the load bound: HAProxy's hash-balance-factor; bounded-load
 #                               consistent hashing (Mirrokni et al.) at its usual setting
@@ -4997,7 +4997,7 @@ KV_FULL: Final = 0.98
 # up to 0.06 more on multi-turn; at 2, conversations piled up again. The slack keeps a
 # prefix's few requests together when traffic is light: without it, shared-prefix groups at
 # 20 requests a second on 64 engines reached 0.79 of the oracle's hit rate in process, not
-# 1.00 (research/routing-slack). A chat's first turn has less (CHAT_RETURN_SECONDS).
+# 1.00 (bench/research/routing-slack). A chat's first turn has less (CHAT_RETURN_SECONDS).
 RECENT_SECONDS: Final = 10.0
 
 RECENT_SLACK: Final = 4.0
@@ -5014,7 +5014,7 @@ RECENT_BALANCE: Final = 1.5
 # do not come back (ChatReturns). Until a process has seen chats for this long, none could
 # have come back yet, and it assumes they do: single-turn chats sharing a system prompt lost
 # up to 0.05 of the oracle over the simulation's two minutes with 30 s, up to 0.10 with 60
-# (research/routing-slack).
+# (bench/research/routing-slack).
 CHAT_RETURN_SECONDS: Final = 30.0
 
 # A target's queue is bounded too, for a prompt it holds: its requests in flight (this
@@ -6031,7 +6031,7 @@ class Router:
     are left out first.
 
     The Roster keeps what that reads of the whole stage, so a decision costs the same on 8
-    engines or 1,024 (bench_routing.py --scale).
+    engines or 1,024 (bench/bench_routing.py --scale).
     """
 
     def __init__(self, stage: str, load_weight: float, balance: float, fresh_for: float) -> None:
@@ -9351,7 +9351,8 @@ def reload_config(app: web.Application, reread: Callable[[], ProxyConfig]) -> No
 # of objects between them (a few hundred each, alive until it ends), so at 700 a collection
 # came every 40 requests or so at 32 concurrent, found them all alive and moved them on to
 # be scanned again: 8-10 us of CPU a request there, 3% of it. At 10,000 it comes about once
-# in 2,000 requests (research/request-floor/gc_time.py); cyclic garbage (rare here) waits longer.
+# in 2,000 requests (bench/research/request-floor/gc_time.py); cyclic garbage (rare here)
+# waits longer.
 GC_YOUNG_THRESHOLD: Final = 10_000
 
 
@@ -9369,9 +9370,9 @@ def tune_gc() -> None:
 # body, its parsed prompt and the legs' encoding, and each frame the exception or the task
 # that holds it. Three refused 50 MB prompts kept 300 MiB for good (300 requests later: their
 # count of objects, a hundred each, came nowhere near the threshold), where a served one
-# leaves none (research/refused-prompts). So a request that received at least this much is
+# leaves none (bench/research/refused-prompts). So a request that received at least this much is
 # followed by a full collection. It walks every object of the requests in flight: 0.03 ms
-# idle, 13 ms with 200 streams in flight, 245 ms with 1,000 (research/refused-prompts/
+# idle, 13 ms with 200 streams in flight, 245 ms with 1,000 (bench/research/refused-prompts/
 # gc_cost.py); collections are kept LARGE_GARBAGE_SECONDS apart at least, and far enough
 # apart to take no more than LARGE_GARBAGE_SHARE of the time. Then the heap's free pages go
 # back to the system (give_back_free_heap): 1.5 ms with 200 MiB of small objects alive and

@@ -6,7 +6,7 @@ has read the last byte (``data: [DONE]``) and the handler has returned: the prox
 process, served as the daemon serves it, in front of one prefill and one decode fake on
 loopback. A first chat goes through before it (warm-up: one-time set-up is not the request's
 path). ``python docs/flow.py --check`` exits 1 with a diff when the page's section differs;
-test_module_shape.py checks the same and that the walk goes back up the file at most 15 times.
+tests/test_module_shape.py checks the same and that the walk goes back up the file at most 15 times.
 
 How it is made, so that it is the same on every run:
 
@@ -386,7 +386,7 @@ def section(stops: Sequence[Stop]) -> str:
     )
     checked = (
         "`make flow` writes this list (docs/flow.py, whose docstring says how); "
-        "test_module_shape.py fails when it is stale (`python docs/flow.py --check` too) and "
+        "tests/test_module_shape.py fails when it is stale (`python docs/flow.py --check` too) and "
         f"when the walk goes back up the file more than {LIMIT} times. Now: {len(stops)} "
         f"stops, {len(up)} of them back up the file ({UP}); the limit is {LIMIT}."
     )

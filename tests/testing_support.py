@@ -29,7 +29,8 @@ from yarl import URL
 import mooncake_proxy as mp
 from fake_vllm import KEEPALIVE_SECONDS, FakeVllm, free_port
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # tests/, with the fakes
+ROOT = HERE.parent  # the repository: the daemon, deploy/, docs/
 # Generous bounds: a proxy that fails fast answers in milliseconds, a broken one waits for the
 # decode's KV timeout (KV_TIMEOUT) and fails these.
 FAST = 3.0
@@ -335,7 +336,7 @@ class ProxyProcess:
             systemd = SystemdInbox()
             env["NOTIFY_SOCKET"] = systemd.address
         process = await asyncio.create_subprocess_exec(
-            sys.executable, str(HERE / "mooncake_proxy.py"), *argv,
+            sys.executable, str(ROOT / "mooncake_proxy.py"), *argv,
             stderr=asyncio.subprocess.PIPE, env=env,
         )  # fmt: skip
         proxy = cls(process, port)

@@ -1,7 +1,7 @@
 """The proxy's time in CPython's cyclic garbage collector, per request, under the benchmark's load.
 
-    python research/request-floor/gc_time.py                    # this tree's mooncake_proxy.py
-    python research/request-floor/gc_time.py --baseline 21b8126 # and that commit's, in turn
+    python bench/research/request-floor/gc_time.py                    # this tree's daemon
+    python bench/research/request-floor/gc_time.py --baseline 21b8126 # and that commit's, in turn
 
 Starts the benchmark's fake cluster and the proxy as bench_mooncake_proxy.py does, but through
 a small wrapper that times each collection (gc.callbacks) and writes the totals when the proxy
@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = HERE.parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
 
 import bench_mooncake_proxy as bench  # noqa: E402
 from fake_vllm import free_port  # noqa: E402

@@ -6,7 +6,7 @@ going away, bad input and admission. The other areas have files of their own bes
 test_migration.py, test_routes.py, test_operations.py); what they share is in
 testing_support.py and conftest.py.
 
-The fakes (fake_vllm.py) behave as ../shared/PROTOCOL.md says; in particular a decode only
+The fakes (fake_vllm.py) behave as ../../shared/PROTOCOL.md says; in particular a decode only
 answers once the prefill with its ``transfer_id`` finished on the engine it names, so every test
 that gets tokens back also proves the prefill leg was sent, and sent right.
 """

@@ -18,7 +18,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 import mooncake_proxy as mp
-from testing_support import HERE, SPEC, chat, completion
+from testing_support import ROOT, SPEC, chat, completion
 
 # --- pure functions: body rewriting
 
@@ -241,7 +241,7 @@ def test_cli_defaults_are_the_example_proxys_and_streams_have_no_total_timeout()
 
 def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(HERE / "mooncake_proxy.py"), *argv],
+        [sys.executable, str(ROOT / "mooncake_proxy.py"), *argv],
         capture_output=True,
         text=True,
         timeout=20,
@@ -353,7 +353,7 @@ def test_version_and_help() -> None:
         "inferlab-vllm-mooncake-proxy 1",
         f"mooncake-proxy {mp.__version__} (package release)",
     ]
-    assert "version = attr: mooncake_proxy.__version__" in (HERE / "setup.cfg").read_text()
+    assert "version = attr: mooncake_proxy.__version__" in (ROOT / "setup.cfg").read_text()
     help_text = run_cli("--help").stdout
     # Each setting is declared once, on its field: its flag, help and variable come from there.
     fields = {f.name for f in dataclasses.fields(mp.ProxyConfig)}
@@ -375,7 +375,7 @@ def test_a_missing_dependency_is_one_line_saying_what_to_install() -> None:
             sys.executable,
             "-c",
             "import runpy, sys; sys.modules['aiohttp'] = None; sys.argv = ['mooncake_proxy.py']; "
-            f"runpy.run_path({str(HERE / 'mooncake_proxy.py')!r}, run_name='__main__')",
+            f"runpy.run_path({str(ROOT / 'mooncake_proxy.py')!r}, run_name='__main__')",
         ],
         capture_output=True,
         text=True,

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
+sys.path[:0] = [str(HERE.parents[2]), str(HERE.parents[1])]  # the daemon, bench_routing
 
 import bench_routing as br  # noqa: E402
 import mooncake_proxy as mp  # noqa: E402

@@ -1,9 +1,9 @@
 """Routing benchmark: prefix-cache hit rate, TTFT and balance, per policy and workload.
 
-    python bench_routing.py --quick                  # a smoke run: two workloads, a minute
-    python bench_routing.py --plot routing.png       # the full table (make bench-routing)
-    python bench_routing.py --scale                  # 8 to 1,024 engines, in process, ~2 min
-    python bench_routing.py --scale-events           # following KV events, 8 to 512 engines
+    python bench/bench_routing.py --quick            # a smoke run: two workloads, a minute
+    python bench/bench_routing.py --plot routing.png # the full table (make bench-routing)
+    python bench/bench_routing.py --scale            # 8 to 1,024 engines, in process, ~2 min
+    python bench/bench_routing.py --scale-events     # following KV events, 8 to 512 engines
 
 A simulated cluster on loopback: 4 prefill instances with 2 DP ranks each (8 engines) and 4
 decodes, all ``fake_vllm.FakeVllm``: each engine keeps an LRU prefix cache of a fixed number
@@ -75,6 +75,10 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+# The daemon is at the repository's top and the fakes in tests/: run as a script, only bench/
+# is on the path.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(2, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_mooncake_proxy import pyplot, wait_http
 from fake_vllm import EngineSim, FakeVllm, PromptBlocks, build_tokenizer, free_port, prompt_blocks
 
@@ -82,6 +86,7 @@ if TYPE_CHECKING:
     import mooncake_proxy as mp
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent  # the repository: the daemon at its top, the fakes in tests/
 INSTANCES, DP, DECODES = 4, 2, 4
 CACHE_BLOCKS = 320  # per engine: 20 KiB of prompt at 64 bytes a block
 TOKEN_TIME = 25e-6  # seconds of prefill per uncached token
@@ -180,14 +185,14 @@ class Cluster:
     kv_events: list[list[str]] = field(default_factory=list)
     shape: Shape = Shape()
     # --proxy: the routers measured (mooncake_proxy.py files), each on the same engines.
-    proxies: tuple[Path, ...] = (HERE / "mooncake_proxy.py",)
+    proxies: tuple[Path, ...] = (ROOT / "mooncake_proxy.py",)
 
     @classmethod
     def start(
         cls,
         tokenizer_dir: Path | None = None,
         shape: Shape = Shape(),
-        proxies: tuple[Path, ...] = (HERE / "mooncake_proxy.py",),
+        proxies: tuple[Path, ...] = (ROOT / "mooncake_proxy.py",),
     ) -> Cluster:
         prefills, decodes, processes, kv_events = [], [], [], []
         for role, count in (("prefill", shape.instances), ("decode", shape.decodes)):
@@ -1738,8 +1743,8 @@ def main() -> int:
     os.environ.pop("NOTIFY_SOCKET", None)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_dir = None
-        proxies = tuple(p.resolve() for p in args.proxy or [HERE / "mooncake_proxy.py"])
-        ours = proxies[0] == HERE / "mooncake_proxy.py"  # the costs are measured in process
+        proxies = tuple(p.resolve() for p in args.proxy or [ROOT / "mooncake_proxy.py"])
+        ours = proxies[0] == ROOT / "mooncake_proxy.py"  # the costs are measured in process
         costs = decision_costs() if ours else []
         if args.precise:
             tokenizer_dir = Path(scratch)

@@ -1,8 +1,8 @@
 """Chaos benchmark: how many requests a client loses while faults hit a simulated cluster.
 
-    python bench_chaos.py --quick     # 55 s of load per target: a minute, two with vllm-router
-    python bench_chaos.py             # 5 minutes of load per target
-    python bench_chaos.py --strict    # exit 1 on any client-visible failure
+    python bench/bench_chaos.py --quick   # 55 s of load per target: a minute, two with vllm-router
+    python bench/bench_chaos.py           # 5 minutes of load per target
+    python bench/bench_chaos.py --strict  # exit 1 on any client-visible failure
 
 Run by hand, not by CI: its figures depend on timing, and its point is to show what fails.
 
@@ -47,10 +47,15 @@ from typing import Any, Final
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+# The daemon is at the repository's top and the fakes in tests/: run as a script, only bench/
+# is on the path.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(2, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_mooncake_proxy import percentile, wait_http
 from fake_vllm import MODEL, VOCAB, free_port, generate, prompt_of
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent  # the repository: the daemon at its top, the fakes in tests/
 PREFILLS, DECODES = 2, 3
 QUICK_SECONDS, FULL_SECONDS = 55.0, 300.0
 CONCURRENCY = 12
@@ -120,7 +125,7 @@ class Node:
 
     async def start(self) -> None:
         """Start it (again, on the same ports: a prefill gets new engine ids) and wait for it."""
-        argv = [sys.executable, str(HERE / "fake_vllm.py"), "--serve", self.role]
+        argv = [sys.executable, str(ROOT / "tests" / "fake_vllm.py"), "--serve", self.role]
         argv += ["--port", str(self.port), "--token-delay", str(TOKEN_DELAY)]
         argv += ["--max-model-len", str(MAX_MODEL_LEN)]
         if self.bootstrap_port is not None:
@@ -197,7 +202,7 @@ class Target:
 
 def proxy_argv(cluster: Cluster, port: int) -> list[str]:
     return [
-        sys.executable, str(HERE / "mooncake_proxy.py"), "--port", str(port),
+        sys.executable, str(ROOT / "mooncake_proxy.py"), "--port", str(port),
         *cluster.fleet_args(), "--log-level", "WARNING",
         "--health-interval", str(HEALTH_INTERVAL),
         "--discovery-interval", str(DISCOVERY_INTERVAL),

@@ -33,6 +33,7 @@ from testing_support import (
     FAST,
     HERE,
     KV_TIMEOUT,
+    ROOT,
     Cluster,
     ProxyProcess,
     StartCluster,
@@ -195,7 +196,7 @@ def test_the_config_file_holds_any_setting_and_flags_and_environment_win(tmp_pat
     assert config.max_in_flight == 64
     assert config.shadowed == ("decode", "max-retries")  # said at start and on each reload
     # The example that deploy/ installs is a valid file.
-    example = HERE / "deploy" / "mooncake-proxy.toml"
+    example = ROOT / "deploy" / "mooncake-proxy.toml"
     assert mp.load_config(parser, ["--config", str(example)], {}).decodes
 
 

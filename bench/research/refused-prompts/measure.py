@@ -7,8 +7,8 @@ a few small requests, then ``--count`` prompts of ``--mib`` MiB each (every one 
 small requests, and prints the proxy's RSS (VmRSS) and the blocks its routing indexes hold
 (/healthcheck) at each step::
 
-    python research/refused-prompts/measure.py --policy round_robin
-    python research/refused-prompts/measure.py --policy prefix_aware
+    python bench/research/refused-prompts/measure.py --policy round_robin
+    python bench/research/refused-prompts/measure.py --policy prefix_aware
 
 ``--revision REV`` measures the module as it was at a git revision instead of the working
 tree's (to compare before and after a change).
@@ -31,8 +31,8 @@ import aiohttp
 from aiohttp import web
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = HERE.parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
 
 from fake_vllm import FakeVllm, free_port  # noqa: E402
 

@@ -1,10 +1,11 @@
 """The recent-share bound's slack, in process: multi-turn chats against shared prefixes at
 light traffic. Run from a copy of the repository with experiment.patch applied:
 
-    git apply research/routing-slack/experiment.patch
-    python research/routing-slack/sim.py                      # as shipped: slack 4
-    EXPERIMENT_RECENT_SLACK=0 EXPERIMENT_OWN_TURNS=whole python research/routing-slack/sim.py
-    EXPERIMENT_FIRST_TURN_SLACK=0 EXPERIMENT_OWN_TURNS=whole python research/routing-slack/sim.py
+    git apply bench/research/routing-slack/experiment.patch
+    cd bench/research/routing-slack
+    python sim.py                                                   # as shipped: slack 4
+    EXPERIMENT_RECENT_SLACK=0 EXPERIMENT_OWN_TURNS=whole python sim.py
+    EXPERIMENT_FIRST_TURN_SLACK=0 EXPERIMENT_OWN_TURNS=whole python sim.py
 
 Each workload is routed by the proxy's own Fleet (prefill stage, prefix_aware) on a simulated
 clock; every engine is an LRU cache of the router's 512-byte blocks, and the hit rate is
@@ -26,7 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the daemon
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # bench_routing
 
 import bench_routing as br
 import mooncake_proxy as mp

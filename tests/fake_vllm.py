@@ -1,4 +1,4 @@
-"""Fake vLLM servers that follow ../shared/PROTOCOL.md, for the tests and the demo.
+"""Fake vLLM servers that follow ../../shared/PROTOCOL.md, for the tests and the demo.
 
 A ``FakeVllm`` is one vLLM OpenAI server in the role of a Mooncake ``kv_producer`` (prefill,
 with its bootstrap server) or ``kv_consumer`` (decode). The KV "transfer" goes over real
@@ -21,8 +21,9 @@ every token id goes out at once; a reasoning parser splits a chat into reasoning
 the in-band error is json.dumps's; tools without a tool parser, unknown routes, Anthropic's
 Messages and SageMaker's /invocations are answered as vLLM answers them.
 
-``python fake_vllm.py`` runs the demo: a small simulated cluster, the proxy in front of it
-started as users start it, and one streamed request whose tokens arrive on the terminal.
+``python tests/fake_vllm.py`` (make demo) runs the demo: a small simulated cluster, the proxy
+in front of it started as users start it, and one streamed request whose tokens arrive on the
+terminal.
 """
 
 from __future__ import annotations
@@ -2741,7 +2742,8 @@ async def demo(once: bool, port: int) -> int:
         await start_fake(FakeVllm("decode", token_delay=0.08), runners),
     ]
     port = port or free_port()
-    argv = [sys.executable, str(Path(__file__).with_name("mooncake_proxy.py")), "--port", str(port)]
+    daemon = Path(__file__).parents[1] / "mooncake_proxy.py"  # the repository's top
+    argv = [sys.executable, str(daemon), "--port", str(port)]
     for node in cluster:
         if node.bootstrap_port is not None:
             argv += ["--prefill", node.url, str(node.bootstrap_port)]

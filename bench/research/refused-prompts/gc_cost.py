@@ -6,7 +6,7 @@ the daemon does once it serves: tune_gc); the fake prefill and decode (fake_vllm
 and the clients run in processes of their own, so the collector walks the proxy's objects
 only::
 
-    python research/refused-prompts/gc_cost.py --streams 200 1000
+    python bench/research/refused-prompts/gc_cost.py --streams 200 1000
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import aiohttp
 from yarl import URL
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
 
 import mooncake_proxy as mp  # noqa: E402
 from fake_vllm import free_port  # noqa: E402
@@ -51,9 +51,9 @@ async def start(*argv: str) -> asyncio.subprocess.Process:
 async def measure(counts: list[int]) -> None:
     api, bootstrap, decode_port = free_port(), free_port(), free_port()
     fakes = [
-        await start("fake_vllm.py", "--serve", "prefill", "--port", str(api),
+        await start("tests/fake_vllm.py", "--serve", "prefill", "--port", str(api),
                     "--bootstrap-port", str(bootstrap)),
-        await start("fake_vllm.py", "--serve", "decode", "--port", str(decode_port),
+        await start("tests/fake_vllm.py", "--serve", "decode", "--port", str(decode_port),
                     "--token-delay", "0.05"),
     ]  # fmt: skip
     spec = mp.PrefillSpec(URL(f"http://127.0.0.1:{api}"), URL(f"http://127.0.0.1:{bootstrap}"))

@@ -1,7 +1,7 @@
 """What the proxy's own steps cost per request, each timed alone, against the time left for them.
 
-    python research/request-floor/prices.py                    # the price list
-    python research/request-floor/prices.py --budget-us 10     # and a verdict against a budget
+    python bench/research/request-floor/prices.py              # the price list
+    python bench/research/request-floor/prices.py --budget-us 10 # and a verdict against a budget
 
 bench_mooncake_proxy.py measures the proxy whole: CPU per request, against vllm-router and
 against the protocol-legs yardstick (aiohttp's server and both legs on asyncio protocols,
@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
+ROOT = HERE.parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
 
 from aiohttp import web  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Multi-turn chats through proxy replicas, in process. Run from the repository's root:
 
-    python research/routing-slack/replicas.py            # replicas count everyone's requests
-    OWN_COUNTS=1 python research/routing-slack/replicas.py   # each counts only its own
-    PEERS=1 python research/routing-slack/replicas.py    # each told the others' sends (--peer)
+    python bench/research/routing-slack/replicas.py          # replicas count everyone's requests
+    OWN_COUNTS=1 python bench/research/routing-slack/replicas.py  # each counts only its own
+    PEERS=1 python bench/research/routing-slack/replicas.py  # each told the others' sends (--peer)
 
 Each replica is the proxy's own Fleet (prefill stage, prefix_aware), on a simulated clock
 (sim.py's); a round-robin balancer hands them the requests in turn. What KV events would tell
