@@ -56,7 +56,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --strict mooncake_proxy.py conftest.py testing_support.py test_mooncake_proxy.py \
 		test_config.py test_legs.py test_fleet.py test_routing.py test_kv_events.py test_operations.py \
-		test_docs.py test_migration.py test_routes.py test_fake.py fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py bench_chaos.py \
+		test_docs.py test_migration.py test_routes.py test_fake.py test_front_door.py fake_vllm.py tiny_tokenizer.py bench_mooncake_proxy.py bench_routing.py bench_chaos.py \
 		bench_ablation.py docs/reference.py \
 		research/request-floor/prices.py research/request-floor/gc_time.py \
 		research/refused-prompts/measure.py research/refused-prompts/gc_cost.py

@@ -354,7 +354,7 @@ def test_version_and_help() -> None:
         f"mooncake-proxy {mp.__version__} (package release)",
     ]
     assert "version = attr: mooncake_proxy.__version__" in (HERE / "setup.cfg").read_text()
-    help_text = run_cli("--help").stdout
+    help_text = run_cli("--help=all").stdout
     # Each setting is declared once, on its field: its flag, help and variable come from there.
     fields = {f.name for f in dataclasses.fields(mp.ProxyConfig)}
     assert {option.name for option in mp.SETTINGS} == fields - {
