@@ -9479,14 +9479,13 @@ class ShowHelp(argparse.Action):
 
 
 class PrintVersion(argparse.Action):
-    """The seed's identity on the first line, byte for byte (tools compare it); the package
-    release on the second."""
+    """One line: the command's name and its package release (setup.cfg reads it from here)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **options: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **options)
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
-        print(f"{ID} {VERSION}\nmooncake-proxy {__version__} (package release)")
+        print(f"{parser.prog} {__version__}")
         parser.exit()
 
 
