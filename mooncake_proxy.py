@@ -9596,6 +9596,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cannot_listen(config: ProxyConfig, error: OSError) -> str:
+    """Why the listen address could not be bound, and for the usual reasons what to do."""
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    where = f"cannot listen on {host}:{config.port}"
+    if error.errno == errno.EADDRINUSE:
+        return (
+            f"{where}: the port is in use (another mooncake-proxy, or another server, is "
+            "listening there); pass --port N for another port, or --port 0 for any free one"
+        )
+    if error.errno == errno.EACCES and 0 < config.port < 1024:
+        return f"{where}: ports below 1024 need root (or CAP_NET_BIND_SERVICE); pass --port N"
+    return f"{where}: {error.strerror or error}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -9612,9 +9626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sockets = bind_listeners(config.host, config.port, config.workers)
     except OSError as error:
-        reason = error.strerror or str(error)
-        where = f"{config.host}:{config.port}"
-        print(f"{parser.prog}: error: cannot listen on {where}: {reason}", file=sys.stderr)
+        print(f"{parser.prog}: error: {cannot_listen(config, error)}", file=sys.stderr)
         return 1
     host, port = sockets[0].getsockname()[:2]
     details = f"{config.workers} worker(s), {'uvloop' if loop_factory else 'asyncio'} loop"

@@ -6,6 +6,7 @@ signal stops it."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 
@@ -94,3 +95,39 @@ def test_an_unknown_group_is_one_line_naming_the_groups(asked: str) -> None:
     for name, _, _ in mp.FLAG_GROUPS:
         assert name in line
     assert "all" in line
+
+
+# --- a taken port
+
+
+def ipv6_loopback() -> bool:
+    with socket.socket(socket.AF_INET6) as probe:
+        try:
+            probe.bind(("::1", 0))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("host", "workers", "where"),
+    [("127.0.0.1", "1", "127.0.0.1"), ("127.0.0.1", "2", "127.0.0.1"), ("::1", "1", "[::1]")],
+)
+def test_a_taken_port_is_one_line_saying_how_to_pick_another(
+    host: str, workers: str, where: str
+) -> None:
+    if ":" in host and not ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as taken:
+        taken.bind((host, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        shown = run_proxy(
+            *("--host", host, "--port", str(port), "--workers", workers),
+            *("--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"),
+        )
+    assert shown.returncode == 1 and shown.stdout == ""
+    (line,) = shown.stderr.splitlines()
+    assert line.startswith(f"mooncake-proxy: error: cannot listen on {where}:{port}: "), line
+    assert "in use" in line and "another mooncake-proxy" in line
+    assert "pass --port N" in line and "--port 0 for any free one" in line
