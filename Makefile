@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   the proxy in front of a simulated vLLM cluster, and a streamed request through it
-#   make test   the test suite (make check adds ruff and mypy --strict)
+#               (it installs only requirements.txt, what the proxy needs to run)
+#   make test   the test suite (make check adds ruff and mypy --strict; both requirements-dev.txt)
 # and, heavier: make integration   the proxy against real vLLM on the CPU with real Mooncake
 #               make bench         the benchmark, ~17 minutes (make bench-quick: under a minute)
 #               make bench-routing the routing benchmark (about 20 minutes)
@@ -15,12 +16,18 @@ ARGS ?=
 .PHONY: demo test integration bench bench-quick bench-routing bench-routing-scale chaos reference lint check clean
 .PHONY: flow
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-precise.txt requirements-tracing.txt
-	python3 -m venv $(VENV)
+# What the daemon needs to run, and no more: all that make demo installs (seconds, not minutes).
+$(VENV)/.installed-run: requirements.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $@
+
+# On top of it, what the tests, the linters and the benchmarks need (the extras' heavy packages).
+$(VENV)/.installed: $(VENV)/.installed-run requirements-dev.txt requirements-precise.txt requirements-tracing.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	touch $@
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed-run
 	$(PY) tests/fake_vllm.py $(ARGS)
 
 test: $(VENV)/.installed

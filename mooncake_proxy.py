@@ -13,7 +13,7 @@ Run it as vLLM's example proxy is run::
     python mooncake_proxy.py --host 0.0.0.0 --port 8000 \\
         --prefill http://10.0.0.1:8100 8998 --decode http://10.0.0.3:8200
 
-``python mooncake_proxy.py --help`` lists every flag; docs/ is the manual.
+``python mooncake_proxy.py --help`` is one screen, ``--help=all`` every flag; docs/ the manual.
 
 The module, in chapters (each opens with a banner saying what it holds and what it uses)::
 
@@ -9532,7 +9532,8 @@ DRAIN_POLL_SECONDS: Final = 0.05
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """Bad flags end in one clear line on stderr, as a unit's journal shows it."""
+    """Bad flags end in one clear line on stderr, as a unit's journal shows it; --help is one
+    screen (format_summary), --help=all every option, --help=GROUP one group's."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -9541,6 +9542,8 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     @staticmethod
     def say_entries(text: str) -> str:
         text = text.replace("[BOOTSTRAP ...]", "[BOOTSTRAP]")
+        text = text.replace("-h [GROUP], --help [GROUP]", "-h, --help[=GROUP]")
+        text = text.replace("[-h [GROUP]]", "[-h | --help[=GROUP]]")
         return text.replace("[ENDPOINT ...]", "ENDPOINT [REPLAY]")
 
     def format_usage(self) -> str:
@@ -9549,44 +9552,133 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def format_help(self) -> str:
         return self.say_entries(super().format_help())
 
+    def format_summary(self) -> str:
+        """What --help shows: what the proxy is, how it is mostly started, the option groups."""
+        groups = [f"  {name:<10} {about}" for name, about, _ in FLAG_GROUPS]
+        return "\n".join((SHORT_USAGE, "", *HELP_SUMMARY[0], *groups, "", *HELP_SUMMARY[1], ""))
+
+    def format_group(self, asked: str) -> str:
+        """What --help=GROUP shows: the group's options as --help=all writes them."""
+        names = [name for name, _, _ in FLAG_GROUPS]
+        found = [name for name in names if same_group(name, asked)]
+        if not found:
+            self.error(
+                f"--help={asked}: no such group of options; the groups are {', '.join(names)}, "
+                "and all (every option)"
+            )
+        group = next(g for g in self._action_groups if g.title == group_title(found[0]))
+        formatter = self._get_formatter()
+        formatter.start_section(group.title)
+        formatter.add_arguments(group._group_actions)
+        formatter.end_section()
+        formatter.add_text(f"{HELP_FOOTER} --help=all shows every option.")
+        return f"{SHORT_USAGE}\n\n{self.say_entries(formatter.format_help())}"
+
+
+class ShowHelp(argparse.Action):
+    """-h and --help: one screen; --help=all: every option; --help=GROUP: one group's, group
+    names matched without regard to case (as vLLM's own serve --help=all, --help=GROUP)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **options: Any) -> None:
+        options.update(nargs="?", metavar="GROUP", default=argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **options)
+
+    def __call__(self, parser: argparse.ArgumentParser, _: Any, asked: Any, *__: Any) -> NoReturn:
+        assert isinstance(parser, OneLineArgumentParser)
+        if asked is None:
+            text = parser.format_summary()
+        elif same_group("all", asked):
+            text = parser.format_help()
+        else:
+            text = parser.format_group(asked)  # an unknown group: one line, exit status 2
+        sys.stdout.write(text)
+        parser.exit()
+
 
 class PrintVersion(argparse.Action):
-    """The seed's identity on the first line, byte for byte (tools compare it); the package
-    release on the second."""
+    """One line: the command's name and its package release (setup.cfg reads it from here)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **options: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **options)
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
-        print(f"{ID} {VERSION}\nmooncake-proxy {__version__} (package release)")
+        print(f"{parser.prog} {__version__}")
         parser.exit()
 
 
-# --help's sections, in the order an operator meets them: every setting in one (build_parser
-# checks, so that a new setting cannot be left out of --help).
+# --help's groups, in the order an operator meets them: the name --help=GROUP takes, what the
+# group is for, its settings. Every setting in one (build_parser checks, so that a new setting
+# cannot be left out of --help).
 FLAG_GROUPS: Final = (
-    ("the fleet: where the prefill and decode instances are",
+    ("Fleet", "where the prefill and decode instances are",
         ("prefills", "decodes", "prefill_dns", "decode_dns", "dns_interval", "dns_server")),
-    ("serving: where the proxy listens, and as what", ("config_file", "host", "port", "workers",
-        "loop", "log_level", "log_format", "otlp_traces_endpoint", "shutdown_timeout")),
-    ("health: when an instance leaves the rotation and comes back", ("health_interval",
+    ("Serving", "where the proxy listens, and as what", ("config_file", "host", "port",
+        "workers", "loop", "log_level", "log_format", "otlp_traces_endpoint",
+        "shutdown_timeout")),
+    ("Health", "when an instance leaves the rotation and comes back", ("health_interval",
         "discovery_interval", "health_timeout", "unhealthy_after", "healthy_after",
         "panic_threshold")),
-    ("the legs: the proxy's requests to vLLM", ("upstream_api_key", "connect_timeout",
+    ("Legs", "the proxy's requests to vLLM", ("upstream_api_key", "connect_timeout",
         "keepalive_timeout", "request_timeout", "first_token_timeout", "prefill_timeout",
         "max_retries", "migration_limit", "max_connections", "pool_timeout")),
-    ("routing: which engine and which decode a request goes to", ("policy", "prefill_policy",
-        "decode_policy", "load_interval", "prefix_index_blocks", "prefix_block_bytes",
-        "balance_factor", "prefill_load_weight", "decode_load_weight", "peers")),
-    ("KV events: routing on what each engine holds", ("kv_events_port",
+    ("Routing", "which engine and which decode a request goes to", ("policy",
+        "prefill_policy", "decode_policy", "load_interval", "prefix_index_blocks",
+        "prefix_block_bytes", "balance_factor", "prefill_load_weight", "decode_load_weight",
+        "peers")),
+    ("KV-events", "routing on what each engine holds", ("kv_events_port",
         "kv_events_replay_port", "kv_events", "tokenizer")),
-    ("limits: what clients may ask, and how long they may take", ("max_request_bytes",
+    ("Limits", "what clients may ask, and how long they may take", ("max_request_bytes",
         "max_in_flight", "max_queue", "queue_timeout", "header_timeout", "body_timeout",
         "body_min_rate", "max_client_connections", "client_keepalive_timeout")),
-    ("access: who may call the proxy, and how", ("api_key", "protect_metrics", "ssl_keyfile",
-        "ssl_certfile", "ssl_ca_certs", "upstream_ca_certs", "allowed_origins",
+    ("Access", "who may call the proxy, and how", ("api_key", "protect_metrics",
+        "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "upstream_ca_certs", "allowed_origins",
         "allowed_methods", "allowed_headers", "allow_credentials")),
 )  # fmt: skip
+
+
+def same_group(name: str, asked: str) -> bool:
+    """--help=GROUP names a group without regard to case, dashes, underscores or spaces."""
+    return re.sub(r"[-_\s]", "", asked).lower() == re.sub(r"[-_\s]", "", name).lower()
+
+
+def group_title(name: str) -> str:
+    """A group's section title in --help=all and docs/reference.md."""
+    return next(f"{name}: {about}" for named, about, _ in FLAG_GROUPS if named == name)
+
+
+SHORT_USAGE: Final = (
+    "usage: mooncake-proxy --prefill URL [BOOTSTRAP] --decode URL [URL ...] [options]"
+)
+
+HELP_FOOTER: Final = (
+    f"Every flag is also an environment variable, {ENV_PREFIX}<FLAG>, and a key of the --config "
+    "file."
+)
+
+# --help on one screen (40 lines at most, test_front_door.py): what the proxy is, the command
+# lines of the README, the groups (format_summary lists them between these two parts).
+HELP_SUMMARY: Final = (
+    (
+        "A prefill/decode disaggregation proxy for vLLM's MooncakeConnector: clients see one",
+        "OpenAI-compatible server, and each request's prefill and decode run on two instances.",
+        "",
+        "One prefill (its Mooncake bootstrap server on port 8998) and one decode:",
+        "  mooncake-proxy --prefill http://10.0.0.1:8100 8998 --decode http://10.0.0.3:8200",
+        "More of each, listening on every interface:",
+        "  mooncake-proxy --host 0.0.0.0 --port 8000 \\",
+        "      --prefill http://10.0.0.1:8100 8998 --prefill http://10.0.0.2:8100 8998 \\",
+        "      --decode http://10.0.0.3:8200 http://10.0.0.4:8200",
+        "From a settings file (its keys are the flags' names: deploy/mooncake-proxy.toml):",
+        "  mooncake-proxy --config /etc/mooncake-proxy/proxy.toml",
+        "",
+        "Options, in groups: --help=GROUP shows one group's, --help=all every option.",
+    ),
+    (
+        f"Every flag is also an environment variable, {ENV_PREFIX}<FLAG>, and a key of the",
+        "--config file; the command line wins over the environment, the environment over the",
+        "file. --version prints the version.",
+    ),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -9602,15 +9694,37 @@ def build_parser() -> argparse.ArgumentParser:
             "'http://10.0.0.1:8100 8998, http://10.0.0.2:8100' (entries separated by commas), "
             f"{ENV_PREFIX}DECODE='http://10.0.0.3:8200 http://10.0.0.4:8200'."
         ),
+        add_help=False,
+    )
+    names = ", ".join(name for name, _, _ in FLAG_GROUPS)
+    parser.add_argument(
+        "-h",
+        "--help",
+        action=ShowHelp,
+        help=f"one screen of help; --help=all: every option; --help=GROUP: one group's ({names})",
     )
     parser.add_argument("--version", action=PrintVersion, help="print the version and exit")
-    grouped = [name for _, names in FLAG_GROUPS for name in names]
+    grouped = [name for _, _, names in FLAG_GROUPS for name in names]
     assert sorted(grouped) == sorted(SETTINGS_BY_NAME), "FLAG_GROUPS: each setting once"
-    for title, names in FLAG_GROUPS:
-        group = parser.add_argument_group(title)
-        for name in names:
-            SETTINGS_BY_NAME[name].add_to(group)
+    for name, _, settings in FLAG_GROUPS:
+        group = parser.add_argument_group(group_title(name))
+        for setting in settings:
+            SETTINGS_BY_NAME[setting].add_to(group)
     return parser
+
+
+def cannot_listen(config: ProxyConfig, error: OSError) -> str:
+    """Why the listen address could not be bound, and for the usual reasons what to do."""
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    where = f"cannot listen on {host}:{config.port}"
+    if error.errno == errno.EADDRINUSE:
+        return (
+            f"{where}: the port is in use (another mooncake-proxy, or another server, is "
+            "listening there); pass --port N for another port, or --port 0 for any free one"
+        )
+    if error.errno == errno.EACCES and 0 < config.port < 1024:
+        return f"{where}: ports below 1024 need root (or CAP_NET_BIND_SERVICE); pass --port N"
+    return f"{where}: {error.strerror or error}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -9629,9 +9743,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sockets = bind_listeners(config.host, config.port, config.workers)
     except OSError as error:
-        reason = error.strerror or str(error)
-        where = f"{config.host}:{config.port}"
-        print(f"{parser.prog}: error: cannot listen on {where}: {reason}", file=sys.stderr)
+        print(f"{parser.prog}: error: {cannot_listen(config, error)}", file=sys.stderr)
         return 1
     host, port = sockets[0].getsockname()[:2]
     details = f"{config.workers} worker(s), {'uvloop' if loop_factory else 'asyncio'} loop"

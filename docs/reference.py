@@ -1,6 +1,6 @@
 """Write docs/reference.md from the proxy's own argparse parser (``make reference``).
 
-The page is generated so that it cannot drift from ``--help``: one section per argument group
+The page is generated so that it cannot drift from ``--help=all``: one section per argument group
 of ``mooncake_proxy.build_parser()``, in the parser's order (empty groups left out), each flag
 with its metavar, its default and its help. tests/test_docs.py fails when the page is stale.
 """

@@ -32,9 +32,11 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
+import os
 import random
 import signal
 import socket
@@ -2696,6 +2698,28 @@ async def start_fake(fake: FakeVllm, runners: list[web.AppRunner]) -> RunningFak
     return RunningFake(fake, fake.api_url, bootstrap)
 
 
+def port_taken(port: int) -> str | None:
+    """What to say when the demo's proxy could not listen on 127.0.0.1:``port``; None when it
+    could (bound here as the proxy binds, with SO_REUSEADDR, so a connection of an earlier run
+    in TIME_WAIT does not count)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                return None  # the proxy will say what it is
+        else:
+            return None
+    # Run by make (which tells its commands MAKELEVEL), the flag goes through ARGS.
+    how = 'make demo ARGS="--port {}"' if "MAKELEVEL" in os.environ else "--port {}"
+    return (
+        f"cannot listen on 127.0.0.1:{port}: the port is in use (another demo, proxy or vLLM "
+        f"is listening there); pass {how.format('N')} for another port, or "
+        f"{how.format(0)} for any free one"
+    )
+
+
 DEMO_READY_TIMEOUT = 20.0
 DEMO_REQUEST_TIMEOUT = 30.0
 
@@ -2734,6 +2758,9 @@ async def demo(once: bool, port: int) -> int:
     assert task is not None
     for signum in (signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(signum, task.cancel)
+    if port and (problem := port_taken(port)):
+        print(f"demo: {problem}", file=sys.stderr)  # before anything starts
+        return 1
     runners: list[web.AppRunner] = []
     cluster = [
         await start_fake(FakeVllm("prefill", dp_size=2), runners),
