@@ -15,28 +15,34 @@ Run it as vLLM's example proxy is run::
 
 ``python mooncake_proxy.py --help`` is one screen, ``--help=all`` every flag; docs/ the manual.
 
-The module, in chapters (each opens with a banner saying what it holds and what it uses)::
+The module, in chapters in the order a request travels (each opens with a banner saying what
+it holds and which chapters it uses; tests/test_module_shape.py checks those)::
 
      1. Identity and defaults     names, version, wire constants
      2. Configuration             ProxyConfig (frozen), its SETTINGS, flags/env/TOML loading
-     3. Errors and state          ProxyError (status + OpenAI type), ProxyState, STATE_KEY
-     4. HTTP handlers             the routes and the middleware; a request starts here
-     5. The PD flow               run_pd_request: the protocol's steps; Exchange and Attempt
-                                  (tries, failover), the prefill beside the decode, the relay;
-                                  a stream going on elsewhere (StreamJournal, migration)
-     6. Request bodies, admission what each leg is sent; decode-alone requests; the limits
-     7. The legs, client conns    HttpLeg/UpstreamPool (our HTTP client); the client's side
-     8. Routing                   RouteKey, prefix index, load view, Router (tuned numbers first)
-     9. KV events, tokenizer      vLLM's KV cache events over ZMQ, the model's tokenizer
-    10. The fleet                 instances and engines; health, discovery, load, DNS
-    11. Metrics, tracing          the Prometheus table, access log, OpenTelemetry
-    12. The application           create_app: resources (cleanup_ctx) and background coroutines
-    13. The process               serve, reload, drain, systemd, the --workers Supervisor
-    14. Command line              build_parser (grouped --help), main
+     3. Errors and state          ProxyError (status + OpenAI type), the failure vocabulary
+                                  (Unreachable, KvLoadFailed, StreamCut), ProxyState
+     4. The front door            the middleware and the handlers; a request starts here
+     5. The plan and admission    the API table (Api), Plan and plan_request; Admission
+     6. The run                   run_pd_request: the protocol's steps; Exchange, Tries and
+                                  Attempt (failover), the prefill beside the decode, the legs'
+                                  bodies and headers
+     7. The stream                the relay (relay_body, DecodeRelay); a stream going on
+                                  elsewhere (StreamJournal, Exchange.migrate)
+     8. The legs, client conns    HttpLeg/UpstreamPool (our HTTP client); the client's side
+     9. Routing                   RouteKey, prefix index, load view, Router; Serving (a model's
+                                  group, which a request's claims are made of)
+    10. KV events, tokenizer      vLLM's KV cache events over ZMQ, the model's tokenizer
+    11. The fleet                 instances and engines; health, discovery, load, DNS
+    12. Metrics, tracing          the Prometheus table, access log, OpenTelemetry
+    13. The application           create_app: resources (cleanup_ctx) and background coroutines
+    14. The process               serve, reload, drain, systemd, the --workers Supervisor
+    15. Command line              build_parser (grouped --help), main
 
-A streamed chat completion reads top to bottom: handle_completion (4) -> run_pd_request (5)
--> Exchange.attempt, which routes (8) among the fleet (10) -> send_prefill beside
-Attempt.relay_decode on the legs (7) -> relay_body and DecodeRelay (5) to the last byte.
+A streamed chat completion reads top to bottom: front_middleware and handle_completion (4) ->
+plan_request (5) -> run_pd_request (6) -> Exchange.attempt, which claims from the model's
+serving group (9) -> send_prefill beside Attempt.relay_decode on the legs (8) -> relay_body and
+DecodeRelay (7) to the last byte. docs/flow.md lists each definition it enters, in order.
 """
 
 from __future__ import annotations
@@ -117,12 +123,15 @@ except ImportError as missing:  # one line instead of a traceback, saying what t
 
 # ================================================================================================
 # 1. Identity and defaults
-# Holds the process's name, version and wire constants every chapter shares. Uses: nothing.
+# Holds the process's name, version and the wire constants every chapter shares. Uses: 11.
 # ================================================================================================
+
 
 log = logging.getLogger("mooncake_proxy")
 
+
 T = TypeVar("T")
+
 
 B = TypeVar("B", bound="Backend")
 
@@ -153,20 +162,28 @@ def _fast_loads() -> Callable[[bytes | bytearray | memoryview], Any] | None:
 # memory was 3.1 times the body through orjson, 2.6 through the stdlib (which lets the bytes
 # go before it builds the objects), and at that size memory is what counts.
 FAST_LOADS_LIMIT: Final = 4 << 20
+
+
 FAST_LOADS: Final = _fast_loads()
+
 
 # Byte-stable identity that tools launching the proxy record as evidence (the seed's values).
 ID: Final = "inferlab-vllm-mooncake-proxy"
 
+
 VERSION: Final = 1
 
+
 USER_AGENT: Final = f"{ID}/{VERSION}"
+
 
 # The package's own release (setup.cfg reads it from here).
 __version__ = "1.0.0"
 
+
 # vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT default: one bootstrap server per prefill instance.
 DEFAULT_BOOTSTRAP_PORT: Final = 8998
+
 
 # Prompts are hashed in blocks of --prefix-block-bytes (512 by default: about 128 tokens at 4
 # bytes a token, vLLM's block size on the CPU). A GPU's 16-token blocks are finer, but a few
@@ -174,23 +191,30 @@ DEFAULT_BOOTSTRAP_PORT: Final = 8998
 # prompt is then 2,048 blocks, hashed in about a millisecond.
 ROUTING_BLOCK_BYTES: Final = 512
 
+
 LISTEN_BACKLOG: Final = 1024
+
 
 # Every flag can also be set as MOONCAKE_PROXY_<FLAG> (systemd EnvironmentFile); flags win.
 ENV_PREFIX: Final = "MOONCAKE_PROXY_"
 
+
 COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
+
 
 # OpenAI's Responses API, which vLLM serves in PD as the completions (PROTOCOL.md: the prefill's
 # cap is max_output_tokens, and its events are named and end without [DONE]).
 RESPONSES_PATH: Final = "/v1/responses"
 
+
 # vLLM's token-in/token-out route (served with --enable-scale-out), PD as the completions but
 # for where the fields are: the prompt is token_ids, the cap and stops are in sampling_params.
 GENERATE_PATH: Final = "/inference/v1/generate"
 
+
 # The routes whose requests take the PD flow.
 PD_PATHS: Final = (*COMPLETION_PATHS, RESPONSES_PATH, GENERATE_PATH)
+
 
 # vLLM's other routes (0.32, PROTOCOL.md) that answer from one instance: passed through whole to
 # a decode, which computes what they ask itself (handle_passthrough). Each is its own route
@@ -214,21 +238,28 @@ PASSTHROUGH_ROUTES: Final = (
     ),
 )
 
+
 # Routes whose errors vLLM writes in Anthropic's shape: the proxy does not answer an unknown
 # model there itself (an instance does, in that shape).
 ANTHROPIC_PATHS: Final = ("/v1/messages", "/v1/messages/count_tokens")
+
 
 # vLLM's routes that change an instance: sent to every one (handle_every_instance), as the
 # two legs of a request must find the same LoRA adapter on the prefill and on the decode.
 EVERY_INSTANCE_PATHS: Final = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
+
 REQUEST_ID_HEADER: Final = "X-Request-Id"
+
 
 DP_RANK_HEADER: Final = "X-data-parallel-rank"
 
+
 PRIORITY_HEADER: Final = "X-Vllm-Priority"  # vLLM's, with --scheduling-policy priority
 
+
 SSE_CONTENT_TYPE: Final = "text/event-stream"
+
 
 # Headers that describe one hop, not the request (RFC 9110 section 7.6.1), plus the ones the
 # proxy sets itself on each leg. A client-sent DP rank must never steer the prefill.
@@ -246,6 +277,7 @@ HOP_BY_HOP_HEADERS: Final = frozenset(
     }
 )
 
+
 NOT_FORWARDED_HEADERS: Final = HOP_BY_HOP_HEADERS | {
     "host",
     "content-length",
@@ -262,10 +294,12 @@ NOT_FORWARDED_HEADERS: Final = HOP_BY_HOP_HEADERS | {
     "tracestate",
 }
 
+
 # W3C trace context: version, trace id, parent span id, flags (a later version may add more).
 TRACEPARENT_PATTERN: Final = re.compile(
     r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[^-].*)?"
 )
+
 
 # A client's own request id is kept for tracing only if it is short and harmless in logs.
 CLIENT_REQUEST_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -273,8 +307,8 @@ CLIENT_REQUEST_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 # ================================================================================================
 # 2. Configuration
-# Holds flags, environment and the TOML file parsed into one frozen ProxyConfig (SETTINGS names each
-# setting once). Uses: 1.
+# Holds ProxyConfig (every setting, frozen), its parsing from flags, environment and a TOML file,
+# and the Setting table (where each setting comes from and which are reloadable). Uses: 1, 8.
 # ================================================================================================
 
 
@@ -575,6 +609,7 @@ def header_value(text: str) -> str:
 
 
 TRUE_WORDS: Final = frozenset({"1", "true", "yes", "on"})
+
 
 FALSE_WORDS: Final = frozenset({"0", "false", "no", "off", ""})
 
@@ -1216,7 +1251,9 @@ SETTINGS: Final = tuple(
     Setting.of(declared) for declared in dataclasses.fields(ProxyConfig) if declared.metadata
 )
 
+
 SETTINGS_BY_KEY: Final = {option.key: option for option in SETTINGS}
+
 
 SETTINGS_BY_NAME: Final = {option.name: option for option in SETTINGS}
 
@@ -1290,8 +1327,9 @@ def load_config(
 
 # ================================================================================================
 # 3. Errors and state
-# Holds ProxyError, the one exception a request fails with (HTTP status and OpenAI error type), and
-# ProxyState, what the application holds. Uses: 1-2.
+# Holds ProxyError (one error type: HTTP status, OpenAI error type, the bytes to answer with) and
+# the failure vocabulary the flow speaks (Unreachable, KvLoadFailed, StreamCut, what a transport
+# error means), and ProxyState, what the application holds. Uses: 1-2, 5-6, 8, 10-12, 14.
 # ================================================================================================
 
 
@@ -1485,62 +1523,277 @@ class ProxyState:
 STATE_KEY: Final = web.AppKey("state", ProxyState)
 
 
-# ================================================================================================
-# 4. HTTP handlers
-# Holds the routes clients call, readiness and the middleware (access log, CORS, auth, errors). The
-# request path starts here: handle_completion -> run_pd_request (5). Uses: 1-3, 5, 10, 11.
-# ================================================================================================
+class ClientGone(Exception):
+    """Writing to the client failed: it closed its connection before its answer was whole."""
 
 
-def require_serving(state: ProxyState) -> None:
-    if state.draining:
-        raise ProxyError(503, "proxy is draining: it is shutting down")
+class KvLoadFailed(ProxyError):
+    """The decode of a PD pair failed before its first token: a 5xx, or a stream whose first
+    event is an error. vLLM fails a request whose KV pull failed so (its
+    kv_load_failure_policy "fail") and says nothing that tells it apart from other causes;
+    before a token nothing reached the client, so the pair starts again whole
+    (Exchange.try_again), and no instance leaves the rotation for it."""
+
+    # Its prefill instance and decode: the retry prefers others (Exchange.try_again).
+    pair: tuple[Backend, Backend] | None = None
+
+    @classmethod
+    def of(cls, attempt: Attempt, url: URL, why: str) -> KvLoadFailed:
+        """The failure, with the prefill instance checked at once: vLLM fails so a decode that
+        names the engine id of a prefill that restarted, and the next try should know the new
+        one (suspect_checked)."""
+        assert attempt.engine is not None  # a decode alone pulls no KV
+        prefill = attempt.engine.instance
+        prefill.recheck.set()
+        failure = cls(502, f"decode {url} failed before its first token: {why}", reason="kv_load")
+        failure.pair = prefill, attempt.decode
+        return failure
+
+    async def suspect_checked(self, within: float) -> None:
+        """Until the prefill instance's check (started by ``of``) has ended, for ``within``
+        seconds at most: a restarted prefill's new engine ids are then in place."""
+        if self.pair is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(within):
+                    await self.pair[0].checked.wait()
 
 
-def require_ready(state: ProxyState) -> Fleet:
-    fleet = state.fleet
-    require_serving(state)
-    if not fleet.ready:
-        missing = "prefill engine" if not fleet.engine_count else "decode instance"
-        raise ProxyError(503, f"proxy is not ready: no usable {missing}")
-    return fleet
+class StreamCut(ProxyError):
+    """A stream's decode failed after tokens reached the client (StreamJournal): its
+    connection was lost (``lost``), it sent an error, or its answer ended unfinished."""
+
+    def __init__(self, message: str, decode: DecodeInstance, *, lost: bool) -> None:
+        super().__init__(502, message, reason="broken" if lost else "in_band")
+        self.decode, self.lost = decode, lost
 
 
-async def read_body(request: web.Request, config: ProxyConfig) -> bytearray:
-    """The body, within --max-request-bytes (else 413) and its deadline (else 408).
+class Unreachable(ProxyError):
+    """A leg never reached its upstream: safe to try elsewhere, and a sign the host is down.
 
-    The deadline is --body-timeout plus a second per --body-min-rate bytes received, so a big
-    upload at a sane rate gets the time it needs while a trickle is cut off. Read here and not
-    with request.read(), which would keep a second copy for the whole request.
+    ``backend`` is the instance that could not be reached; None once no try is left.
     """
-    limit = config.max_request_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise ProxyError(413, f"request body of {request.content_length} bytes exceeds {limit}")
-    content = request.content
-    body = bytearray(content.read_nowait())  # what came with the head: most often all of it
-    if content.at_eof():
-        if len(body) > limit:
-            raise ProxyError(413, f"request body exceeds {limit} bytes")
-        return body
-    started = asyncio.get_running_loop().time()
+
+    def __init__(self, *args: Any, backend: Backend | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.backend = backend
+
+
+# Seconds a decode's 5xx waits for its prefill leg to fail too (a refused or reset connection
+# shows within a round trip); a prefill still computing is not waited for longer than this.
+PREFILL_FAILURE_GRACE: Final = 0.25
+
+
+# Refused or reset connections and connect timeouts; not a slow answer, not an HTTP status.
+UNREACHABLE_ERRORS: Final = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ConnectionTimeoutError,
+)
+
+
+def was_reset(error: BaseException) -> bool:
+    """A connection reset before the answer came: a restarting server closing its idle
+    keep-alive connections as the request was written on one (uvicorn does on SIGTERM)."""
+    if isinstance(error, aiohttp.ClientConnectionResetError):
+        return True
+    if not isinstance(error, aiohttp.ClientOSError):
+        return False
+    # A connection found closing as the body is written comes as "Can not write request
+    # body", a ClientOSError without an errno, the reset its cause (aiohttp 3.14).
+    return error.errno in RESET_ERRNOS or isinstance(error.__cause__, ConnectionResetError)
+
+
+RESET_ERRNOS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+
+
+def failure_detail(error: BaseException) -> str:
+    """What went wrong, in words: aiohttp's connect errors mention ssl even for plain http."""
+    if isinstance(error, aiohttp.ClientConnectorError) and not isinstance(
+        error, aiohttp.ClientSSLError
+    ):
+        return f"cannot connect to {error.host}:{error.port}: {os_error_reason(error.os_error)}"
+    return str(error) or type(error).__name__
+
+
+def os_error_reason(error: OSError) -> str:
+    # An SSLError's errno is OpenSSL's (1 for a certificate refused), not the system's.
+    if isinstance(error, ssl.SSLError):
+        return str(error)
+    if isinstance(error, socket.gaierror) or not error.errno:
+        return error.strerror or str(error) or type(error).__name__
+    return os.strerror(error.errno)
+
+
+def transport_error(
+    stage: str, url: URL, error: BaseException, backend: Backend | None = None
+) -> ProxyError:
+    """The one place that turns a failure to reach an upstream into the client's error: a
+    leg's (LegFailed, or its deadline) or a health check's (aiohttp's client)."""
+    if isinstance(error, LegFailed):
+        unreachable, timed_out = error.unreachable, error.timed_out
+    else:
+        unreachable = isinstance(error, UNREACHABLE_ERRORS) or was_reset(error)
+        timed_out = isinstance(error, TimeoutError)
+    status = 504 if timed_out else 502
+    if unreachable:
+        reason = "timeout" if timed_out else "refused"
+        message = f"{stage} {url} unreachable: {failure_detail(error)}"
+        return Unreachable(status, message, reason=reason, backend=backend)
+    if timed_out:
+        return ProxyError(status, f"{stage} {url} timed out", reason="timeout")
+    return ProxyError(status, f"{stage} {url} failed: {failure_detail(error)}", reason="broken")
+
+
+def upstream_failure(
+    stage: str, url: URL, leg: HttpLeg, body: bytes, suspect: Backend
+) -> ProxyError:
+    """An upstream's own error answer, passed on as it came. A 5xx has ``suspect`` checked at
+    once: vLLM answers a decode that names a stale engine id with an immediate 500."""
+    if leg.status >= 500:
+        suspect.recheck.set()
+    ctype = (leg.content_type or b"").decode("latin-1")
+    return ProxyError.from_upstream(stage, url, leg.status, body, ctype)
+
+
+def pool_exhausted(config: ProxyConfig, legs: str) -> ProxyError:
+    return ProxyError(
+        503,
+        f"all {config.max_connections} upstream connections allowed by --max-connections are "
+        f"in use; none came free within {config.pool_timeout:g} s (--pool-timeout) for {legs}",
+        reason="pool_timeout",
+        retry_after=1,
+    )
+
+
+# ================================================================================================
+# 4. The front door
+# Holds the middleware every request passes (ids, CORS, the API key, the access log) and the
+# handlers: a PD route's (handle_completion -> plan_request (5) -> run_pd_request (6)), and the
+# passthrough, models, health and metrics routes. Uses: 1-3, 5-6, 8, 11-12.
+# ================================================================================================
+
+
+@web.middleware
+async def front_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every request's one middleware, outermost first: its access line and metrics however
+    it ended; a browser's CORS preflight (answered before any key is asked for: browsers send
+    none with it); the --api-key check; and every failure as an OpenAI-style error body,
+    never a traceback. One frame, not four: each would cost a coroutine per request."""
+    state = request.app[STATE_KEY]
+    stats = request[STATS_KEY] = RequestStats(
+        request.method, route_label(request), loggable_path(request)
+    )
+    # Every request gets an id, for the access line and the client's X-Request-Id.
+    stats.request_id = mint_request_id(request.headers.get(REQUEST_ID_HEADER))
+    connection = request.protocol
+    if isinstance(connection, ClientConnection):
+        connection.head_received()
+    status = 499  # nginx's "client closed request", for a client that left before the answer
     try:
-        async with asyncio.timeout_at(started + config.body_timeout) as deadline:
-            while chunk := await request.content.readany():
-                body += chunk
-                if len(body) > limit:
-                    raise ProxyError(413, f"request body exceeds {limit} bytes")
-                allowed = config.body_timeout + len(body) / config.body_min_rate
-                deadline.reschedule(started + allowed)
-    except TimeoutError:
-        raise ProxyError(
-            408,
-            f"request body not received in time: {len(body)} bytes in "
-            f"{config.body_timeout + len(body) / config.body_min_rate:.1f} s "
-            f"(--body-timeout {config.body_timeout:g} s plus 1 s per --body-min-rate "
-            f"{config.body_min_rate} bytes)",
-            reason="body_timeout",
-        ) from None
-    return body
+        response: web.StreamResponse | None = preflight(request, state.config)
+        if response is None:
+            try:
+                require_key(request, state.config)
+                response = await handler(request)
+            except Exception as error:
+                response = error_response(request, stats, error)
+        status = response.status
+        if not response.prepared and isinstance(response, web.Response):
+            stats.bytes_out = response.content_length or 0
+        if state.draining:
+            response.force_close()  # the client's next request goes to a proxy that stays
+        return response
+    except asyncio.CancelledError:
+        # 499 (nginx's "client closed request") only if the client left before the answer began.
+        status = stats.status_sent or status
+        stats.outcome = "client_gone"
+        state.metrics.errors.labels("client", "client_gone").inc()
+        raise
+    finally:
+        record_request(state.metrics, stats, status)
+        if isinstance(connection, ClientConnection):
+            connection.request_done()
+
+
+def route_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+def loggable_path(request: web.BaseRequest) -> str:
+    """The request's path as the client sent it, cut short and safe for one log line."""
+    path = request.raw_path
+    path = path if len(path) <= 200 else f"{path[:200]}..."
+    return path if path.isprintable() and path.isascii() else ascii(path)[1:-1]
+
+
+def mint_request_id(client_request_id: str | None) -> str:
+    """A request id unique across restarts and replicas: random, never a counter.
+
+    A client's own id is kept as a prefix so it shows in vLLM's logs and response ids, but the
+    random part keeps two requests with the same client id from sharing a ``transfer_id``.
+    """
+    suffix = os.urandom(16).hex()  # a random UUID's 32 hex digits, without making one
+    if client_request_id and CLIENT_REQUEST_ID_PATTERN.fullmatch(client_request_id):
+        return f"{client_request_id}-{suffix}"
+    return suffix
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def preflight(request: web.Request, config: ProxyConfig) -> web.Response | None:
+    """With --allowed-origins, the answer to a browser's preflight (OPTIONS with Origin and
+    Access-Control-Request-Method); None for any other request. The other answers get their
+    CORS headers as they are prepared (cors_headers), streams too."""
+    if not config.allowed_origins or request.method != "OPTIONS":
+        return None
+    origin = request.headers.get(hdrs.ORIGIN)
+    asked = request.headers.get(hdrs.ACCESS_CONTROL_REQUEST_METHOD)
+    if not origin or not asked:
+        return None
+    refused = []
+    if not cors_allows(config.allowed_origins, origin):
+        refused.append("origin")
+    if "*" not in config.allowed_methods and asked.upper() not in config.allowed_methods:
+        refused.append("method")
+    wanted = request.headers.get(hdrs.ACCESS_CONTROL_REQUEST_HEADERS, "")
+    names = {name.strip().lower() for name in wanted.split(",") if name.strip()}
+    allowed = {name.lower() for name in config.allowed_headers}
+    if "*" not in allowed and not names <= allowed:
+        refused.append("headers")
+    if refused:
+        return web.Response(status=400, text=f"Disallowed CORS {', '.join(refused)}")
+    methods = config.allowed_methods
+    listed = CORS_ALL_METHODS if "*" in methods else ", ".join(methods)
+    headers = {hdrs.ACCESS_CONTROL_ALLOW_METHODS: listed, hdrs.ACCESS_CONTROL_MAX_AGE: "600"}
+    if wanted:
+        headers[hdrs.ACCESS_CONTROL_ALLOW_HEADERS] = (
+            wanted if "*" in allowed else ", ".join(config.allowed_headers)
+        )
+    return web.Response(status=200, text="OK", headers=headers)
+
+
+def cors_allows(origins: Sequence[str], origin: str) -> bool:
+    return "*" in origins or origin in origins
+
+
+def require_key(request: web.Request, config: ProxyConfig) -> None:
+    """With --api-key, /v1/* and /inference/* (and /metrics with --protect-metrics) need the
+    bearer key."""
+    if config.api_key and (
+        request.path.startswith(("/v1/", "/inference/"))  # as vLLM's --api-key guards them
+        or (config.protect_metrics and request.path == "/metrics")
+    ):
+        supplied = request.headers.get(hdrs.AUTHORIZATION, "").encode()
+        # Constant time: how much of a guess matched must not show in the answer's timing.
+        if not hmac.compare_digest(supplied, f"Bearer {config.api_key}".encode()):
+            raise ProxyError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+
+
+# What a preflight's answer allows where --allowed-methods is '*' (Starlette's, as vLLM's).
+CORS_ALL_METHODS: Final = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
@@ -1790,6 +2043,20 @@ async def handle_stored_response(request: web.Request) -> web.Response:
     )
 
 
+def require_ready(state: ProxyState) -> Fleet:
+    fleet = state.fleet
+    require_serving(state)
+    if not fleet.ready:
+        missing = "prefill engine" if not fleet.engine_count else "decode instance"
+        raise ProxyError(503, f"proxy is not ready: no usable {missing}")
+    return fleet
+
+
+def require_serving(state: ProxyState) -> None:
+    if state.draining:
+        raise ProxyError(503, "proxy is draining: it is shutting down")
+
+
 def require_json(request: web.Request) -> None:
     """A body declared JSON, as vLLM requires before it reads one (its answer, and status, to
     anything else; a form or text/plain re-sent as JSON would only meet that answer later)."""
@@ -1894,99 +2161,79 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return response
 
 
-@web.middleware
-async def front_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every request's one middleware, outermost first: its access line and metrics however
-    it ended; a browser's CORS preflight (answered before any key is asked for: browsers send
-    none with it); the --api-key check; and every failure as an OpenAI-style error body,
-    never a traceback. One frame, not four: each would cost a coroutine per request."""
-    state = request.app[STATE_KEY]
-    stats = request[STATS_KEY] = RequestStats(
-        request.method, route_label(request), loggable_path(request)
-    )
-    # Every request gets an id, for the access line and the client's X-Request-Id.
-    stats.request_id = mint_request_id(request.headers.get(REQUEST_ID_HEADER))
-    connection = request.protocol
-    if isinstance(connection, ClientConnection):
-        connection.head_received()
-    status = 499  # nginx's "client closed request", for a client that left before the answer
+async def read_body(request: web.Request, config: ProxyConfig) -> bytearray:
+    """The body, within --max-request-bytes (else 413) and its deadline (else 408).
+
+    The deadline is --body-timeout plus a second per --body-min-rate bytes received, so a big
+    upload at a sane rate gets the time it needs while a trickle is cut off. Read here and not
+    with request.read(), which would keep a second copy for the whole request.
+    """
+    limit = config.max_request_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise ProxyError(413, f"request body of {request.content_length} bytes exceeds {limit}")
+    content = request.content
+    body = bytearray(content.read_nowait())  # what came with the head: most often all of it
+    if content.at_eof():
+        if len(body) > limit:
+            raise ProxyError(413, f"request body exceeds {limit} bytes")
+        return body
+    started = asyncio.get_running_loop().time()
     try:
-        response: web.StreamResponse | None = preflight(request, state.config)
-        if response is None:
-            try:
-                require_key(request, state.config)
-                response = await handler(request)
-            except Exception as error:
-                response = error_response(request, stats, error)
-        status = response.status
-        if not response.prepared and isinstance(response, web.Response):
-            stats.bytes_out = response.content_length or 0
-        if state.draining:
-            response.force_close()  # the client's next request goes to a proxy that stays
-        return response
-    except asyncio.CancelledError:
-        # 499 (nginx's "client closed request") only if the client left before the answer began.
-        status = stats.status_sent or status
-        stats.outcome = "client_gone"
-        state.metrics.errors.labels("client", "client_gone").inc()
-        raise
-    finally:
-        record_request(state.metrics, stats, status)
-        if isinstance(connection, ClientConnection):
-            connection.request_done()
+        async with asyncio.timeout_at(started + config.body_timeout) as deadline:
+            while chunk := await request.content.readany():
+                body += chunk
+                if len(body) > limit:
+                    raise ProxyError(413, f"request body exceeds {limit} bytes")
+                allowed = config.body_timeout + len(body) / config.body_min_rate
+                deadline.reschedule(started + allowed)
+    except TimeoutError:
+        raise ProxyError(
+            408,
+            f"request body not received in time: {len(body)} bytes in "
+            f"{config.body_timeout + len(body) / config.body_min_rate:.1f} s "
+            f"(--body-timeout {config.body_timeout:g} s plus 1 s per --body-min-rate "
+            f"{config.body_min_rate} bytes)",
+            reason="body_timeout",
+        ) from None
+    return body
 
 
-def require_key(request: web.Request, config: ProxyConfig) -> None:
-    """With --api-key, /v1/* and /inference/* (and /metrics with --protect-metrics) need the
-    bearer key."""
-    if config.api_key and (
-        request.path.startswith(("/v1/", "/inference/"))  # as vLLM's --api-key guards them
-        or (config.protect_metrics and request.path == "/metrics")
-    ):
-        supplied = request.headers.get(hdrs.AUTHORIZATION, "").encode()
-        # Constant time: how much of a guess matched must not show in the answer's timing.
-        if not hmac.compare_digest(supplied, f"Bearer {config.api_key}".encode()):
-            raise ProxyError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+def parse_request_json(raw: bytes | bytearray) -> dict[str, Any]:
+    """The client's body as a JSON object, or a 400 saying what is wrong with it.
 
-
-# What a preflight's answer allows where --allowed-methods is '*' (Starlette's, as vLLM's).
-CORS_ALL_METHODS: Final = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
-
-
-def preflight(request: web.Request, config: ProxyConfig) -> web.Response | None:
-    """With --allowed-origins, the answer to a browser's preflight (OPTIONS with Origin and
-    Access-Control-Request-Method); None for any other request. The other answers get their
-    CORS headers as they are prepared (cors_headers), streams too."""
-    if not config.allowed_origins or request.method != "OPTIONS":
-        return None
-    origin = request.headers.get(hdrs.ORIGIN)
-    asked = request.headers.get(hdrs.ACCESS_CONTROL_REQUEST_METHOD)
-    if not origin or not asked:
-        return None
-    refused = []
-    if not cors_allows(config.allowed_origins, origin):
-        refused.append("origin")
-    if "*" not in config.allowed_methods and asked.upper() not in config.allowed_methods:
-        refused.append("method")
-    wanted = request.headers.get(hdrs.ACCESS_CONTROL_REQUEST_HEADERS, "")
-    names = {name.strip().lower() for name in wanted.split(",") if name.strip()}
-    allowed = {name.lower() for name in config.allowed_headers}
-    if "*" not in allowed and not names <= allowed:
-        refused.append("headers")
-    if refused:
-        return web.Response(status=400, text=f"Disallowed CORS {', '.join(refused)}")
-    methods = config.allowed_methods
-    listed = CORS_ALL_METHODS if "*" in methods else ", ".join(methods)
-    headers = {hdrs.ACCESS_CONTROL_ALLOW_METHODS: listed, hdrs.ACCESS_CONTROL_MAX_AGE: "600"}
-    if wanted:
-        headers[hdrs.ACCESS_CONTROL_ALLOW_HEADERS] = (
-            wanted if "*" in allowed else ", ".join(config.allowed_headers)
-        )
-    return web.Response(status=200, text="OK", headers=headers)
-
-
-def cors_allows(origins: Sequence[str], origin: str) -> bool:
-    return "*" in origins or origin in origins
+    A bytearray is consumed: it is emptied once decoded, so that a large body is never held as
+    bytes, text and objects at once (json.loads of bytes would keep all three).
+    """
+    if not raw or raw.isspace():
+        raise ProxyError(400, "request body is empty: expected a JSON object")
+    body: object = None
+    if FAST_LOADS is not None and len(raw) <= FAST_LOADS_LIMIT:
+        # orjson reads strict UTF-8 JSON as the stdlib does; what it refuses (other encodings,
+        # a BOM, lone surrogates, integers past 64 bits, NaN, deep nesting) is read below,
+        # which accepts or refuses it as before, with the stdlib's words. Read through a view:
+        # given a bytearray itself, orjson copies it first; the view goes before the bytes.
+        with contextlib.suppress(ValueError), memoryview(raw) as view:
+            body = FAST_LOADS(view)
+    if isinstance(body, dict):
+        if isinstance(raw, bytearray):
+            raw.clear()
+        return body
+    try:
+        # What json.loads does with bytes, done here so the bytes can go before parsing.
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    except UnicodeDecodeError as error:
+        raise ProxyError(400, f"request body is not valid JSON: {error}") from None
+    if isinstance(raw, bytearray):
+        raw.clear()
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ProxyError(400, "request body is nested too deeply") from None
+    except ValueError as error:  # JSONDecodeError, invalid UTF-8, oversized integers
+        raise ProxyError(400, f"request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, f"request body must be a JSON object, not {type(body).__name__}")
+    return body
 
 
 async def cors_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
@@ -2038,9 +2285,10 @@ def error_response(
 
 
 # ================================================================================================
-# 4b. The plan
-# Holds the API table (one Api row per route the PD flow serves: where its fields are, what it
-# refuses) and the Plan a request is given once, before any claim (plan_request).
+# 5. The plan and admission
+# Holds the API table (one Api row per PD route: where its prompt, cap and stops are, how its stream
+# is written, what it refuses), the Plan a request is given once before any claim (plan_request),
+# and its turn to run (Admission). Uses: 1-3, 8-9.
 # ================================================================================================
 
 
@@ -2091,10 +2339,14 @@ COMPLETIONS_API: Final = Api(
     COMPLETION_PATHS[0], "prompt", chat=False, conversation=False, sampling=None,
     cap="max_tokens", stores=False, batch=True, named_events=False, tokenized_here=True,
 )  # fmt: skip
+
+
 CHAT_API: Final = Api(
     COMPLETION_PATHS[1], "messages", chat=True, conversation=True, sampling=None,
     cap="max_tokens", stores=False, batch=False, named_events=False, tokenized_here=True,
 )  # fmt: skip
+
+
 # Its events are not rebuilt from token ids; its items are rendered by vLLM, not the
 # proxy's tokenizer.
 RESPONSES_API: Final = Api(
@@ -2102,12 +2354,15 @@ RESPONSES_API: Final = Api(
     cap="max_output_tokens", stores=True, batch=False, named_events=True, tokenized_here=False,
     continues="a Responses stream is not continued elsewhere", refuse=refuse_stored_responses,
 )  # fmt: skip
+
+
 # A continuation is a completion's request, whose prompt is token ids: not this one's events.
 GENERATE_API: Final = Api(
     GENERATE_PATH, "token_ids", chat=False, conversation=False, sampling="sampling_params",
     cap="max_tokens", stores=False, batch=False, named_events=False, tokenized_here=True,
     continues="a generate stream is not continued elsewhere",
 )  # fmt: skip
+
 
 API_ROUTES: Final[Mapping[str, Api]] = {
     api.path: api for api in (COMPLETIONS_API, CHAT_API, RESPONSES_API, GENERATE_API)
@@ -2163,12 +2418,235 @@ def plan_request(
     return Plan(api, model, group, stream, route, alone, why, shared)
 
 
+# The fields of a request that a continuation cannot give as the decode would have: outputs
+# computed over the prompt (logprobs, echo, suffix), output a grammar constrains or a chat's
+# tool parser reads (/v1/completions would not go on with either), embeddings as prompt, and
+# what vLLM computes over the output alone, which the continuation's prompt would hold
+# (presence and frequency penalties, bad words; repetition_penalty counts prompt and output
+# alike, and goes on unchanged).
+UNMIGRATABLE_FIELDS: Final = (
+    *("logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "prompt_embeds"),
+    *("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+    *("response_format", "tools", "presence_penalty", "frequency_penalty", "bad_words"),
+)
+
+
+def fans_out(path: str, body: Mapping[str, Any]) -> str | None:
+    """Why vLLM would split this request (the field that says so), or None if it would not.
+    Values are read as vLLM's validation reads them: "3" and 3.0 are 3."""
+    api = API_ROUTES[path]
+    fields = body.get(api.sampling) if api.sampling is not None else body
+    fields = fields if isinstance(fields, dict) else {}
+    for name in SAMPLE_COUNTS:
+        if lax_int(fields.get(name)) > 1:
+            return name
+    if lax_bool(body.get("use_beam_search")):
+        return "use_beam_search"
+    if api.batch and is_prompt_batch(body.get(api.prompt)):
+        return "prompt"
+    return None
+
+
+def lax_int(value: object) -> int:
+    """An integer as pydantic reads one in its lax mode; 0 for anything else."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) else 0
+
+
+def lax_bool(value: object) -> bool:
+    """True as pydantic reads it in its lax mode."""
+    if isinstance(value, str):
+        return value.strip().lower() in {"1", "true", "t", "yes", "y", "on"}
+    return isinstance(value, int | float) and value == 1  # True among them
+
+
+def is_prompt_batch(prompt: object) -> bool:
+    """More than one prompt: a list of texts or of token lists (a list of ints is one)."""
+    return (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(one, str | list) for one in prompt)
+    )
+
+
+# The fields either leg sets or drops (prefill_body, decode_body, alone_body). The rest of the
+# client's body is the same on both legs, and is encoded once for both (SharedBody).
+LEG_FIELDS: Final = (
+    *("stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens"),
+    *("stop", "stop_token_ids", "ignore_eos", "kv_transfer_params", "return_token_ids"),
+    *("max_output_tokens", "store", "sampling_params"),
+)
+
+
+# A leg's body as it goes on the wire, in pieces written one after the other.
+LegPayload = tuple[bytes | memoryview, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBody:
+    """What every leg of a request sends of the client's body: its fields but LEG_FIELDS,
+    encoded once. A large prompt is then held once for both legs (and every retry) instead of
+    once per leg, and encoded once."""
+
+    json: bytes  # a JSON object, b"{...}"
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> SharedBody:
+        return cls(
+            encode_json({key: value for key, value in body.items() if key not in LEG_FIELDS})
+        )
+
+    def with_fields(self, leg: Mapping[str, Any]) -> LegPayload:
+        """``leg`` (a body the rewriting functions made from the client's) on the wire: the
+        shared encoding, then the leg's own fields. The same object vLLM would have received
+        in one piece, its keys in another order."""
+        own = {key: leg[key] for key in LEG_FIELDS if key in leg}
+        if not own:
+            return (self.json,)
+        tail = encode_json(own)
+        if self.json == b"{}":
+            return (tail,)
+        return memoryview(self.json)[:-1], b"," + tail[1:]
+
+
+def unmigratable(body: Mapping[str, Any], limit: int) -> str | None:
+    """Why a stream could not go on token for token on another pair (None: it can)."""
+    if limit == 0:
+        return "--migration-limit is 0"
+    for name in UNMIGRATABLE_FIELDS:
+        value = body.get(name)
+        if value is None or value is False or value == [] or value == {}:
+            continue  # not asked for (logprobs 0 is: the sampled token's)
+        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+            continue
+        if name == "tools" and body.get("tool_choice") == "none":
+            continue
+        if name.endswith("_penalty") and not lax_float(value):
+            continue
+        return f"it asks for {name}"
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return "it asks for continuous_usage_stats"
+    if (media := media_part(body.get("messages"))) is not None:
+        return f"its messages hold {media}, which a continuation of token ids would not see"
+    return None
+
+
+def media_part(messages: object) -> str | None:
+    """The first content part of a chat's messages that is not text (an image, audio, a
+    video): vLLM computes it into the prompt apart from the token ids that stand for it."""
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                return f"a content part of type {kind!r}"
+    return None
+
+
+def lax_float(value: object) -> float:
+    """A number as pydantic reads one in its lax mode; 0.0 for anything else."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return float(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return 0.0
+
+
+# vLLM splits a request with these fields into several that all carry its kv_transfer_params,
+# each computing the prompt on the prefill and pulling it on the decode under the one
+# transfer_id. Mooncake hands a transfer to one puller: the others wait out vLLM's KV timeout
+# (seen on vLLM 0.32 through PD: 3 of 23 requests with n > 1 hung until it, most on prompts
+# the decode had cached before), or load another prompt's KV (a batch of prompts came back
+# with wrong text, with no error). Beam search sends requests of its own, which never pull the
+# KV at all. Such requests go to a decode alone, which computes the prompt itself.
+SAMPLE_COUNTS: Final = ("n", "best_of")
+
+
+def request_priority(request: web.Request, body: Mapping[str, Any]) -> int:
+    """vLLM's request priority (lower runs first): the body's, else X-Vllm-Priority, else 0.
+    Both go to the legs unchanged; here it only orders the proxy's own queue."""
+    given = body.get("priority", request.headers.get(PRIORITY_HEADER))
+    try:
+        return int(given) if given is not None and not isinstance(given, bool) else 0
+    except (TypeError, ValueError):
+        return 0  # vLLM answers the bad value itself; the queue only needs an order
+
+
+class Admission:
+    """--max-in-flight: requests past it wait for one to finish, the lowest priority value
+    first (vLLM's own order under --scheduling-policy priority), then first come first served;
+    a bounded queue and a bounded wait, each answered 429 with Retry-After when exceeded, so a
+    saturated cluster pushes back at the door instead of growing vLLM's queues."""
+
+    RETRY_AFTER: ClassVar[int] = 1  # seconds: come back soon, the queue moves
+
+    def __init__(self, limit: int, max_queue: int, timeout: float) -> None:
+        self.limit, self.max_queue, self.timeout = limit, max_queue, timeout
+        self.running = 0
+        self.queued = 0  # waiting now (the heap may still hold some that gave up)
+        self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrival = itertools.count()
+
+    async def enter(self, priority: int) -> float:
+        """Wait for a turn; the seconds waited. Raises ProxyError(429) when none comes."""
+        if not self.limit or (self.running < self.limit and not self.queued):
+            self.running += 1
+            return 0.0
+        if self.queued >= self.max_queue:
+            raise self.refused(f"{self.queued} requests already wait (--max-queue)", "queue_full")
+        turn = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (priority, next(self._arrival), turn))
+        self.queued += 1
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout):
+                await turn
+        except BaseException as error:
+            if turn.done() and not turn.cancelled():
+                self.leave()  # handed a turn just as the wait ended: pass it on
+            else:
+                turn.cancel()  # left in the heap, skipped when its turn comes
+                self.queued -= 1
+            if isinstance(error, TimeoutError):
+                waited = f"waited {self.timeout:g} s for one of --max-in-flight {self.limit}"
+                raise self.refused(waited, "queue_timeout") from None
+            raise
+        return time.monotonic() - started
+
+    def configure(self, limit: int, max_queue: int, timeout: float) -> None:
+        """New limits from a reload; a raised (or lifted) limit lets waiting requests in."""
+        self.limit, self.max_queue, self.timeout = limit, max_queue, timeout
+        while self.queued and (not limit or self.running < limit):
+            self.running += 1
+            self.leave()
+
+    def leave(self) -> None:
+        """A request ended: its turn goes to the first waiting one, if any (none while a
+        reload lowered the limit below what runs)."""
+        while self._heap and (not self.limit or self.running <= self.limit):
+            _, _, turn = heapq.heappop(self._heap)
+            if not turn.done():
+                self.queued -= 1
+                turn.set_result(None)  # it runs in this one's place
+                return
+        self.running -= 1
+
+    def refused(self, why: str, reason: str) -> ProxyError:
+        message = f"the proxy is at capacity: {why}; try again shortly"
+        return ProxyError(429, message, reason=reason, retry_after=self.RETRY_AFTER)
+
+
 # ================================================================================================
-# 5. The PD flow
-# Holds one request as the protocol's steps (run_pd_request), its attempts (Exchange, Attempt),
-# what a failure means (prefill_outcome, upstream_failure), the relay of the decode's bytes, and
-# a stream that goes on on another pair when its decode fails mid-stream (StreamJournal).
-# Uses: 1-3, 6-7 (the bodies and the legs), 8 (routing), 11 (metrics).
+# 6. The run
+# Holds one PD request as the protocol's steps (run_pd_request), its run state (Exchange) and tries
+# (Tries, Attempt), the prefill leg beside the decode (PrefillWatch, send_prefill) and the legs'
+# bodies and headers. Uses: 1-5, 7-12.
 # ================================================================================================
 
 
@@ -2208,44 +2686,6 @@ class RelayResponse(web.StreamResponse):
     writer: AbstractStreamWriter | None = None  # once prepared
 
 
-class ClientWire:
-    """The client's connection under aiohttp's response, as the relay writes to it after the
-    first bytes: the one place (with RelayResponse) that reaches past aiohttp's public API.
-
-    Writing a decode's reads to the transport as they come, framed as the response is, saves
-    a task wake-up and a copy per read over StreamResponse.write; aiohttp's protocol says when
-    the client cannot keep up (writing_paused), which is when the relay stops reading.
-    """
-
-    __slots__ = ("chunked", "protocol", "transport")
-
-    def __init__(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
-        self.transport = request.transport
-        self.protocol = request.protocol
-        self.chunked = response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked"
-
-    @property
-    def closing(self) -> bool:
-        return self.transport is None or self.transport.is_closing()
-
-    def send(self, data: bytes) -> bool | None:
-        """Write ``data`` framed; None if the client is gone, else whether it fell behind
-        (one call a read: this runs for every piece of every stream)."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return None
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
-        return self.protocol.writing_paused
-
-    def drop(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-
-class ClientGone(Exception):
-    """Writing to the client failed: it closed its connection before its answer was whole."""
-
-
 @dataclass(slots=True)
 class Tries:
     """A request's tries of pairs, its continuations' included: one budget (--max-retries),
@@ -2265,24 +2705,6 @@ class Tries:
             tried = "; ".join(failure.message for failure in self.failures)
             message = f"{len(self.failures)} attempts failed: {tried}"
         return Unreachable(last.status, message, reason=last.reason)
-
-
-@dataclass(slots=True)
-class LegRequest:
-    """What the legs of the next attempt send: the client's request, or a continuation's (a
-    completion, whatever the client's API); the headers, whose request id each retry renews
-    (``lines``: as written, header_lines); the route its prompt goes by (learn_tokens)."""
-
-    api: Api
-    body: dict[str, Any]
-    shared: SharedBody | None  # what both legs of every attempt send of a large body
-    headers: dict[str, str]
-    lines: bytes
-    route: RouteKey | None
-
-    def payload(self, leg: Mapping[str, Any]) -> LegPayload:
-        """``leg`` (a body the rewriting functions made of the client's) as it is sent."""
-        return (encode_json(leg),) if self.shared is None else self.shared.with_fields(leg)
 
 
 @dataclass(eq=False, slots=True)
@@ -2547,6 +2969,70 @@ class Exchange:
         self.stats.outcome = "client_gone"
         self.state.metrics.errors.labels("client", "client_gone").inc()
         return self.response
+
+
+def upstream_headers(
+    client_headers: Mapping[str, str], request_id: str, config: ProxyConfig
+) -> dict[str, str]:
+    """Headers for both legs: the client's end-to-end headers plus the proxy's own.
+
+    The client's Authorization is forwarded only while the proxy checks no key of its own:
+    a key meant for the proxy is not vLLM's to see.
+    """
+    listed = {name.strip().lower() for name in client_headers.get(hdrs.CONNECTION, "").split(",")}
+    headers = {
+        name: value
+        for name, value in client_headers.items()
+        if name.lower() not in NOT_FORWARDED_HEADERS and name.lower() not in listed
+    }
+    headers[hdrs.CONTENT_TYPE] = "application/json"
+    if hdrs.USER_AGENT not in client_headers:
+        headers[hdrs.USER_AGENT] = USER_AGENT
+    headers[REQUEST_ID_HEADER] = request_id
+    if authorization := upstream_authorization(client_headers, config):
+        headers[hdrs.AUTHORIZATION] = authorization
+    headers.update(trace_headers(client_headers))
+    return headers
+
+
+def upstream_authorization(client_headers: Mapping[str, str], config: ProxyConfig) -> str | None:
+    if config.upstream_api_key:
+        return f"Bearer {config.upstream_api_key}"
+    if config.api_key:
+        return None
+    return client_headers.get(hdrs.AUTHORIZATION)
+
+
+def trace_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
+    """W3C trace context for both legs: the client's, if it is valid; else a new trace, so
+    that the prefill's and the decode's spans (vLLM's --otlp-traces-endpoint) share one trace
+    id all the same. Sampled: vLLM records what its parent asks to be recorded."""
+    given = client_headers.get("traceparent", "").strip()
+    if (match := TRACEPARENT_PATTERN.fullmatch(given)) is not None:
+        version, trace_id, span_id, _ = match.groups()[:4]
+        fields_fit = version != "00" or match[5] is None  # version 00 has four, no more
+        if version != "ff" and fields_fit and trace_id != "0" * 32 and span_id != "0" * 16:
+            headers = {"traceparent": given}
+            if state := client_headers.get("tracestate"):
+                headers["tracestate"] = state
+            return headers
+    trace_id, span_id = random.getrandbits(128) or 1, random.getrandbits(64) or 1
+    return {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}
+
+
+def trace_id_of(headers: Mapping[str, str]) -> str:
+    return headers["traceparent"][3:35]
+
+
+def header_lines(headers: Mapping[str, str]) -> bytes:
+    """Headers as they go on the wire (UpstreamPool.send adds Content-Length and the end)."""
+    block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    if block.count("\n") != len(headers) or block.count("\r") != len(headers):
+        # aiohttp's parser lets no line break into a client's header, nor the configuration
+        # into the upstream key (header_value): one here is the proxy's bug. Refuse rather
+        # than send a header nobody wrote.
+        raise ProxyError(500, "a header for the upstream contains a line break")
+    return block.encode("utf-8", "surrogateescape")
 
 
 class FirstToken:
@@ -2827,6 +3313,70 @@ class Attempt:
         self.decode_span = None
 
 
+def transfer_id_for(request_id: str) -> str:
+    return f"xfer-{request_id}"
+
+
+def prefill_body(
+    body: Mapping[str, Any], transfer_id: str, api: Api = COMPLETIONS_API
+) -> dict[str, Any]:
+    """The prefill leg: one length-capped token whose only purpose is the KV cache.
+
+    The prefill pushes KV only if its single token ends the request by length. EOS, a stop
+    string or a stop token would end it "stopped" and free the KV unsent, so everything that
+    can stop it early is removed; the token itself is discarded (the decode samples its own).
+    A Responses request's cap is max_output_tokens, and its one token is not to be stored; a
+    generate request's cap and stops are in its sampling_params.
+    """
+    prefill = dict(body)
+    for key in ("stream_options", "min_tokens", "stop", "stop_token_ids"):
+        prefill.pop(key, None)
+    prefill["stream"] = False
+    if api.sampling is not None:
+        if api.sampling in body:  # required: vLLM refuses a request without
+            prefill[api.sampling] = capped_sampling(body[api.sampling])
+    else:
+        prefill[api.cap] = 1
+        if api.stores:
+            prefill["store"] = False
+        if "max_completion_tokens" in prefill:
+            prefill["max_completion_tokens"] = 1
+        prefill["ignore_eos"] = True
+    prefill["kv_transfer_params"] = PrefillKvTransferParams(
+        do_remote_decode=True, do_remote_prefill=False, transfer_id=transfer_id
+    )
+    return prefill
+
+
+def capped_sampling(given: object) -> object:
+    """A generate request's sampling_params for its prefill: one token, ended by length (as
+    prefill_body does to a completion's fields). What is not an object goes as it came, for
+    vLLM to refuse."""
+    if not isinstance(given, dict):
+        return given
+    sampling = {k: v for k, v in given.items() if k not in ("min_tokens", "stop", "stop_token_ids")}
+    sampling["max_tokens"], sampling["ignore_eos"] = 1, True
+    return sampling
+
+
+@dataclass(slots=True)
+class LegRequest:
+    """What the legs of the next attempt send: the client's request, or a continuation's (a
+    completion, whatever the client's API); the headers, whose request id each retry renews
+    (``lines``: as written, header_lines); the route its prompt goes by (learn_tokens)."""
+
+    api: Api
+    body: dict[str, Any]
+    shared: SharedBody | None  # what both legs of every attempt send of a large body
+    headers: dict[str, str]
+    lines: bytes
+    route: RouteKey | None
+
+    def payload(self, leg: Mapping[str, Any]) -> LegPayload:
+        """``leg`` (a body the rewriting functions made of the client's) as it is sent."""
+        return (encode_json(leg),) if self.shared is None else self.shared.with_fields(leg)
+
+
 class PrefillWatch:
     """Runs the decode leg (the block) while ``prefill`` runs beside it on ``instance``.
 
@@ -2909,6 +3459,26 @@ class PrefillWatch:
         self.stop(Unreachable(502, message, reason="kv_lost", backend=self.instance))
 
 
+def decode_body(body: Mapping[str, Any], engine: PrefillEngine, transfer_id: str) -> dict[str, Any]:
+    """The decode leg: the client's request as sent, told where to pull its KV from."""
+    decode = dict(body)
+    decode["kv_transfer_params"] = DecodeKvTransferParams(
+        do_remote_decode=False,
+        do_remote_prefill=True,
+        remote_bootstrap_addr=engine.bootstrap_addr,
+        remote_engine_id=engine.engine_id,
+        transfer_id=transfer_id,
+    )
+    return decode
+
+
+def alone_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A request for a decode alone (fans_out): the client's, with no KV to pull."""
+    alone = dict(body)
+    alone.pop("kv_transfer_params", None)
+    return alone
+
+
 async def send_prefill(
     exchange: Exchange, engine: PrefillEngine, payload: LegPayload, headers: bytes
 ) -> None:
@@ -2946,35 +3516,65 @@ async def send_prefill(
     engine.instance.last_success = finished
 
 
-class KvLoadFailed(ProxyError):
-    """The decode of a PD pair failed before its first token: a 5xx, or a stream whose first
-    event is an error. vLLM fails a request whose KV pull failed so (its
-    kv_load_failure_policy "fail") and says nothing that tells it apart from other causes;
-    before a token nothing reached the client, so the pair starts again whole
-    (Exchange.try_again), and no instance leaves the rotation for it."""
+def prefill_outcome(body: bytes) -> tuple[str | None, int]:
+    """Why a 2xx prefill answer means its KV will never reach the decode (None if it will),
+    and the prompt's length in tokens that it reports (0 if it does not)."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return "answered 2xx with a body that is not JSON", 0
+    if isinstance(payload, dict) and payload.get("object") == "response":
+        return response_outcome(payload)
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return "answered 2xx without choices", 0
+    for choice in choices:
+        reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+        if reason != "length":
+            return (
+                f"ended with finish_reason {reason!r} instead of 'length', "
+                "so vLLM frees its KV cache instead of sending it"
+            ), 0
+    usage = payload.get("usage")
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return None, tokens if isinstance(tokens, int) else 0
 
-    # Its prefill instance and decode: the retry prefers others (Exchange.try_again).
-    pair: tuple[Backend, Backend] | None = None
 
-    @classmethod
-    def of(cls, attempt: Attempt, url: URL, why: str) -> KvLoadFailed:
-        """The failure, with the prefill instance checked at once: vLLM fails so a decode that
-        names the engine id of a prefill that restarted, and the next try should know the new
-        one (suspect_checked)."""
-        assert attempt.engine is not None  # a decode alone pulls no KV
-        prefill = attempt.engine.instance
-        prefill.recheck.set()
-        failure = cls(502, f"decode {url} failed before its first token: {why}", reason="kv_load")
-        failure.pair = prefill, attempt.decode
-        return failure
+def response_outcome(payload: Mapping[str, Any]) -> tuple[str | None, int]:
+    """prefill_outcome for a Responses prefill: vLLM reports the one token that ended by length
+    as status "incomplete", for max_output_tokens."""
+    details = payload.get("incomplete_details")
+    reason = details.get("reason") if isinstance(details, dict) else None
+    status = payload.get("status")
+    if status != "incomplete" or reason != "max_output_tokens":
+        return (
+            f"ended with status {status!r} ({reason or 'no reason'}) instead of 'incomplete' "
+            "for max_output_tokens, so vLLM frees its KV cache instead of sending it"
+        ), 0
+    usage = payload.get("usage")
+    tokens = usage.get("input_tokens") if isinstance(usage, dict) else None
+    return None, tokens if isinstance(tokens, int) else 0
 
-    async def suspect_checked(self, within: float) -> None:
-        """Until the prefill instance's check (started by ``of``) has ended, for ``within``
-        seconds at most: a restarted prefill's new engine ids are then in place."""
-        if self.pair is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(within):
-                    await self.pair[0].checked.wait()
+
+class PrefillKvTransferParams(TypedDict):
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    transfer_id: str
+
+
+class DecodeKvTransferParams(TypedDict):
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    remote_bootstrap_addr: str
+    remote_engine_id: str
+    transfer_id: str
+
+
+def leg_error(task: asyncio.Task[None]) -> BaseException | None:
+    """How a leg run as a task failed; None while it runs, or if it succeeded or was cancelled."""
+    if not task.done() or task.cancelled():
+        return None
+    return task.exception()
 
 
 async def until_first_token(leg: HttpLeg, data: bytes, attempt: Attempt, url: URL) -> bytes:
@@ -2996,375 +3596,12 @@ async def until_first_token(leg: HttpLeg, data: bytes, attempt: Attempt, url: UR
     return data
 
 
-# vLLM's first event of a streamed Responses answer, and those that carry no token yet: it
-# sends them as soon as it takes the request, before the KV arrived.
-RESPONSE_STREAM_HEAD: Final = b"event: response.created\n"
-RESPONSE_PREAMBLE: Final = frozenset(
-    (b"response.created", b"response.in_progress", b"response.output_item.added",
-     b"response.content_part.added")
-)  # fmt: skip
-
-
-def stream_start(data: bytes) -> str | bool | None:
-    """What a stream's whole events so far say: True once one carries a token (or anything
-    but a chat's role chunk), the error's message if an error comes first, None while
-    neither (no whole event yet, keep-alive comments, role chunks)."""
-    start = 0
-    while (end := data.find(b"\n\n", start)) >= 0:  # each whole event, the first first
-        event, start = data[start:end], end + 2
-        if event.startswith(b"event:"):  # a Responses stream's: the name says what it holds
-            name = event[6 : event.find(b"\n")].strip() if b"\n" in event else b""
-            if name in RESPONSE_PREAMBLE:
-                continue
-            if name in (b"error", b"response.failed"):
-                return response_error(event)
-            return True
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue  # a comment (": keep-alive") or another field
-            if b'"error"' not in line and b'"role"' not in line:
-                return True  # a token (or [DONE]): no need to parse it
-            try:
-                payload = json.loads(line[5:])
-            except ValueError:
-                return True  # [DONE], or what vLLM never sends: not ours to judge
-            if not isinstance(payload, dict):
-                return True
-            if "error" in payload or payload.get("object") == "error":
-                error = payload.get("error")
-                message = error.get("message") if isinstance(error, dict) else None
-                return str(message or payload.get("message") or "an error event")
-            choices = payload.get("choices")
-            if not (isinstance(choices, list) and choices and all(map(says_nothing, choices))):
-                return True
-    return None
-
-
-def response_error(event: bytes) -> str:
-    """The message of a Responses stream's error event, or of its response.failed."""
-    data = event[event.find(b"\ndata:") + 6 :] if b"\ndata:" in event else b"{}"
-    with contextlib.suppress(ValueError, AttributeError):
-        payload = json.loads(data)
-        failed = payload.get("response") or {}
-        error = payload.get("error") or failed.get("error") or {}
-        return str(payload.get("message") or error.get("message") or "an error event")
-    return "an error event"
-
-
-def says_nothing(choice: object) -> bool:
-    """A streamed choice that carries no token yet: a chat's role chunk ({"role": "assistant",
-    "content": ""})."""
-    if not isinstance(choice, dict) or choice.get("finish_reason") or choice.get("token_ids"):
-        return False
-    delta = choice.get("delta")
-    return isinstance(delta, dict) and set(delta) <= {"role", "content"} and not delta["content"]
-
-
-async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
-    """Pass the decode's answer (from ``url``) on byte for byte: no re-chunking, what each
-    read brought at once. A PD stream (not a decode alone's) is held until its first token:
-    vLLM fails a stream whose KV pull failed with an error event before any token, and until
-    one came the pair can start again. A stream that may go on elsewhere (a journal) is
-    relayed by whole events, and goes on elsewhere if its decode fails (Attempt.cut_short).
-
-    The first bytes leave with the client's headers through aiohttp's response; the rest is
-    written by the leg's read callback (DecodeRelay), and this task only wakes when the answer
-    is over, the client is gone, or the client fell behind and reading must wait for it.
-    """
-    exchange = attempt.exchange
-    response, stats, journal = exchange.response, exchange.stats, exchange.journal
-    continued = response.prepared  # a continuation, into the stream its client already has
-    gaps = stats.token_gaps if continued else answer_head(response, leg, stats)
-    first = await leg.next_bytes()
-    if gaps is not None and attempt.engine is not None:
-        first = await until_first_token(leg, first, attempt, url)
-    exchange.relaying = True  # from here the attempt's bytes are the client's
-    if exchange.first_token is not None:
-        exchange.first_token.came()
-    if attempt.watch is not None:
-        attempt.watch.kv_arrived()
-    if not continued:
-        response.writer = await response.prepare(exchange.request)
-        stats.first_byte = time.monotonic()
-        stats.status_sent = response.status
-    assert response.writer is not None  # None only for a response already ended
-    relay = DecodeRelay(exchange, gaps) if journal is None else JournalRelay(exchange, gaps)
-    try:
-        if first and (first := relay.events(first)):
-            relay.account(first)
-            await response.write(first)
-        if relay.client.closing:
-            raise ClientGone
-        complete = False
-        if journal is None or journal.error is None:
-            complete = await leg.stream_to(relay, response.writer.drain)
-    except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
-        raise ClientGone from None
-    if journal is not None and (why := journal.cut_by(complete)) is not None:
-        await attempt.cut_short(f"decode {url} {why}", lost=False)
-        return
-    if not complete:
-        raise ClientGone
-    if gaps is None and leg.status == 200:
-        stats.first_token = time.monotonic()  # a whole answer: its first token came with it
-    # A client that closed as soon as it read the last bytes had its whole answer.
-    with contextlib.suppress(ConnectionError):
-        await response.write_eof()
-
-
-def answer_head(
-    response: web.StreamResponse, leg: HttpLeg, stats: RequestStats
-) -> TokenGaps | None:
-    """The client's status and headers, the decode's; token timing (TokenGaps) for a stream."""
-    response.set_status(leg.status, leg.reason.decode("latin-1"))
-    content_type = "application/octet-stream"
-    if leg.content_type is not None:
-        content_type = leg.content_type.decode("latin-1")
-    response.headers[hdrs.CONTENT_TYPE] = content_type
-    if leg.content_length is not None and not leg.chunked:
-        # A whole answer of known size (not a stream): headers, body and end in one write
-        # instead of a chunked body and its terminator.
-        response.content_length = leg.content_length
-    if leg.status == 200 and content_type.startswith(SSE_CONTENT_TYPE):
-        stats.token_gaps = TokenGaps()
-        return stats.token_gaps
-    return None
-
-
-class DecodeRelay:
-    """The decode's body after its first bytes, written to the client's connection from the
-    leg's read callback (HttpLeg.stream_to): one write per read, framed as the client's
-    response is (chunked, or as it is), and no task woken for it. It tells the leg when the
-    client's connection holds more than it can send (aiohttp's protocol says its writing is
-    paused): the leg stops reading until the client caught up, so a slow client slows its
-    decode instead of filling the proxy's memory.
-    """
-
-    __slots__ = ("client", "gaps", "stats")
-
-    def __init__(self, exchange: Exchange, gaps: TokenGaps | None) -> None:
-        self.client = ClientWire(exchange.request, exchange.response)
-        self.stats, self.gaps = exchange.stats, gaps
-
-    def __call__(self, pieces: list[bytes]) -> bool | None:
-        """The pieces one read of the decode brought (HttpLeg.stream_to's Sink): None if the
-        client is gone, else whether it fell behind."""
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        behind = self.client.send(data)
-        if behind is not None:
-            self.account(data)
-        return behind
-
-    def events(self, data: bytes) -> bytes:
-        """The first bytes, as the client gets them: as they came."""
-        return data
-
-    def account(self, data: bytes) -> None:
-        """Bytes out, and token timing for a stream: an SSE event ends with a blank line and
-        a JSON payload has no raw newline, so counting b"\n\n" finds the events unparsed."""
-        stats = self.stats
-        stats.bytes_out += len(data)
-        if self.gaps is not None and (events := data.count(b"\n\n")):
-            now = time.monotonic()
-            self.gaps.events(events, now)
-            if stats.first_token is None:
-                stats.first_token = now
-
-
-class JournalRelay(DecodeRelay):
-    """DecodeRelay for a stream that may go on elsewhere: whole events only, through its
-    journal, so that what the client has is known exactly when the decode fails. It stops
-    the read (as for a client gone) at an error event, which the journal withheld."""
-
-    __slots__ = ("journal", "partial")
-
-    def __init__(self, exchange: Exchange, gaps: TokenGaps | None) -> None:
-        super().__init__(exchange, gaps)
-        assert exchange.journal is not None
-        self.journal, self.partial = exchange.journal, b""
-
-    def __call__(self, pieces: list[bytes]) -> bool | None:
-        if self.journal.error is not None:  # what the read after the error brought: not sent
-            return None
-        data = self.events(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-        if not data:  # an empty write would end a chunked body
-            behind: bool | None = None if self.client.closing else False
-        elif (behind := self.client.send(data)) is not None:
-            self.account(data)
-        return None if self.journal.error is not None else behind
-
-    def events(self, data: bytes) -> bytes:
-        if self.partial:
-            data, self.partial = self.partial + data, b""
-        if not data.endswith(b"\n\n"):  # the last event is not whole: it waits for its end
-            if (end := data.rfind(b"\n\n") + 2) < 2:
-                self.partial = data
-                return b""
-            data, self.partial = data[:end], data[end:]
-        return self.journal.take(data)
-
-
-def max_model_len(decode: DecodeInstance, model: str | None) -> int | None:
-    """What the decode's /v1/models card says of ``model`` (or of what it runs, for a request
-    naming none or an adapter whose card says nothing): the cap of a chat that names none."""
-    served = decode.served
-    if served is None:
-        return None
-    cards = {card.get("id"): card for card in served.cards}
-    for name in (model, served.parents.get(model or ""), served.model):
-        length = cards.get(name, {}).get("max_model_len")
-        if isinstance(length, int) and not isinstance(length, bool):
-            return length
-    return None
-
-
-# Tokens whose text tells whether they end a character: a character's bytes span at most 4
-# tokens of a byte-level tokenizer, and those before them decode it whole.
-CHARACTER_TOKENS: Final = 8
-
-
-async def detokenized(
-    state: ProxyState, decode: DecodeInstance, payload: bytes, headers: bytes
-) -> str | None:
-    """The decode's /detokenize of ``payload`` (its text), or None if it could not say."""
-    url = decode.url.join(URL("/detokenize"))
-    leg = None
-    try:
-        async with asyncio.timeout(state.config.health_timeout):
-            leg = await state.upstreams.send(b"POST", url, headers, (payload,))
-            answer = await leg.whole()
-        text = json.loads(answer).get("prompt") if leg.status == 200 else None
-        return text if isinstance(text, str) else None
-    except (LegFailed, TimeoutError, ValueError, AttributeError) as error:
-        log.info("decode %s could not detokenize: %s", decode.url, error)
-        return None
-    finally:
-        if leg is not None:
-            state.upstreams.finish(leg)
-
-
-class StreamCut(ProxyError):
-    """A stream's decode failed after tokens reached the client (StreamJournal): its
-    connection was lost (``lost``), it sent an error, or its answer ended unfinished."""
-
-    def __init__(self, message: str, decode: DecodeInstance, *, lost: bool) -> None:
-        super().__init__(502, message, reason="broken" if lost else "in_band")
-        self.decode, self.lost = decode, lost
-
-
-# The fields of a request that a continuation cannot give as the decode would have: outputs
-# computed over the prompt (logprobs, echo, suffix), output a grammar constrains or a chat's
-# tool parser reads (/v1/completions would not go on with either), embeddings as prompt, and
-# what vLLM computes over the output alone, which the continuation's prompt would hold
-# (presence and frequency penalties, bad words; repetition_penalty counts prompt and output
-# alike, and goes on unchanged).
-UNMIGRATABLE_FIELDS: Final = (
-    *("logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "prompt_embeds"),
-    *("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
-    *("response_format", "tools", "presence_penalty", "frequency_penalty", "bad_words"),
-)
-
-# A continuation is a completion of token ids, whatever the client's request was.
-CONTINUATION_API: Final = COMPLETIONS_API
-
-# What a continuation does not take from the client's request: what makes or shapes the
-# prompt (the token ids replace it), chat-only fields, and the fields it sets itself.
-NOT_CONTINUED: Final = frozenset(
-    {
-        *("messages", "prompt", "truncate_prompt_tokens", "add_special_tokens"),
-        *("chat_template", "chat_template_kwargs", "add_generation_prompt", "documents"),
-        *("continue_final_message", "mm_processor_kwargs", "tool_choice", "parallel_tool_calls"),
-        *("reasoning_effort", "include_reasoning", "max_completion_tokens", "return_token_ids"),
-        *("stream_options", "kv_transfer_params"),
-    }
-)
-
-# vLLM's cap of a completion that names none, and of one whose max_tokens is null (0.32's
-# CompletionRequest.normalize_null_max_tokens); a chat's is what is left of max_model_len.
-COMPLETION_MAX_TOKENS: Final = 16
-
-
-def unmigratable(body: Mapping[str, Any], limit: int) -> str | None:
-    """Why a stream could not go on token for token on another pair (None: it can)."""
-    if limit == 0:
-        return "--migration-limit is 0"
-    for name in UNMIGRATABLE_FIELDS:
-        value = body.get(name)
-        if value is None or value is False or value == [] or value == {}:
-            continue  # not asked for (logprobs 0 is: the sampled token's)
-        if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
-            continue
-        if name == "tools" and body.get("tool_choice") == "none":
-            continue
-        if name.endswith("_penalty") and not lax_float(value):
-            continue
-        return f"it asks for {name}"
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("continuous_usage_stats"):
-        return "it asks for continuous_usage_stats"
-    if (media := media_part(body.get("messages"))) is not None:
-        return f"its messages hold {media}, which a continuation of token ids would not see"
-    return None
-
-
-def media_part(messages: object) -> str | None:
-    """The first content part of a chat's messages that is not text (an image, audio, a
-    video): vLLM computes it into the prompt apart from the token ids that stand for it."""
-    for message in messages if isinstance(messages, list) else ():
-        content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                return f"a content part of type {kind!r}"
-    return None
-
-
-def lax_float(value: object) -> float:
-    """A number as pydantic reads one in its lax mode; 0.0 for anything else."""
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            return float(value)
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return 0.0
-
-
-def stop_reach(body: Mapping[str, Any]) -> tuple[int, int]:
-    """How far back a stream's stop strings reach, in characters: vLLM matches each one
-    against new text and up to ``reach`` characters before it (the longest, less one), and
-    holds the last ``held`` of them back while it streams (none with
-    include_stop_str_in_output). v1/engine/detokenizer.py in vLLM 0.32."""
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
-    reach = max((len(s) for s in stops if isinstance(s, str)), default=1) - 1
-    return reach, 0 if lax_bool(body.get("include_stop_str_in_output")) else reach
-
-
-# Where a stream's chunks carry their token ids, once return_token_ids asks for them (vLLM
-# writes chunks with pydantic: compact, in a fixed order, each field once).
-TOKEN_IDS: Final = b',"token_ids":['
-PROMPT_IDS: Final = b'"prompt_token_ids":['
-
-# What a journal keeps of its last events, to find where to go on from (StreamJournal.rewind):
-# reads (each one or more events) or events, this many and more per character its stop strings
-# reach back; a character's bytes span a few tokens, and a rewind past a stop string's reach a
-# few tokens per character.
-RECENT_EVENTS: Final = 32
-EVENTS_PER_REACHED_CHAR: Final = 4
-
-# What shows in a chat's chunks when vLLM runs a reasoning or tool parser over its output: a
-# token the parser swallowed (an empty delta), reasoning apart from content, calls apart from
-# text. A continuation is a completion, whose text no parser splits (chat_completion/serving.py).
-PARSER_SIGNS: Final = (
-    (b'"delta":{}', "a token its decode's reasoning or tool parser swallowed"),
-    (b'"reasoning":', "reasoning that its decode's reasoning parser split off"),
-    (b'"reasoning_content":', "reasoning that its decode's reasoning parser split off"),
-    (b'"tool_calls":', "tool calls that its decode's tool parser split off"),
-)
-
-# One event the client got: its text, and its new token ids (None: ids a continuation gives
-# again, its text the client's all the same).
-Given = tuple[str, tuple[int, ...] | None]
+# ================================================================================================
+# 7. The stream
+# Holds the relay of the decode's bytes to the client (relay_body, DecodeRelay), and the journal of
+# a stream that goes on on another pair when its decode fails after tokens (StreamJournal,
+# Exchange.migrate). Uses: 1, 3, 5-6, 8, 11-12.
+# ================================================================================================
 
 
 class StreamJournal:
@@ -3734,371 +3971,521 @@ def error_event_message(payload: bytes) -> str:
     return payload[:200].decode("utf-8", "replace")
 
 
-def leg_error(task: asyncio.Task[None]) -> BaseException | None:
-    """How a leg run as a task failed; None while it runs, or if it succeeded or was cancelled."""
-    if not task.done() or task.cancelled():
-        return None
-    return task.exception()
+def stop_reach(body: Mapping[str, Any]) -> tuple[int, int]:
+    """How far back a stream's stop strings reach, in characters: vLLM matches each one
+    against new text and up to ``reach`` characters before it (the longest, less one), and
+    holds the last ``held`` of them back while it streams (none with
+    include_stop_str_in_output). v1/engine/detokenizer.py in vLLM 0.32."""
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    reach = max((len(s) for s in stops if isinstance(s, str)), default=1) - 1
+    return reach, 0 if lax_bool(body.get("include_stop_str_in_output")) else reach
 
 
-class Unreachable(ProxyError):
-    """A leg never reached its upstream: safe to try elsewhere, and a sign the host is down.
-
-    ``backend`` is the instance that could not be reached; None once no try is left.
-    """
-
-    def __init__(self, *args: Any, backend: Backend | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.backend = backend
+# Where a stream's chunks carry their token ids, once return_token_ids asks for them (vLLM
+# writes chunks with pydantic: compact, in a fixed order, each field once).
+TOKEN_IDS: Final = b',"token_ids":['
 
 
-# Seconds a decode's 5xx waits for its prefill leg to fail too (a refused or reset connection
-# shows within a round trip); a prefill still computing is not waited for longer than this.
-PREFILL_FAILURE_GRACE: Final = 0.25
+PROMPT_IDS: Final = b'"prompt_token_ids":['
 
-# Refused or reset connections and connect timeouts; not a slow answer, not an HTTP status.
-UNREACHABLE_ERRORS: Final = (
-    aiohttp.ClientConnectorError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ConnectionTimeoutError,
+
+# What a journal keeps of its last events, to find where to go on from (StreamJournal.rewind):
+# reads (each one or more events) or events, this many and more per character its stop strings
+# reach back; a character's bytes span a few tokens, and a rewind past a stop string's reach a
+# few tokens per character.
+RECENT_EVENTS: Final = 32
+
+
+EVENTS_PER_REACHED_CHAR: Final = 4
+
+
+# What shows in a chat's chunks when vLLM runs a reasoning or tool parser over its output: a
+# token the parser swallowed (an empty delta), reasoning apart from content, calls apart from
+# text. A continuation is a completion, whose text no parser splits (chat_completion/serving.py).
+PARSER_SIGNS: Final = (
+    (b'"delta":{}', "a token its decode's reasoning or tool parser swallowed"),
+    (b'"reasoning":', "reasoning that its decode's reasoning parser split off"),
+    (b'"reasoning_content":', "reasoning that its decode's reasoning parser split off"),
+    (b'"tool_calls":', "tool calls that its decode's tool parser split off"),
 )
 
 
-def was_reset(error: BaseException) -> bool:
-    """A connection reset before the answer came: a restarting server closing its idle
-    keep-alive connections as the request was written on one (uvicorn does on SIGTERM)."""
-    if isinstance(error, aiohttp.ClientConnectionResetError):
-        return True
-    if not isinstance(error, aiohttp.ClientOSError):
-        return False
-    # A connection found closing as the body is written comes as "Can not write request
-    # body", a ClientOSError without an errno, the reset its cause (aiohttp 3.14).
-    return error.errno in RESET_ERRNOS or isinstance(error.__cause__, ConnectionResetError)
+# One event the client got: its text, and its new token ids (None: ids a continuation gives
+# again, its text the client's all the same).
+Given = tuple[str, tuple[int, ...] | None]
 
 
-RESET_ERRNOS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
+    """Pass the decode's answer (from ``url``) on byte for byte: no re-chunking, what each
+    read brought at once. A PD stream (not a decode alone's) is held until its first token:
+    vLLM fails a stream whose KV pull failed with an error event before any token, and until
+    one came the pair can start again. A stream that may go on elsewhere (a journal) is
+    relayed by whole events, and goes on elsewhere if its decode fails (Attempt.cut_short).
 
-
-def failure_detail(error: BaseException) -> str:
-    """What went wrong, in words: aiohttp's connect errors mention ssl even for plain http."""
-    if isinstance(error, aiohttp.ClientConnectorError) and not isinstance(
-        error, aiohttp.ClientSSLError
-    ):
-        return f"cannot connect to {error.host}:{error.port}: {os_error_reason(error.os_error)}"
-    return str(error) or type(error).__name__
-
-
-def os_error_reason(error: OSError) -> str:
-    # An SSLError's errno is OpenSSL's (1 for a certificate refused), not the system's.
-    if isinstance(error, ssl.SSLError):
-        return str(error)
-    if isinstance(error, socket.gaierror) or not error.errno:
-        return error.strerror or str(error) or type(error).__name__
-    return os.strerror(error.errno)
-
-
-def transport_error(
-    stage: str, url: URL, error: BaseException, backend: Backend | None = None
-) -> ProxyError:
-    """The one place that turns a failure to reach an upstream into the client's error: a
-    leg's (LegFailed, or its deadline) or a health check's (aiohttp's client)."""
-    if isinstance(error, LegFailed):
-        unreachable, timed_out = error.unreachable, error.timed_out
-    else:
-        unreachable = isinstance(error, UNREACHABLE_ERRORS) or was_reset(error)
-        timed_out = isinstance(error, TimeoutError)
-    status = 504 if timed_out else 502
-    if unreachable:
-        reason = "timeout" if timed_out else "refused"
-        message = f"{stage} {url} unreachable: {failure_detail(error)}"
-        return Unreachable(status, message, reason=reason, backend=backend)
-    if timed_out:
-        return ProxyError(status, f"{stage} {url} timed out", reason="timeout")
-    return ProxyError(status, f"{stage} {url} failed: {failure_detail(error)}", reason="broken")
-
-
-def upstream_failure(
-    stage: str, url: URL, leg: HttpLeg, body: bytes, suspect: Backend
-) -> ProxyError:
-    """An upstream's own error answer, passed on as it came. A 5xx has ``suspect`` checked at
-    once: vLLM answers a decode that names a stale engine id with an immediate 500."""
-    if leg.status >= 500:
-        suspect.recheck.set()
-    ctype = (leg.content_type or b"").decode("latin-1")
-    return ProxyError.from_upstream(stage, url, leg.status, body, ctype)
-
-
-def prefill_outcome(body: bytes) -> tuple[str | None, int]:
-    """Why a 2xx prefill answer means its KV will never reach the decode (None if it will),
-    and the prompt's length in tokens that it reports (0 if it does not)."""
+    The first bytes leave with the client's headers through aiohttp's response; the rest is
+    written by the leg's read callback (DecodeRelay), and this task only wakes when the answer
+    is over, the client is gone, or the client fell behind and reading must wait for it.
+    """
+    exchange = attempt.exchange
+    response, stats, journal = exchange.response, exchange.stats, exchange.journal
+    continued = response.prepared  # a continuation, into the stream its client already has
+    gaps = stats.token_gaps if continued else answer_head(response, leg, stats)
+    first = await leg.next_bytes()
+    if gaps is not None and attempt.engine is not None:
+        first = await until_first_token(leg, first, attempt, url)
+    exchange.relaying = True  # from here the attempt's bytes are the client's
+    if exchange.first_token is not None:
+        exchange.first_token.came()
+    if attempt.watch is not None:
+        attempt.watch.kv_arrived()
+    if not continued:
+        response.writer = await response.prepare(exchange.request)
+        stats.first_byte = time.monotonic()
+        stats.status_sent = response.status
+    assert response.writer is not None  # None only for a response already ended
+    relay = DecodeRelay(exchange, gaps) if journal is None else JournalRelay(exchange, gaps)
     try:
-        payload = json.loads(body)
-    except ValueError:
-        return "answered 2xx with a body that is not JSON", 0
-    if isinstance(payload, dict) and payload.get("object") == "response":
-        return response_outcome(payload)
-    choices = payload.get("choices") if isinstance(payload, dict) else None
-    if not isinstance(choices, list) or not choices:
-        return "answered 2xx without choices", 0
-    for choice in choices:
-        reason = choice.get("finish_reason") if isinstance(choice, dict) else None
-        if reason != "length":
-            return (
-                f"ended with finish_reason {reason!r} instead of 'length', "
-                "so vLLM frees its KV cache instead of sending it"
-            ), 0
-    usage = payload.get("usage")
-    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return None, tokens if isinstance(tokens, int) else 0
+        if first and (first := relay.events(first)):
+            relay.account(first)
+            await response.write(first)
+        if relay.client.closing:
+            raise ClientGone
+        complete = False
+        if journal is None or journal.error is None:
+            complete = await leg.stream_to(relay, response.writer.drain)
+    except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
+        raise ClientGone from None
+    if journal is not None and (why := journal.cut_by(complete)) is not None:
+        await attempt.cut_short(f"decode {url} {why}", lost=False)
+        return
+    if not complete:
+        raise ClientGone
+    if gaps is None and leg.status == 200:
+        stats.first_token = time.monotonic()  # a whole answer: its first token came with it
+    # A client that closed as soon as it read the last bytes had its whole answer.
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
 
 
-def response_outcome(payload: Mapping[str, Any]) -> tuple[str | None, int]:
-    """prefill_outcome for a Responses prefill: vLLM reports the one token that ended by length
-    as status "incomplete", for max_output_tokens."""
-    details = payload.get("incomplete_details")
-    reason = details.get("reason") if isinstance(details, dict) else None
-    status = payload.get("status")
-    if status != "incomplete" or reason != "max_output_tokens":
-        return (
-            f"ended with status {status!r} ({reason or 'no reason'}) instead of 'incomplete' "
-            "for max_output_tokens, so vLLM frees its KV cache instead of sending it"
-        ), 0
-    usage = payload.get("usage")
-    tokens = usage.get("input_tokens") if isinstance(usage, dict) else None
-    return None, tokens if isinstance(tokens, int) else 0
-
-
-# ================================================================================================
-# 6. Request bodies and admission
-# Holds what each leg receives (prefill_body, decode_body, SharedBody), what goes to a decode
-# alone (fans_out), the leg's headers, and the limits a request waits on (Admission,
-# UpstreamSlots). Uses: 1-3.
-# ================================================================================================
-
-
-class PrefillKvTransferParams(TypedDict):
-    do_remote_decode: bool
-    do_remote_prefill: bool
-    transfer_id: str
-
-
-class DecodeKvTransferParams(TypedDict):
-    do_remote_decode: bool
-    do_remote_prefill: bool
-    remote_bootstrap_addr: str
-    remote_engine_id: str
-    transfer_id: str
-
-
-def mint_request_id(client_request_id: str | None) -> str:
-    """A request id unique across restarts and replicas: random, never a counter.
-
-    A client's own id is kept as a prefix so it shows in vLLM's logs and response ids, but the
-    random part keeps two requests with the same client id from sharing a ``transfer_id``.
-    """
-    suffix = os.urandom(16).hex()  # a random UUID's 32 hex digits, without making one
-    if client_request_id and CLIENT_REQUEST_ID_PATTERN.fullmatch(client_request_id):
-        return f"{client_request_id}-{suffix}"
-    return suffix
-
-
-def transfer_id_for(request_id: str) -> str:
-    return f"xfer-{request_id}"
-
-
-def prefill_body(
-    body: Mapping[str, Any], transfer_id: str, api: Api = COMPLETIONS_API
-) -> dict[str, Any]:
-    """The prefill leg: one length-capped token whose only purpose is the KV cache.
-
-    The prefill pushes KV only if its single token ends the request by length. EOS, a stop
-    string or a stop token would end it "stopped" and free the KV unsent, so everything that
-    can stop it early is removed; the token itself is discarded (the decode samples its own).
-    A Responses request's cap is max_output_tokens, and its one token is not to be stored; a
-    generate request's cap and stops are in its sampling_params.
-    """
-    prefill = dict(body)
-    for key in ("stream_options", "min_tokens", "stop", "stop_token_ids"):
-        prefill.pop(key, None)
-    prefill["stream"] = False
-    if api.sampling is not None:
-        if api.sampling in body:  # required: vLLM refuses a request without
-            prefill[api.sampling] = capped_sampling(body[api.sampling])
-    else:
-        prefill[api.cap] = 1
-        if api.stores:
-            prefill["store"] = False
-        if "max_completion_tokens" in prefill:
-            prefill["max_completion_tokens"] = 1
-        prefill["ignore_eos"] = True
-    prefill["kv_transfer_params"] = PrefillKvTransferParams(
-        do_remote_decode=True, do_remote_prefill=False, transfer_id=transfer_id
-    )
-    return prefill
-
-
-def capped_sampling(given: object) -> object:
-    """A generate request's sampling_params for its prefill: one token, ended by length (as
-    prefill_body does to a completion's fields). What is not an object goes as it came, for
-    vLLM to refuse."""
-    if not isinstance(given, dict):
-        return given
-    sampling = {k: v for k, v in given.items() if k not in ("min_tokens", "stop", "stop_token_ids")}
-    sampling["max_tokens"], sampling["ignore_eos"] = 1, True
-    return sampling
-
-
-def decode_body(body: Mapping[str, Any], engine: PrefillEngine, transfer_id: str) -> dict[str, Any]:
-    """The decode leg: the client's request as sent, told where to pull its KV from."""
-    decode = dict(body)
-    decode["kv_transfer_params"] = DecodeKvTransferParams(
-        do_remote_decode=False,
-        do_remote_prefill=True,
-        remote_bootstrap_addr=engine.bootstrap_addr,
-        remote_engine_id=engine.engine_id,
-        transfer_id=transfer_id,
-    )
-    return decode
-
-
-def alone_body(body: Mapping[str, Any]) -> dict[str, Any]:
-    """A request for a decode alone (fans_out): the client's, with no KV to pull."""
-    alone = dict(body)
-    alone.pop("kv_transfer_params", None)
-    return alone
-
-
-# vLLM splits a request with these fields into several that all carry its kv_transfer_params,
-# each computing the prompt on the prefill and pulling it on the decode under the one
-# transfer_id. Mooncake hands a transfer to one puller: the others wait out vLLM's KV timeout
-# (seen on vLLM 0.32 through PD: 3 of 23 requests with n > 1 hung until it, most on prompts
-# the decode had cached before), or load another prompt's KV (a batch of prompts came back
-# with wrong text, with no error). Beam search sends requests of its own, which never pull the
-# KV at all. Such requests go to a decode alone, which computes the prompt itself.
-SAMPLE_COUNTS: Final = ("n", "best_of")
-
-
-def fans_out(path: str, body: Mapping[str, Any]) -> str | None:
-    """Why vLLM would split this request (the field that says so), or None if it would not.
-    Values are read as vLLM's validation reads them: "3" and 3.0 are 3."""
-    api = API_ROUTES[path]
-    fields = body.get(api.sampling) if api.sampling is not None else body
-    fields = fields if isinstance(fields, dict) else {}
-    for name in SAMPLE_COUNTS:
-        if lax_int(fields.get(name)) > 1:
-            return name
-    if lax_bool(body.get("use_beam_search")):
-        return "use_beam_search"
-    if api.batch and is_prompt_batch(body.get(api.prompt)):
-        return "prompt"
+def answer_head(
+    response: web.StreamResponse, leg: HttpLeg, stats: RequestStats
+) -> TokenGaps | None:
+    """The client's status and headers, the decode's; token timing (TokenGaps) for a stream."""
+    response.set_status(leg.status, leg.reason.decode("latin-1"))
+    content_type = "application/octet-stream"
+    if leg.content_type is not None:
+        content_type = leg.content_type.decode("latin-1")
+    response.headers[hdrs.CONTENT_TYPE] = content_type
+    if leg.content_length is not None and not leg.chunked:
+        # A whole answer of known size (not a stream): headers, body and end in one write
+        # instead of a chunked body and its terminator.
+        response.content_length = leg.content_length
+    if leg.status == 200 and content_type.startswith(SSE_CONTENT_TYPE):
+        stats.token_gaps = TokenGaps()
+        return stats.token_gaps
     return None
 
 
-def lax_int(value: object) -> int:
-    """An integer as pydantic reads one in its lax mode; 0 for anything else."""
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            value = float(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value if isinstance(value, int) else 0
+def stream_start(data: bytes) -> str | bool | None:
+    """What a stream's whole events so far say: True once one carries a token (or anything
+    but a chat's role chunk), the error's message if an error comes first, None while
+    neither (no whole event yet, keep-alive comments, role chunks)."""
+    start = 0
+    while (end := data.find(b"\n\n", start)) >= 0:  # each whole event, the first first
+        event, start = data[start:end], end + 2
+        if event.startswith(b"event:"):  # a Responses stream's: the name says what it holds
+            name = event[6 : event.find(b"\n")].strip() if b"\n" in event else b""
+            if name in RESPONSE_PREAMBLE:
+                continue
+            if name in (b"error", b"response.failed"):
+                return response_error(event)
+            return True
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue  # a comment (": keep-alive") or another field
+            if b'"error"' not in line and b'"role"' not in line:
+                return True  # a token (or [DONE]): no need to parse it
+            try:
+                payload = json.loads(line[5:])
+            except ValueError:
+                return True  # [DONE], or what vLLM never sends: not ours to judge
+            if not isinstance(payload, dict):
+                return True
+            if "error" in payload or payload.get("object") == "error":
+                error = payload.get("error")
+                message = error.get("message") if isinstance(error, dict) else None
+                return str(message or payload.get("message") or "an error event")
+            choices = payload.get("choices")
+            if not (isinstance(choices, list) and choices and all(map(says_nothing, choices))):
+                return True
+    return None
 
 
-def lax_bool(value: object) -> bool:
-    """True as pydantic reads it in its lax mode."""
-    if isinstance(value, str):
-        return value.strip().lower() in {"1", "true", "t", "yes", "y", "on"}
-    return isinstance(value, int | float) and value == 1  # True among them
+def response_error(event: bytes) -> str:
+    """The message of a Responses stream's error event, or of its response.failed."""
+    data = event[event.find(b"\ndata:") + 6 :] if b"\ndata:" in event else b"{}"
+    with contextlib.suppress(ValueError, AttributeError):
+        payload = json.loads(data)
+        failed = payload.get("response") or {}
+        error = payload.get("error") or failed.get("error") or {}
+        return str(payload.get("message") or error.get("message") or "an error event")
+    return "an error event"
 
 
-def is_prompt_batch(prompt: object) -> bool:
-    """More than one prompt: a list of texts or of token lists (a list of ints is one)."""
-    return (
-        isinstance(prompt, list)
-        and len(prompt) > 1
-        and all(isinstance(one, str | list) for one in prompt)
-    )
+def says_nothing(choice: object) -> bool:
+    """A streamed choice that carries no token yet: a chat's role chunk ({"role": "assistant",
+    "content": ""})."""
+    if not isinstance(choice, dict) or choice.get("finish_reason") or choice.get("token_ids"):
+        return False
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and set(delta) <= {"role", "content"} and not delta["content"]
 
 
-# The fields either leg sets or drops (prefill_body, decode_body, alone_body). The rest of the
-# client's body is the same on both legs, and is encoded once for both (SharedBody).
-LEG_FIELDS: Final = (
-    *("stream", "stream_options", "max_tokens", "max_completion_tokens", "min_tokens"),
-    *("stop", "stop_token_ids", "ignore_eos", "kv_transfer_params", "return_token_ids"),
-    *("max_output_tokens", "store", "sampling_params"),
+def max_model_len(decode: DecodeInstance, model: str | None) -> int | None:
+    """What the decode's /v1/models card says of ``model`` (or of what it runs, for a request
+    naming none or an adapter whose card says nothing): the cap of a chat that names none."""
+    served = decode.served
+    if served is None:
+        return None
+    cards = {card.get("id"): card for card in served.cards}
+    for name in (model, served.parents.get(model or ""), served.model):
+        length = cards.get(name, {}).get("max_model_len")
+        if isinstance(length, int) and not isinstance(length, bool):
+            return length
+    return None
+
+
+# Tokens whose text tells whether they end a character: a character's bytes span at most 4
+# tokens of a byte-level tokenizer, and those before them decode it whole.
+CHARACTER_TOKENS: Final = 8
+
+
+async def detokenized(
+    state: ProxyState, decode: DecodeInstance, payload: bytes, headers: bytes
+) -> str | None:
+    """The decode's /detokenize of ``payload`` (its text), or None if it could not say."""
+    url = decode.url.join(URL("/detokenize"))
+    leg = None
+    try:
+        async with asyncio.timeout(state.config.health_timeout):
+            leg = await state.upstreams.send(b"POST", url, headers, (payload,))
+            answer = await leg.whole()
+        text = json.loads(answer).get("prompt") if leg.status == 200 else None
+        return text if isinstance(text, str) else None
+    except (LegFailed, TimeoutError, ValueError, AttributeError) as error:
+        log.info("decode %s could not detokenize: %s", decode.url, error)
+        return None
+    finally:
+        if leg is not None:
+            state.upstreams.finish(leg)
+
+
+# A continuation is a completion of token ids, whatever the client's request was.
+CONTINUATION_API: Final = COMPLETIONS_API
+
+
+# What a continuation does not take from the client's request: what makes or shapes the
+# prompt (the token ids replace it), chat-only fields, and the fields it sets itself.
+NOT_CONTINUED: Final = frozenset(
+    {
+        *("messages", "prompt", "truncate_prompt_tokens", "add_special_tokens"),
+        *("chat_template", "chat_template_kwargs", "add_generation_prompt", "documents"),
+        *("continue_final_message", "mm_processor_kwargs", "tool_choice", "parallel_tool_calls"),
+        *("reasoning_effort", "include_reasoning", "max_completion_tokens", "return_token_ids"),
+        *("stream_options", "kv_transfer_params"),
+    }
 )
 
-# A leg's body as it goes on the wire, in pieces written one after the other.
-LegPayload = tuple[bytes | memoryview, ...]
+
+# vLLM's cap of a completion that names none, and of one whose max_tokens is null (0.32's
+# CompletionRequest.normalize_null_max_tokens); a chat's is what is left of max_model_len.
+COMPLETION_MAX_TOKENS: Final = 16
 
 
-@dataclass(frozen=True, slots=True)
-class SharedBody:
-    """What every leg of a request sends of the client's body: its fields but LEG_FIELDS,
-    encoded once. A large prompt is then held once for both legs (and every retry) instead of
-    once per leg, and encoded once."""
+class DecodeRelay:
+    """The decode's body after its first bytes, written to the client's connection from the
+    leg's read callback (HttpLeg.stream_to): one write per read, framed as the client's
+    response is (chunked, or as it is), and no task woken for it. It tells the leg when the
+    client's connection holds more than it can send (aiohttp's protocol says its writing is
+    paused): the leg stops reading until the client caught up, so a slow client slows its
+    decode instead of filling the proxy's memory.
+    """
 
-    json: bytes  # a JSON object, b"{...}"
+    __slots__ = ("client", "gaps", "stats")
 
-    @classmethod
-    def of(cls, body: Mapping[str, Any]) -> SharedBody:
-        return cls(
-            encode_json({key: value for key, value in body.items() if key not in LEG_FIELDS})
+    def __init__(self, exchange: Exchange, gaps: TokenGaps | None) -> None:
+        self.client = ClientWire(exchange.request, exchange.response)
+        self.stats, self.gaps = exchange.stats, gaps
+
+    def __call__(self, pieces: list[bytes]) -> bool | None:
+        """The pieces one read of the decode brought (HttpLeg.stream_to's Sink): None if the
+        client is gone, else whether it fell behind."""
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        behind = self.client.send(data)
+        if behind is not None:
+            self.account(data)
+        return behind
+
+    def events(self, data: bytes) -> bytes:
+        """The first bytes, as the client gets them: as they came."""
+        return data
+
+    def account(self, data: bytes) -> None:
+        """Bytes out, and token timing for a stream: an SSE event ends with a blank line and
+        a JSON payload has no raw newline, so counting b"\n\n" finds the events unparsed."""
+        stats = self.stats
+        stats.bytes_out += len(data)
+        if self.gaps is not None and (events := data.count(b"\n\n")):
+            now = time.monotonic()
+            self.gaps.events(events, now)
+            if stats.first_token is None:
+                stats.first_token = now
+
+
+class JournalRelay(DecodeRelay):
+    """DecodeRelay for a stream that may go on elsewhere: whole events only, through its
+    journal, so that what the client has is known exactly when the decode fails. It stops
+    the read (as for a client gone) at an error event, which the journal withheld."""
+
+    __slots__ = ("journal", "partial")
+
+    def __init__(self, exchange: Exchange, gaps: TokenGaps | None) -> None:
+        super().__init__(exchange, gaps)
+        assert exchange.journal is not None
+        self.journal, self.partial = exchange.journal, b""
+
+    def __call__(self, pieces: list[bytes]) -> bool | None:
+        if self.journal.error is not None:  # what the read after the error brought: not sent
+            return None
+        data = self.events(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        if not data:  # an empty write would end a chunked body
+            behind: bool | None = None if self.client.closing else False
+        elif (behind := self.client.send(data)) is not None:
+            self.account(data)
+        return None if self.journal.error is not None else behind
+
+    def events(self, data: bytes) -> bytes:
+        if self.partial:
+            data, self.partial = self.partial + data, b""
+        if not data.endswith(b"\n\n"):  # the last event is not whole: it waits for its end
+            if (end := data.rfind(b"\n\n") + 2) < 2:
+                self.partial = data
+                return b""
+            data, self.partial = data[:end], data[end:]
+        return self.journal.take(data)
+
+
+class ClientWire:
+    """The client's connection under aiohttp's response, as the relay writes to it after the
+    first bytes: the one place (with RelayResponse) that reaches past aiohttp's public API.
+
+    Writing a decode's reads to the transport as they come, framed as the response is, saves
+    a task wake-up and a copy per read over StreamResponse.write; aiohttp's protocol says when
+    the client cannot keep up (writing_paused), which is when the relay stops reading.
+    """
+
+    __slots__ = ("chunked", "protocol", "transport")
+
+    def __init__(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+        self.transport = request.transport
+        self.protocol = request.protocol
+        self.chunked = response.headers.get(hdrs.TRANSFER_ENCODING) == "chunked"
+
+    @property
+    def closing(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+    def send(self, data: bytes) -> bool | None:
+        """Write ``data`` framed; None if the client is gone, else whether it fell behind
+        (one call a read: this runs for every piece of every stream)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return None
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        return self.protocol.writing_paused
+
+    def drop(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+# vLLM's first event of a streamed Responses answer, and those that carry no token yet: it
+# sends them as soon as it takes the request, before the KV arrived.
+RESPONSE_STREAM_HEAD: Final = b"event: response.created\n"
+
+
+RESPONSE_PREAMBLE: Final = frozenset(
+    (b"response.created", b"response.in_progress", b"response.output_item.added",
+     b"response.content_part.added")
+)  # fmt: skip
+
+
+# ================================================================================================
+# 8. The legs and client connections
+# Holds the upstream pool (UpstreamPool, HttpLeg, httptools parsing) and the slots it grants, and
+# the client connection (ClientConnection: parser limits, slow clients, lingering close). Uses: 1-3,
+# 5, 12.
+# ================================================================================================
+
+
+class ClientConnection(web.RequestHandler):
+    """One client connection: aiohttp's HTTP/1.1 protocol, plus what a server facing a network
+    needs and aiohttp leaves out: a deadline for each request head (--header-timeout), a cap on
+    open connections, and malformed requests answered in the proxy's words (an OpenAI-style
+    error, counted, one access line, no traceback).
+
+    The middleware (front_middleware) tells it when a request's head is in and when the
+    request is done.
+    """
+
+    __slots__ = ("_admitted", "_busy", "_closing", "_head_deadline", "_received", "app")
+
+    def __init__(self, manager: web.Server, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.app = app
+        self._head_deadline: asyncio.TimerHandle | None = None
+        self._busy = False  # a request is being handled
+        self._admitted = False  # counted against --max-client-connections
+        self._closing = False  # answered for the last time: further bytes are dropped
+        self._received = 0  # bytes received since the last request was done
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        connections = self.app[STATE_KEY].connections
+        if not connections.admit():
+            message = (
+                f"too many open client connections (--max-client-connections {connections.limit})"
+            )
+            self._answer_and_close(ProxyError(503, message, retry_after=1))
+            return
+        self._admitted = True
+        self._start_head_deadline()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._admitted:
+            self._admitted = False
+            self.app[STATE_KEY].connections.release()
+        self._stop_head_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        if not self._busy and self._head_deadline is None:
+            self._start_head_deadline()  # the first bytes of the next request on this connection
+        self._received += len(data)
+        super().data_received(data)
+
+    def head_received(self) -> None:
+        self._busy = True
+        self._stop_head_deadline()
+
+    def _stop_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def request_done(self) -> None:
+        self._busy = False
+        self.app[STATE_KEY].large_garbage.request_done(self._received)
+        self._received = 0
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)  # a bug: keep the trace
+        self.head_received()
+        error = malformed_request_error(exc)
+        self._record(error)
+        response = error.response()
+        response.force_close()
+        return response
+
+    def _start_head_deadline(self) -> None:
+        timeout = self.app[STATE_KEY].config.header_timeout
+        self._head_deadline = self._loop.call_later(timeout, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        timeout = self.app[STATE_KEY].config.header_timeout
+        message = f"request head not received within {timeout:g} s (--header-timeout)"
+        error = ProxyError(408, message, reason="header_timeout")
+        self._record(error)
+        self._answer_and_close(error)
+
+    def _record(self, error: ProxyError) -> None:
+        stats = RequestStats("-", UNPARSED, outcome=f"error:{error.reason}")
+        record_request(self.app[STATE_KEY].metrics, stats, error.status)
+
+    def _answer_and_close(self, error: ProxyError) -> None:
+        """Answer, end our side, read and drop what still comes for a moment, then close."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._closing = True
+        # aiohttp types it asyncio.Transport; uvloop's (the default loop) are no subclass of
+        # asyncio's, so it is used as one, never checked (an isinstance here failed on uvloop).
+        transport.write(raw_error_response(error))
+        transport.write_eof()
+        asyncio.get_running_loop().call_later(CLOSE_LINGER, self.force_close)
+
+
+async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
+    """Serve a set-up runner's app on a bound socket, each connection a ClientConnection."""
+    app, server = runner.app, runner.server
+    assert server is not None, "the runner is set up first"
+    config = app[STATE_KEY].config
+    loop = asyncio.get_running_loop()
+
+    def connection() -> ClientConnection:
+        return ClientConnection(
+            server,
+            app,
+            loop=loop,
+            keepalive_timeout=config.client_keepalive_timeout,
+            lingering_time=CLOSE_LINGER,
+            access_log=None,  # the proxy writes its own access line, with PD fields
         )
 
-    def with_fields(self, leg: Mapping[str, Any]) -> LegPayload:
-        """``leg`` (a body the rewriting functions made from the client's) on the wire: the
-        shared encoding, then the leg's own fields. The same object vLLM would have received
-        in one piece, its keys in another order."""
-        own = {key: leg[key] for key in LEG_FIELDS if key in leg}
-        if not own:
-            return (self.json,)
-        tail = encode_json(own)
-        if self.json == b"{}":
-            return (tail,)
-        return memoryview(self.json)[:-1], b"," + tail[1:]
+    tls = server_tls(config)
+    return await loop.create_server(connection, sock=sock, backlog=LISTEN_BACKLOG, ssl=tls)
 
 
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_request_json(raw: bytes | bytearray) -> dict[str, Any]:
-    """The client's body as a JSON object, or a 400 saying what is wrong with it.
-
-    A bytearray is consumed: it is emptied once decoded, so that a large body is never held as
-    bytes, text and objects at once (json.loads of bytes would keep all three).
-    """
-    if not raw or raw.isspace():
-        raise ProxyError(400, "request body is empty: expected a JSON object")
-    body: object = None
-    if FAST_LOADS is not None and len(raw) <= FAST_LOADS_LIMIT:
-        # orjson reads strict UTF-8 JSON as the stdlib does; what it refuses (other encodings,
-        # a BOM, lone surrogates, integers past 64 bits, NaN, deep nesting) is read below,
-        # which accepts or refuses it as before, with the stdlib's words. Read through a view:
-        # given a bytearray itself, orjson copies it first; the view goes before the bytes.
-        with contextlib.suppress(ValueError), memoryview(raw) as view:
-            body = FAST_LOADS(view)
-    if isinstance(body, dict):
-        if isinstance(raw, bytearray):
-            raw.clear()
-        return body
+def server_tls(config: ProxyConfig) -> ssl.SSLContext | None:
+    """The listener's TLS (--ssl-certfile, --ssl-keyfile; with --ssl-ca-certs, clients must
+    present a certificate those CAs signed), or None for plain HTTP."""
+    if config.ssl_certfile is None or config.ssl_keyfile is None:
+        return None
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
-        # What json.loads does with bytes, done here so the bytes can go before parsing.
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
-    except UnicodeDecodeError as error:
-        raise ProxyError(400, f"request body is not valid JSON: {error}") from None
-    if isinstance(raw, bytearray):
-        raw.clear()
+        tls.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+        if config.ssl_ca_certs is not None:
+            tls.load_verify_locations(config.ssl_ca_certs)
+            tls.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as error:
+        raise ConfigError(f"cannot serve HTTPS: {tls_problem(error)}") from None
+    return tls
+
+
+def upstream_tls(config: ProxyConfig) -> ssl.SSLContext:
+    """How the legs, health checks and scrapes check an https:// instance: the system's trust
+    store, or --upstream-ca-certs in its place."""
     try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise ProxyError(400, "request body is nested too deeply") from None
-    except ValueError as error:  # JSONDecodeError, invalid UTF-8, oversized integers
-        raise ProxyError(400, f"request body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise ProxyError(400, f"request body must be a JSON object, not {type(body).__name__}")
-    return body
+        return ssl.create_default_context(cafile=config.upstream_ca_certs)
+    except (OSError, ssl.SSLError) as error:
+        raise ConfigError(f"--upstream-ca-certs: {tls_problem(error)}") from None
+
+
+def tls_problem(error: OSError | ssl.SSLError) -> str:
+    if isinstance(error, FileNotFoundError | PermissionError):
+        return f"{error.strerror}: {error.filename}"
+    return str(error)
 
 
 def encode_json(body: Mapping[str, Any]) -> bytes:
@@ -4114,59 +4501,6 @@ def encode_json(body: Mapping[str, Any]) -> bytes:
         return json.dumps(body, separators=(",", ":")).encode()
     except RecursionError:
         raise ProxyError(400, "request body is nested too deeply") from None
-
-
-def upstream_headers(
-    client_headers: Mapping[str, str], request_id: str, config: ProxyConfig
-) -> dict[str, str]:
-    """Headers for both legs: the client's end-to-end headers plus the proxy's own.
-
-    The client's Authorization is forwarded only while the proxy checks no key of its own:
-    a key meant for the proxy is not vLLM's to see.
-    """
-    listed = {name.strip().lower() for name in client_headers.get(hdrs.CONNECTION, "").split(",")}
-    headers = {
-        name: value
-        for name, value in client_headers.items()
-        if name.lower() not in NOT_FORWARDED_HEADERS and name.lower() not in listed
-    }
-    headers[hdrs.CONTENT_TYPE] = "application/json"
-    if hdrs.USER_AGENT not in client_headers:
-        headers[hdrs.USER_AGENT] = USER_AGENT
-    headers[REQUEST_ID_HEADER] = request_id
-    if authorization := upstream_authorization(client_headers, config):
-        headers[hdrs.AUTHORIZATION] = authorization
-    headers.update(trace_headers(client_headers))
-    return headers
-
-
-def trace_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
-    """W3C trace context for both legs: the client's, if it is valid; else a new trace, so
-    that the prefill's and the decode's spans (vLLM's --otlp-traces-endpoint) share one trace
-    id all the same. Sampled: vLLM records what its parent asks to be recorded."""
-    given = client_headers.get("traceparent", "").strip()
-    if (match := TRACEPARENT_PATTERN.fullmatch(given)) is not None:
-        version, trace_id, span_id, _ = match.groups()[:4]
-        fields_fit = version != "00" or match[5] is None  # version 00 has four, no more
-        if version != "ff" and fields_fit and trace_id != "0" * 32 and span_id != "0" * 16:
-            headers = {"traceparent": given}
-            if state := client_headers.get("tracestate"):
-                headers["tracestate"] = state
-            return headers
-    trace_id, span_id = random.getrandbits(128) or 1, random.getrandbits(64) or 1
-    return {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}
-
-
-def trace_id_of(headers: Mapping[str, str]) -> str:
-    return headers["traceparent"][3:35]
-
-
-def upstream_authorization(client_headers: Mapping[str, str], config: ProxyConfig) -> str | None:
-    if config.upstream_api_key:
-        return f"Bearer {config.upstream_api_key}"
-    if config.api_key:
-        return None
-    return client_headers.get(hdrs.AUTHORIZATION)
 
 
 class UpstreamSlots:
@@ -4219,97 +4553,6 @@ class UpstreamSlots:
                 granted.set_result(None)
 
 
-class Admission:
-    """--max-in-flight: requests past it wait for one to finish, the lowest priority value
-    first (vLLM's own order under --scheduling-policy priority), then first come first served;
-    a bounded queue and a bounded wait, each answered 429 with Retry-After when exceeded, so a
-    saturated cluster pushes back at the door instead of growing vLLM's queues."""
-
-    RETRY_AFTER: ClassVar[int] = 1  # seconds: come back soon, the queue moves
-
-    def __init__(self, limit: int, max_queue: int, timeout: float) -> None:
-        self.limit, self.max_queue, self.timeout = limit, max_queue, timeout
-        self.running = 0
-        self.queued = 0  # waiting now (the heap may still hold some that gave up)
-        self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._arrival = itertools.count()
-
-    async def enter(self, priority: int) -> float:
-        """Wait for a turn; the seconds waited. Raises ProxyError(429) when none comes."""
-        if not self.limit or (self.running < self.limit and not self.queued):
-            self.running += 1
-            return 0.0
-        if self.queued >= self.max_queue:
-            raise self.refused(f"{self.queued} requests already wait (--max-queue)", "queue_full")
-        turn = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, (priority, next(self._arrival), turn))
-        self.queued += 1
-        started = time.monotonic()
-        try:
-            async with asyncio.timeout(self.timeout):
-                await turn
-        except BaseException as error:
-            if turn.done() and not turn.cancelled():
-                self.leave()  # handed a turn just as the wait ended: pass it on
-            else:
-                turn.cancel()  # left in the heap, skipped when its turn comes
-                self.queued -= 1
-            if isinstance(error, TimeoutError):
-                waited = f"waited {self.timeout:g} s for one of --max-in-flight {self.limit}"
-                raise self.refused(waited, "queue_timeout") from None
-            raise
-        return time.monotonic() - started
-
-    def configure(self, limit: int, max_queue: int, timeout: float) -> None:
-        """New limits from a reload; a raised (or lifted) limit lets waiting requests in."""
-        self.limit, self.max_queue, self.timeout = limit, max_queue, timeout
-        while self.queued and (not limit or self.running < limit):
-            self.running += 1
-            self.leave()
-
-    def leave(self) -> None:
-        """A request ended: its turn goes to the first waiting one, if any (none while a
-        reload lowered the limit below what runs)."""
-        while self._heap and (not self.limit or self.running <= self.limit):
-            _, _, turn = heapq.heappop(self._heap)
-            if not turn.done():
-                self.queued -= 1
-                turn.set_result(None)  # it runs in this one's place
-                return
-        self.running -= 1
-
-    def refused(self, why: str, reason: str) -> ProxyError:
-        message = f"the proxy is at capacity: {why}; try again shortly"
-        return ProxyError(429, message, reason=reason, retry_after=self.RETRY_AFTER)
-
-
-def request_priority(request: web.Request, body: Mapping[str, Any]) -> int:
-    """vLLM's request priority (lower runs first): the body's, else X-Vllm-Priority, else 0.
-    Both go to the legs unchanged; here it only orders the proxy's own queue."""
-    given = body.get("priority", request.headers.get(PRIORITY_HEADER))
-    try:
-        return int(given) if given is not None and not isinstance(given, bool) else 0
-    except (TypeError, ValueError):
-        return 0  # vLLM answers the bad value itself; the queue only needs an order
-
-
-def pool_exhausted(config: ProxyConfig, legs: str) -> ProxyError:
-    return ProxyError(
-        503,
-        f"all {config.max_connections} upstream connections allowed by --max-connections are "
-        f"in use; none came free within {config.pool_timeout:g} s (--pool-timeout) for {legs}",
-        reason="pool_timeout",
-        retry_after=1,
-    )
-
-
-# ================================================================================================
-# 7. The legs and client connections
-# Holds the HTTP client each leg rides (HttpLeg, UpstreamPool) and the server side of the client's
-# connection (ClientConnection: parser limits, slow clients, lingering close). Uses: 1-3.
-# ================================================================================================
-
-
 class LegFailed(Exception):
     """A leg's HTTP exchange failed on the wire: not an error status, no answer at all.
 
@@ -4327,9 +4570,199 @@ class LegFailed(Exception):
 # reuses: not kept), it says whether the client fell behind (True) or is gone (None).
 Sink = Callable[[list[bytes]], bool | None]
 
+
 # Below this a copy costs less than a second write (and a second syscall); above it the body
 # goes out as it is, not joined to the head (a 100 MiB prompt would be copied once more).
 LEG_BODY_COPY_LIMIT: Final = 64 * 1024
+
+
+class UpstreamPool:
+    """The legs' keep-alive connections, by upstream.
+
+    The newest idle connection is reused first (the likeliest still open, and the others age
+    out); none is kept idle past --keepalive-timeout, below vLLM's own idle limit, so the pool
+    does not reuse one vLLM is closing. A leg whose answer was not read whole is closed, not
+    kept: vLLM aborts a request whose connection closes.
+    """
+
+    def __init__(
+        self, connect_timeout: float, keepalive_timeout: float, cafile: str | None = None
+    ) -> None:
+        self.connect_timeout, self.keepalive_timeout = connect_timeout, keepalive_timeout
+        self._idle: dict[str, dict[HttpLeg, None]] = {}  # by host:port, oldest first
+        self.busy = 0  # legs sent and not yet finished: 0 whenever no request is under way
+        self._heads: dict[tuple[bytes, URL], bytes] = {}
+        self._sweep: asyncio.TimerHandle | None = None
+        self._cafile = cafile  # --upstream-ca-certs, in place of the system's trust store
+        self._tls: ssl.SSLContext | None = None
+
+    async def send(self, method: bytes, url: URL, headers: bytes, body: LegPayload = ()) -> HttpLeg:
+        """A request on its way on a kept connection or a new one; LegFailed if none opens.
+        ``headers``: header_lines' of the request's own headers."""
+        size = sum(map(len, body))
+        head = self._head(method, url) + headers + b"Content-Length: %d\r\n\r\n" % size
+        leg = self._reuse(url.raw_authority) or await self._connect(url)
+        leg.send(head, body, size)
+        self.busy += 1
+        return leg
+
+    def finish(self, leg: HttpLeg) -> None:
+        """The leg is over: kept for the next if its answer was read whole and may be kept,
+        else closed (mid-answer, that aborts the request upstream)."""
+        self.busy -= 1
+        leg.sink = None
+        if not (leg.complete and leg.reusable and leg.open and not leg.kept):
+            leg.close()
+            return
+        leg.resume()
+        leg.idle_since = time.monotonic()
+        leg.idle[leg] = None
+        if self._sweep is None:
+            self._sweep = leg.loop.call_later(self.keepalive_timeout, self._close_expired)
+
+    def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        for idle in self._idle.values():
+            for leg in list(idle):
+                leg.close()
+            idle.clear()
+
+    def _reuse(self, upstream: str) -> HttpLeg | None:
+        idle = self._idle.get(upstream)
+        now = time.monotonic()
+        while idle:
+            leg, _ = idle.popitem()  # the newest: if it aged out, so did the rest
+            if leg.open and now - leg.idle_since < self.keepalive_timeout:
+                return leg
+            leg.close()
+        return None
+
+    async def _connect(self, url: URL) -> HttpLeg:
+        loop = asyncio.get_running_loop()
+        idle = self._idle.setdefault(url.raw_authority, {})
+        host, port = url.host or "", url.port or 0  # parse_backend_url made it explicit
+        tls = self.tls() if url.scheme == "https" else None
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, leg = await loop.create_connection(lambda: HttpLeg(idle), host, port, ssl=tls)
+        except TimeoutError:
+            message = f"cannot connect to {host}:{port} within {self.connect_timeout:g} s"
+            raise LegFailed(message, unreachable=True, timed_out=True) from None
+        except OSError as error:
+            message = f"cannot connect to {host}:{port}: {os_error_reason(error)}"
+            raise LegFailed(message, unreachable=True) from None
+        return leg
+
+    def _head(self, method: bytes, url: URL) -> bytes:
+        """The request line and Host, made once per upstream route."""
+        head = self._heads.get((method, url))
+        if head is None:
+            if len(self._heads) >= HEADS_KEPT:  # instances come and go (DNS): start again
+                self._heads.clear()
+            line = f"{method.decode()} {url.raw_path_qs} HTTP/1.1\r\nHost: {url.raw_authority}\r\n"
+            head = self._heads[method, url] = line.encode()
+        return head
+
+    def _close_expired(self) -> None:
+        """Close the connections idle for --keepalive-timeout; again later while any is idle."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        oldest_kept = time.monotonic() - self.keepalive_timeout
+        for idle in self._idle.values():
+            for leg in list(idle):
+                if leg.idle_since > oldest_kept:
+                    break  # the rest came back later still
+                del idle[leg]
+                leg.close()
+        if any(self._idle.values()):
+            self._sweep = loop.call_later(self.keepalive_timeout, self._close_expired)
+
+    def tls(self) -> ssl.SSLContext:
+        if self._tls is None:  # made at the first https:// upstream: it reads the CA store
+            self._tls = ssl.create_default_context(cafile=self._cafile)
+        return self._tls
+
+
+# aiohttp's parser limits (its defaults), named in the errors that enforce them.
+MAX_LINE_BYTES: Final = 8190
+
+
+MAX_HEADERS: Final = 128
+
+
+# After answering a connection that is to close (an unread body, a slow head, over the cap),
+# how long its further bytes are read and dropped, so that closing does not reset the
+# connection before the client read the answer; aiohttp's own 10 s would let a trickling
+# client keep its connection that much longer.
+CLOSE_LINGER: Final = 2.0
+
+
+# The route label of requests whose head never parsed (malformed, or too slow to arrive).
+UNPARSED: Final = "unparsed"
+
+
+def malformed_request_error(error: HttpProcessingError) -> ProxyError:
+    """The client's answer to a request aiohttp's parser refused. Its messages quote the
+    client's bytes; these never do, so that no client can write into the log."""
+    if isinstance(error, LineTooLong):
+        message = f"a request line or header field is longer than {MAX_LINE_BYTES} bytes"
+        return ProxyError(431, message, reason="header_too_long")
+    if "Too many headers" in error.message:
+        return ProxyError(431, f"more than {MAX_HEADERS} header fields", reason="too_many_headers")
+    if isinstance(error, BadHttpMethod):
+        return ProxyError(
+            400, "malformed request method (TLS on a plain HTTP port?)", reason="bad_method"
+        )
+    if isinstance(error, BadStatusLine):
+        message = "malformed request line (HTTP/1.1 lines end in CRLF)"
+        return ProxyError(400, message, reason="bad_request_line")
+    return ProxyError(400, "malformed header field", reason="bad_header")
+
+
+def raw_error_response(error: ProxyError) -> bytes:
+    """A whole HTTP/1.1 error answer, for a connection that has no request to answer through."""
+    body = json.dumps(error.payload()).encode()
+    head = [
+        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+    ]
+    if error.retry_after is not None:
+        head.append(f"Retry-After: {error.retry_after}")
+    return "\r\n".join(head).encode() + b"\r\n\r\n" + body
+
+
+class ClientConnections:
+    """Open client connections against --max-client-connections (the daemon's listener)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self.rejected = 0
+        self._full = False
+
+    def admit(self) -> bool:
+        if self.open >= self.limit:
+            self.rejected += 1
+            if not self._full:
+                self._full = True
+                log.warning(
+                    "%d client connections open (--max-client-connections): new ones are "
+                    "answered 503 until some close",
+                    self.limit,
+                )
+            return False
+        self.open += 1
+        return True
+
+    def release(self) -> None:
+        self.open -= 1
+        if self._full and self.open < self.limit:
+            self._full = False
+            log.info("client connections below --max-client-connections again")
 
 
 class HttpLeg(asyncio.Protocol):
@@ -4594,368 +5027,13 @@ class HttpLeg(asyncio.Protocol):
 HEADS_KEPT: Final = 4096  # UpstreamPool's request lines: a few routes per instance
 
 
-class UpstreamPool:
-    """The legs' keep-alive connections, by upstream.
-
-    The newest idle connection is reused first (the likeliest still open, and the others age
-    out); none is kept idle past --keepalive-timeout, below vLLM's own idle limit, so the pool
-    does not reuse one vLLM is closing. A leg whose answer was not read whole is closed, not
-    kept: vLLM aborts a request whose connection closes.
-    """
-
-    def __init__(
-        self, connect_timeout: float, keepalive_timeout: float, cafile: str | None = None
-    ) -> None:
-        self.connect_timeout, self.keepalive_timeout = connect_timeout, keepalive_timeout
-        self._idle: dict[str, dict[HttpLeg, None]] = {}  # by host:port, oldest first
-        self.busy = 0  # legs sent and not yet finished: 0 whenever no request is under way
-        self._heads: dict[tuple[bytes, URL], bytes] = {}
-        self._sweep: asyncio.TimerHandle | None = None
-        self._cafile = cafile  # --upstream-ca-certs, in place of the system's trust store
-        self._tls: ssl.SSLContext | None = None
-
-    async def send(self, method: bytes, url: URL, headers: bytes, body: LegPayload = ()) -> HttpLeg:
-        """A request on its way on a kept connection or a new one; LegFailed if none opens.
-        ``headers``: header_lines' of the request's own headers."""
-        size = sum(map(len, body))
-        head = self._head(method, url) + headers + b"Content-Length: %d\r\n\r\n" % size
-        leg = self._reuse(url.raw_authority) or await self._connect(url)
-        leg.send(head, body, size)
-        self.busy += 1
-        return leg
-
-    def finish(self, leg: HttpLeg) -> None:
-        """The leg is over: kept for the next if its answer was read whole and may be kept,
-        else closed (mid-answer, that aborts the request upstream)."""
-        self.busy -= 1
-        leg.sink = None
-        if not (leg.complete and leg.reusable and leg.open and not leg.kept):
-            leg.close()
-            return
-        leg.resume()
-        leg.idle_since = time.monotonic()
-        leg.idle[leg] = None
-        if self._sweep is None:
-            self._sweep = leg.loop.call_later(self.keepalive_timeout, self._close_expired)
-
-    def close(self) -> None:
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = None
-        for idle in self._idle.values():
-            for leg in list(idle):
-                leg.close()
-            idle.clear()
-
-    def _reuse(self, upstream: str) -> HttpLeg | None:
-        idle = self._idle.get(upstream)
-        now = time.monotonic()
-        while idle:
-            leg, _ = idle.popitem()  # the newest: if it aged out, so did the rest
-            if leg.open and now - leg.idle_since < self.keepalive_timeout:
-                return leg
-            leg.close()
-        return None
-
-    async def _connect(self, url: URL) -> HttpLeg:
-        loop = asyncio.get_running_loop()
-        idle = self._idle.setdefault(url.raw_authority, {})
-        host, port = url.host or "", url.port or 0  # parse_backend_url made it explicit
-        tls = self.tls() if url.scheme == "https" else None
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                _, leg = await loop.create_connection(lambda: HttpLeg(idle), host, port, ssl=tls)
-        except TimeoutError:
-            message = f"cannot connect to {host}:{port} within {self.connect_timeout:g} s"
-            raise LegFailed(message, unreachable=True, timed_out=True) from None
-        except OSError as error:
-            message = f"cannot connect to {host}:{port}: {os_error_reason(error)}"
-            raise LegFailed(message, unreachable=True) from None
-        return leg
-
-    def _head(self, method: bytes, url: URL) -> bytes:
-        """The request line and Host, made once per upstream route."""
-        head = self._heads.get((method, url))
-        if head is None:
-            if len(self._heads) >= HEADS_KEPT:  # instances come and go (DNS): start again
-                self._heads.clear()
-            line = f"{method.decode()} {url.raw_path_qs} HTTP/1.1\r\nHost: {url.raw_authority}\r\n"
-            head = self._heads[method, url] = line.encode()
-        return head
-
-    def _close_expired(self) -> None:
-        """Close the connections idle for --keepalive-timeout; again later while any is idle."""
-        self._sweep = None
-        loop = asyncio.get_running_loop()
-        oldest_kept = time.monotonic() - self.keepalive_timeout
-        for idle in self._idle.values():
-            for leg in list(idle):
-                if leg.idle_since > oldest_kept:
-                    break  # the rest came back later still
-                del idle[leg]
-                leg.close()
-        if any(self._idle.values()):
-            self._sweep = loop.call_later(self.keepalive_timeout, self._close_expired)
-
-    def tls(self) -> ssl.SSLContext:
-        if self._tls is None:  # made at the first https:// upstream: it reads the CA store
-            self._tls = ssl.create_default_context(cafile=self._cafile)
-        return self._tls
-
-
-def header_lines(headers: Mapping[str, str]) -> bytes:
-    """Headers as they go on the wire (UpstreamPool.send adds Content-Length and the end)."""
-    block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
-    if block.count("\n") != len(headers) or block.count("\r") != len(headers):
-        # aiohttp's parser lets no line break into a client's header, nor the configuration
-        # into the upstream key (header_value): one here is the proxy's bug. Refuse rather
-        # than send a header nobody wrote.
-        raise ProxyError(500, "a header for the upstream contains a line break")
-    return block.encode("utf-8", "surrogateescape")
-
-
-# aiohttp's parser limits (its defaults), named in the errors that enforce them.
-MAX_LINE_BYTES: Final = 8190
-
-MAX_HEADERS: Final = 128
-
-# After answering a connection that is to close (an unread body, a slow head, over the cap),
-# how long its further bytes are read and dropped, so that closing does not reset the
-# connection before the client read the answer; aiohttp's own 10 s would let a trickling
-# client keep its connection that much longer.
-CLOSE_LINGER: Final = 2.0
-
-# The route label of requests whose head never parsed (malformed, or too slow to arrive).
-UNPARSED: Final = "unparsed"
-
-
-def malformed_request_error(error: HttpProcessingError) -> ProxyError:
-    """The client's answer to a request aiohttp's parser refused. Its messages quote the
-    client's bytes; these never do, so that no client can write into the log."""
-    if isinstance(error, LineTooLong):
-        message = f"a request line or header field is longer than {MAX_LINE_BYTES} bytes"
-        return ProxyError(431, message, reason="header_too_long")
-    if "Too many headers" in error.message:
-        return ProxyError(431, f"more than {MAX_HEADERS} header fields", reason="too_many_headers")
-    if isinstance(error, BadHttpMethod):
-        return ProxyError(
-            400, "malformed request method (TLS on a plain HTTP port?)", reason="bad_method"
-        )
-    if isinstance(error, BadStatusLine):
-        message = "malformed request line (HTTP/1.1 lines end in CRLF)"
-        return ProxyError(400, message, reason="bad_request_line")
-    return ProxyError(400, "malformed header field", reason="bad_header")
-
-
-def raw_error_response(error: ProxyError) -> bytes:
-    """A whole HTTP/1.1 error answer, for a connection that has no request to answer through."""
-    body = json.dumps(error.payload()).encode()
-    head = [
-        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        "Connection: close",
-    ]
-    if error.retry_after is not None:
-        head.append(f"Retry-After: {error.retry_after}")
-    return "\r\n".join(head).encode() + b"\r\n\r\n" + body
-
-
-class ClientConnections:
-    """Open client connections against --max-client-connections (the daemon's listener)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.open = 0
-        self.rejected = 0
-        self._full = False
-
-    def admit(self) -> bool:
-        if self.open >= self.limit:
-            self.rejected += 1
-            if not self._full:
-                self._full = True
-                log.warning(
-                    "%d client connections open (--max-client-connections): new ones are "
-                    "answered 503 until some close",
-                    self.limit,
-                )
-            return False
-        self.open += 1
-        return True
-
-    def release(self) -> None:
-        self.open -= 1
-        if self._full and self.open < self.limit:
-            self._full = False
-            log.info("client connections below --max-client-connections again")
-
-
-class ClientConnection(web.RequestHandler):
-    """One client connection: aiohttp's HTTP/1.1 protocol, plus what a server facing a network
-    needs and aiohttp leaves out: a deadline for each request head (--header-timeout), a cap on
-    open connections, and malformed requests answered in the proxy's words (an OpenAI-style
-    error, counted, one access line, no traceback).
-
-    The middleware (front_middleware) tells it when a request's head is in and when the
-    request is done.
-    """
-
-    __slots__ = ("_admitted", "_busy", "_closing", "_head_deadline", "_received", "app")
-
-    def __init__(self, manager: web.Server, app: web.Application, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
-        self.app = app
-        self._head_deadline: asyncio.TimerHandle | None = None
-        self._busy = False  # a request is being handled
-        self._admitted = False  # counted against --max-client-connections
-        self._closing = False  # answered for the last time: further bytes are dropped
-        self._received = 0  # bytes received since the last request was done
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        connections = self.app[STATE_KEY].connections
-        if not connections.admit():
-            message = (
-                f"too many open client connections (--max-client-connections {connections.limit})"
-            )
-            self._answer_and_close(ProxyError(503, message, retry_after=1))
-            return
-        self._admitted = True
-        self._start_head_deadline()
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if self._admitted:
-            self._admitted = False
-            self.app[STATE_KEY].connections.release()
-        self._stop_head_deadline()
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        if self._closing:
-            return
-        if not self._busy and self._head_deadline is None:
-            self._start_head_deadline()  # the first bytes of the next request on this connection
-        self._received += len(data)
-        super().data_received(data)
-
-    def head_received(self) -> None:
-        self._busy = True
-        self._stop_head_deadline()
-
-    def _stop_head_deadline(self) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
-
-    def request_done(self) -> None:
-        self._busy = False
-        self.app[STATE_KEY].large_garbage.request_done(self._received)
-        self._received = 0
-
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if not isinstance(exc, HttpProcessingError):
-            return super().handle_error(request, status, exc, message)  # a bug: keep the trace
-        self.head_received()
-        error = malformed_request_error(exc)
-        self._record(error)
-        response = error.response()
-        response.force_close()
-        return response
-
-    def _start_head_deadline(self) -> None:
-        timeout = self.app[STATE_KEY].config.header_timeout
-        self._head_deadline = self._loop.call_later(timeout, self._head_timed_out)
-
-    def _head_timed_out(self) -> None:
-        self._head_deadline = None
-        timeout = self.app[STATE_KEY].config.header_timeout
-        message = f"request head not received within {timeout:g} s (--header-timeout)"
-        error = ProxyError(408, message, reason="header_timeout")
-        self._record(error)
-        self._answer_and_close(error)
-
-    def _record(self, error: ProxyError) -> None:
-        stats = RequestStats("-", UNPARSED, outcome=f"error:{error.reason}")
-        record_request(self.app[STATE_KEY].metrics, stats, error.status)
-
-    def _answer_and_close(self, error: ProxyError) -> None:
-        """Answer, end our side, read and drop what still comes for a moment, then close."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        self._closing = True
-        # aiohttp types it asyncio.Transport; uvloop's (the default loop) are no subclass of
-        # asyncio's, so it is used as one, never checked (an isinstance here failed on uvloop).
-        transport.write(raw_error_response(error))
-        transport.write_eof()
-        asyncio.get_running_loop().call_later(CLOSE_LINGER, self.force_close)
-
-
-async def listen(runner: web.AppRunner, sock: socket.socket) -> asyncio.Server:
-    """Serve a set-up runner's app on a bound socket, each connection a ClientConnection."""
-    app, server = runner.app, runner.server
-    assert server is not None, "the runner is set up first"
-    config = app[STATE_KEY].config
-    loop = asyncio.get_running_loop()
-
-    def connection() -> ClientConnection:
-        return ClientConnection(
-            server,
-            app,
-            loop=loop,
-            keepalive_timeout=config.client_keepalive_timeout,
-            lingering_time=CLOSE_LINGER,
-            access_log=None,  # the proxy writes its own access line, with PD fields
-        )
-
-    tls = server_tls(config)
-    return await loop.create_server(connection, sock=sock, backlog=LISTEN_BACKLOG, ssl=tls)
-
-
-def server_tls(config: ProxyConfig) -> ssl.SSLContext | None:
-    """The listener's TLS (--ssl-certfile, --ssl-keyfile; with --ssl-ca-certs, clients must
-    present a certificate those CAs signed), or None for plain HTTP."""
-    if config.ssl_certfile is None or config.ssl_keyfile is None:
-        return None
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        tls.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
-        if config.ssl_ca_certs is not None:
-            tls.load_verify_locations(config.ssl_ca_certs)
-            tls.verify_mode = ssl.CERT_REQUIRED
-    except (OSError, ssl.SSLError) as error:
-        raise ConfigError(f"cannot serve HTTPS: {tls_problem(error)}") from None
-    return tls
-
-
-def upstream_tls(config: ProxyConfig) -> ssl.SSLContext:
-    """How the legs, health checks and scrapes check an https:// instance: the system's trust
-    store, or --upstream-ca-certs in its place."""
-    try:
-        return ssl.create_default_context(cafile=config.upstream_ca_certs)
-    except (OSError, ssl.SSLError) as error:
-        raise ConfigError(f"--upstream-ca-certs: {tls_problem(error)}") from None
-
-
-def tls_problem(error: OSError | ssl.SSLError) -> str:
-    if isinstance(error, FileNotFoundError | PermissionError):
-        return f"{error.strerror}: {error.filename}"
-    return str(error)
-
-
 # ================================================================================================
-# 8. Routing
-# Holds where a request goes: the prompt read as routing needs it (RouteKey, block chains), the
-# prefix index, each target's load, and the Router that weighs them. Its tuned numbers sit
-# at the chapter's top. Uses: 1-3, 9 (the tokenizer and KV events).
+# 9. Routing
+# Holds the routers each stage picks with (Router, PrefixIndex), their keys (RouteKey) and the
+# chat-turn tracking; a request reaches it through its serving group (Serving, 11). Uses: 1-3, 5, 8,
+# 10-11.
 # ================================================================================================
+
 
 # Routing's tuned numbers, all in one list. Each constant below says what measured it (the
 # routing benchmark, bench/bench_routing.py, unless it says otherwise); the flags' defaults are in
@@ -4979,11 +5057,14 @@ def tls_problem(error: OSError | ssl.SSLError) -> str:
 
 SESSION_HEADER: Final = "X-Session-ID"
 
+
 MASK64: Final = (1 << 64) - 1
+
 
 # A target whose KV cache is this full is passed over while another is not: vLLM would
 # preempt (recompute) running requests to make room.
 KV_FULL: Final = 0.98
+
 
 # Each target's share of recent requests (every sender's where the engines' counters say,
 # else this process's: recent_requests; decayed over RECENT_SECONDS) is bounded: no engine
@@ -5000,9 +5081,12 @@ KV_FULL: Final = 0.98
 # 1.00 (bench/research/routing-slack). A chat's first turn has less (CHAT_RETURN_SECONDS).
 RECENT_SECONDS: Final = 10.0
 
+
 RECENT_SLACK: Final = 4.0
 
+
 RECENT_BALANCE: Final = 1.5
+
 
 # A chat's first turn is a system prompt and a question: its prompt cannot be told from a
 # single-turn chat's. Where chats come back for more turns, RECENT_SLACK piles new ones onto
@@ -5017,12 +5101,14 @@ RECENT_BALANCE: Final = 1.5
 # (bench/research/routing-slack).
 CHAT_RETURN_SECONDS: Final = 30.0
 
+
 # A target's queue is bounded too, for a prompt it holds: its requests in flight (this
 # process's, and other senders' from the scrape) within --balance-factor times the mean, or
 # the mean plus this many while that is more. With the prefill's load weight under 1, a new
 # hot prefix's next requests would otherwise queue behind its first, cold, prefill: in the
 # routing benchmark, TTFT p90 20 ms against 6.
 QUEUE_SLACK: Final = 2.0
+
 
 # A new prefix goes to whichever of the first this many engines of its hash order was written
 # least lately; where other senders are seen, only if clearly less than the first (under this
@@ -5034,18 +5120,22 @@ QUEUE_SLACK: Final = 2.0
 # of the oracle where the first alone gave 0.73.
 PLACE_CHOICES: Final = 3
 
+
 PLACE_MARGIN: Final = 0.9
+
 
 # Candidates whose writes differ by less than this share are alike (Router.place): equal
 # writes made moments apart differ only by their decay, which each process sees at its own
 # moments; taken for a difference, two proxies placed the same new prefix apart.
 PLACE_ALIKE: Final = 0.01
 
+
 # Of a prompt's holders, at most this many are weighed of those that hold its first block and
 # as many of those that hold the most of it (the first of each in its rendezvous order, or
 # where more than 8 times as many hold it, of the hash ring's walk): a prefix that every
 # engine holds, a system prompt, would otherwise be weighed on every engine.
 HOLDER_CHOICES: Final = 8
+
 
 # Targets that hold none of a prompt weighed as where it may spill (Router.weigh), besides the
 # first PLACE_CHOICES of its hash order: the first of the ring from the prompt's own spread.
@@ -5055,30 +5145,37 @@ HOLDER_CHOICES: Final = 8
 # engines their system prompts' hash order names: 46 of the 64 took requests.
 SPILL_CHOICES: Final = 5
 
+
 # Points each target has on the hash ring (Roster.walk): with 16, the share of new prefixes
 # the luckiest of 512 engines ranks first for is about twice the mean, where the bounded
 # loads take over.
 RING_POINTS: Final = 16
 
+
 # Other senders (replicas, workers) are seen where the engines' counts of recent requests are
 # this much above this process's own.
 OTHERS_SEND: Final = 1.3
+
 
 # How long this process's own sends count for a target whose KV events it hears: about the
 # longest a prefill queues and runs before the engine publishes its blocks.
 PENDING_SECONDS: Final = 2.0
 
+
 # Routing's running mean of the blocks a request computes weighs the last this many requests
 # about as much as all before: it follows a change of workload within a few dozen requests.
 MEAN_UNCACHED_EVENTS: Final = 32
+
 
 # A prefix index evicts once it holds this share more blocks than its capacity, to the
 # capacity: eviction sorts the index, so it runs once in many additions instead of each time.
 INDEX_EVICT_BATCH: Final = 1 / 8
 
+
 # Chat turns remembered per target: the next turn of each of that many conversations finds
 # its own there (Target.conversation_share).
 TURNS_KEPT: Final = 4096
+
 
 # A chat's turns before the latest that a request names (RouteKey.earlier_turns): the last
 # one this process sent is among them with up to this many replicas or workers in turn.
@@ -5133,6 +5230,25 @@ def prompt_bytes(path: str, body: Mapping[str, Any]) -> bytes:
     return head + data
 
 
+def route_key(
+    path: str, body: Mapping[str, Any], session_id: str | None, block: int = ROUTING_BLOCK_BYTES
+) -> RouteKey:
+    head, data, befores = prompt_reading(path, body)
+    seed = zlib.crc32(head)  # in every block's hash: a prompt to another model or other tools
+    if session_id:
+        placement = zlib.crc32(b"session\0" + session_id.encode("utf-8", "replace"))
+    else:
+        placement = zlib.crc32(data[:block], zlib.crc32(head))
+    chain = block_chain(data, block, seed)
+    length = len(head) + len(data)
+    spread = zlib.crc32(data[-block:], placement)
+    if befores is None:  # a completion: no later request names it as a turn before
+        return RouteKey(length, chain, placement, bool(session_id), spread=spread)
+    turn = turn_id(data, chain, len(data), block, seed)
+    earlier = tuple(turn_id(data, chain, before, block, seed) for before in befores)
+    return RouteKey(length, chain, placement, bool(session_id), turn, earlier, spread=spread)
+
+
 def prompt_reading(path: str, body: Mapping[str, Any]) -> tuple[bytes, bytes, list[int] | None]:
     """prompt_bytes as its head (the model, and a chat's tools) and the rest, kept apart so
     that a large prompt is not copied once more to join them; and for a chat, how many bytes
@@ -5171,10 +5287,6 @@ def response_messages(body: Mapping[str, Any]) -> list[object]:
     return items
 
 
-def is_answer(message: object) -> bool:
-    return isinstance(message, dict) and message.get("role") == "assistant"
-
-
 def message_line(message: object) -> bytes:
     if not isinstance(message, dict) or "role" not in message:  # a Responses item, a call...
         return encode_json({"message": message}) + b"\n"
@@ -5200,6 +5312,7 @@ def prompt_token_ids(path: str, body: Mapping[str, Any]) -> list[int] | None:
 # words: tokenizers split words at spaces (GPT-2's pre-tokenizer, SentencePiece's "▁"), so both
 # sides encode as they would together, and prompts that share a prefix share its first pieces.
 PIECE_CHARS: Final = 1024
+
 
 WORD_GAP: Final = re.compile(r"(?<=\S) (?=\S)")
 
@@ -5336,6 +5449,10 @@ def chat_message(message: object) -> object:
     return message
 
 
+def is_answer(message: object) -> bool:
+    return isinstance(message, dict) and message.get("role") == "assistant"
+
+
 def block_chain(data: bytes, size: int = ROUTING_BLOCK_BYTES, seed: int = 0) -> list[int]:
     """A hash per full block, chained with ``seed`` and every block before it (XOR of each
     block's hash with its position). The same in every process, as --peer replicas tell each
@@ -5350,25 +5467,6 @@ def block_chain(data: bytes, size: int = ROUTING_BLOCK_BYTES, seed: int = 0) -> 
     )
     hashes = map(hash, zip(itertools.count(), map(zlib.crc32, blocks)))
     return list(itertools.accumulate(hashes, operator.xor, initial=seed))[1:]
-
-
-def route_key(
-    path: str, body: Mapping[str, Any], session_id: str | None, block: int = ROUTING_BLOCK_BYTES
-) -> RouteKey:
-    head, data, befores = prompt_reading(path, body)
-    seed = zlib.crc32(head)  # in every block's hash: a prompt to another model or other tools
-    if session_id:
-        placement = zlib.crc32(b"session\0" + session_id.encode("utf-8", "replace"))
-    else:
-        placement = zlib.crc32(data[:block], zlib.crc32(head))
-    chain = block_chain(data, block, seed)
-    length = len(head) + len(data)
-    spread = zlib.crc32(data[-block:], placement)
-    if befores is None:  # a completion: no later request names it as a turn before
-        return RouteKey(length, chain, placement, bool(session_id), spread=spread)
-    turn = turn_id(data, chain, len(data), block, seed)
-    earlier = tuple(turn_id(data, chain, before, block, seed) for before in befores)
-    return RouteKey(length, chain, placement, bool(session_id), turn, earlier, spread=spread)
 
 
 def turn_id(data: bytes, chain: list[int], length: int, block: int, seed: int) -> int:
@@ -5406,607 +5504,63 @@ def extend_chain(chain: list[int], tokens: Sequence[int], size: int, seed: int =
     chain += itertools.islice(hashes, 1, None)
 
 
-def leading(chain: Sequence[int], held: Container[int]) -> int:
-    """How many of the chain's leading blocks are held, found by binary search: engines evict
-    a chain's tail before its head, so what they hold of a chain is a prefix of it."""
-    low, high = 0, len(chain)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if chain[middle - 1] in held:
-            low = middle
-        else:
-            high = middle - 1
-    return low
-
-
-@dataclass(slots=True)
-class Decayed:
-    """A count whose every part fades over RECENT_SECONDS."""
-
-    value: float = 0.0
-    at: float = 0.0  # monotonic, as of value
-
-    def now(self, now: float) -> float:
-        return self.value * math.exp((self.at - now) / RECENT_SECONDS)
-
-    def add(self, now: float, amount: float) -> None:
-        self.value, self.at = self.now(now) + amount, now
-
-
-# A stage's reverse index (Roster.held, Roster.reported): block -> a bit per target that holds
-# it, kept by each target's PrefixIndex and KV events' view (HeldBlocks) alike.
-
-
-def add_holder(holders: dict[int, int], chain: int, bit: int) -> None:
-    """``bit`` set for ``chain``. Most chains have one holder: one dict operation for them."""
-    if (mask := holders.setdefault(chain, bit)) is not bit:
-        holders[chain] = mask | bit
-
-
-def remove_holder(holders: dict[int, int], chain: int, bit: int) -> None:
-    """``bit`` cleared for ``chain``, and the chain gone with its last holder."""
-    if (mask := holders.pop(chain, 0)) is not bit and (rest := mask & ~bit):
-        holders[chain] = rest
-
-
-class PrefixIndex:
-    """The prompt blocks a target is believed to hold: those this process sent it, the least
-    recently sent evicted first, at most ``capacity`` (its KV cache, or --prefix-index-blocks).
-
-    A chain's blocks are stamped tail first, so its head outlives its tail, as in vLLM's own
-    eviction: the blocks held are a prefix of each chain, and matching is a binary search.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.blocks: dict[int, int] = {}  # chained hash -> when it was last sent
-        self.clock = 0
-        # (monotonic time, clock before) of each send of the last PENDING_SECONDS.
-        self.sends: collections.deque[tuple[float, int]] = collections.deque()
-        # Routing's reverse index (Roster.held), where this index's blocks carry its bit.
-        self.holders: dict[int, int] | None = None
-        self.bit = 0
-
-    def match(self, chain: Sequence[int]) -> int:
-        """How many of the chain's leading blocks are held."""
-        return leading(chain, self.blocks)
-
-    def add(self, chain: Sequence[int]) -> Sent:
-        """Hold the chain's blocks from now on; what was new of them, to take back (Sent)."""
-        now = time.monotonic()
-        self.forget_sends_before(now - PENDING_SECONDS)  # kept short however it is read
-        self.sends.append((now, self.clock))
-        sent = Sent(self, chain, self.match(chain), self.clock + len(chain))
-        start, self.clock = self.clock, self.clock + len(chain)
-        self.blocks.update(zip(chain, range(self.clock, start, -1), strict=True))
-        if (holders := self.holders) is not None:
-            for block in chain:
-                add_holder(holders, block, self.bit)
-        if len(self.blocks) > self.capacity * (1 + INDEX_EVICT_BATCH):
-            newest = heapq.nlargest(self.capacity, self.blocks.items(), key=operator.itemgetter(1))
-            kept = dict(newest)
-            self.unhold(self.blocks.keys() - kept.keys())
-            self.blocks = kept
-        return sent
-
-    def take_back(self, sent: Sent) -> None:
-        """Forget the blocks a send brought (``sent``, add's), those no send since stamped
-        again: the target refused the prompt, and holds none of it."""
-        blocks, top = self.blocks, sent.top
-        brought = range(sent.held, len(sent.chain))
-        gone = [block for i in brought if blocks.get(block := sent.chain[i]) == top - i]
-        for block in gone:
-            del blocks[block]
-        self.unhold(gone)
-
-    def attach(self, holders: dict[int, int] | None, bit: int) -> None:
-        """Carry ``bit`` in ``holders`` for every block held, from now on (and no longer in
-        the reverse index it carried one in before)."""
-        self.unhold(self.blocks)
-        self.holders, self.bit = holders, bit
-        if holders is not None:
-            for block in self.blocks:
-                add_holder(holders, block, bit)
-
-    def unhold(self, blocks: Iterable[int]) -> None:
-        """Take this index's bit off ``blocks`` in the reverse index."""
-        if (holders := self.holders) is not None:
-            for block in blocks:
-                remove_holder(holders, block, self.bit)
-
-    def match_sent_lately(self, chain: Sequence[int]) -> int:
-        """How many of the chain's leading blocks this process sent in the last
-        PENDING_SECONDS."""
-        self.forget_sends_before(time.monotonic() - PENDING_SECONDS)
-        return leading(chain, SentAfter(self.blocks, self.sends[0][1])) if self.sends else 0
-
-    def forget_sends_before(self, horizon: float) -> None:
-        while self.sends and self.sends[0][0] < horizon:
-            self.sends.popleft()
-
-    def clear(self) -> None:
-        self.unhold(self.blocks)
-        self.blocks.clear()
-        self.sends.clear()
-
-
-@dataclass(slots=True, eq=False)
-class Sent:
-    """What one send added to a PrefixIndex (add), to take back if the prompt is refused
-    (Fleet.take_back): the chain's blocks from ``held`` on were new to it, and each was
-    stamped ``top`` less its place in the chain. Kept with the request (its chain is the
-    RouteKey's own list), so the index holds the send from the pick on, as concurrent
-    arrivals must see it, and loses it only if the send comes to nothing."""
-
-    index: PrefixIndex
-    chain: Sequence[int]
-    held: int  # the chain's leading blocks the index held before (a prefix: PrefixIndex)
-    top: int
-
-
-class SentAfter:
-    """The blocks of an index stamped after a clock value."""
-
-    def __init__(self, blocks: dict[int, int], clock: int) -> None:
-        self.blocks, self.clock = blocks, clock
-
-    def __contains__(self, block: object) -> bool:
-        return isinstance(block, int) and self.blocks.get(block, -1) > self.clock
-
-
-@dataclass(slots=True)
-class LoadView:
-    """A target's load as its own /metrics said at the last scrape: every proxy process and
-    replica reads the same engine, so they weigh its load alike."""
-
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0
-    scraped_at: float = -math.inf  # monotonic
-    ours_at_scrape: int = 0  # of those, this process's requests
-    prefix_queries: float = 0.0  # a counter: when it goes back, the engine restarted
-    finished: float | None = None  # vllm:request_success_total; None before it was seen
-    # The requests it finished, decayed over RECENT_SECONDS as of the scrape: every sender's,
-    # alike for every proxy process and replica. And this process's Target.recent_share then.
-    recent: float = 0.0
-    ours_recent: float = 0.0
-
-    def others(self, now: float, fresh_for: float) -> float:
-        """Requests on the target that this process did not send (other processes' and
-        replicas'), as of a fresh scrape; none known without one."""
-        if now - self.scraped_at > fresh_for:
-            return 0.0
-        return max(0.0, self.running + self.waiting - self.ours_at_scrape)
-
-    def took(self, finished: float | None, now: float, ours_recent: float) -> None:
-        """Count what the engine finished since the last scrape into its recent requests."""
-        if finished is None:
-            self.finished = None
-            return
-        if self.finished is None:
-            done = 0.0  # its whole history, of unknown age
-        elif finished < self.finished:
-            done = finished  # the counter went back: the engine restarted
-        else:
-            done = finished - self.finished
-        self.recent = self.recent * math.exp((self.scraped_at - now) / RECENT_SECONDS) + done
-        self.finished, self.ours_recent = finished, ours_recent
-
-    def status(self, now: float) -> dict[str, Any]:
-        age = now - self.scraped_at
-        return {
-            "running": self.running,
-            "waiting": self.waiting,
-            "kv_cache_usage": round(self.kv_usage, 4),
-            "age_s": round(age, 3) if age != math.inf else None,
-        }
-
-
-class Target:
-    """What a stage picks among: a prefill engine, or a decode instance."""
-
-    def __init__(self, name: str, capacity: int) -> None:
-        self.name = name  # stable across restarts and proxy processes: its place in the hash
-        self.seed = zlib.crc32(name.encode())
-        self.index = PrefixIndex(capacity)
-        self.load = LoadView()
-        self.in_flight = 0  # this process's requests on it
-        self.pending_blocks = 0.0  # the prompt blocks those have to compute (or pull)
-        self.recent = Decayed()  # this process's requests, and its --peer replicas'
-        self.told = Decayed()  # those of its --peer replicas alone (for /healthcheck)
-        # The prompt blocks they had to compute here, decayed alike: how fast its cache
-        # turns over (turnover).
-        self.written = Decayed()
-        self.kv_tokens = 0  # its KV cache in tokens, as its /metrics says; 0 if unknown
-        self.feed: KvFeed | None = None  # its KV events, with --kv-events-port
-        # The chat turns (turn_id) this process sent here lately, oldest first: with each, its
-        # conversation's requests here (decayed like recent) and when it was sent.
-        self.turns: dict[int, Decayed] = {}
-
-    @property
-    def hears_events(self) -> bool:
-        return self.feed is not None and self.feed.live and self.feed.held.block_size > 0
-
-    def holds(self, key: RouteKey) -> float:
-        """How many of the prompt's leading blocks (key.chain's) the target holds: as its KV
-        events say where it has published any and the prompt's tokens are known, else as
-        this process's own index estimates."""
-        feed = self.feed
-        if feed is None or not self.hears_events or key.tokens is None:
-            return self.index.match(key.chain)
-        size = feed.held.block_size
-        chain = key.token_chain(size)
-        reported = (
-            feed.held.match(chain) * len(key.chain) / key.token_blocks(size) if chain else 0.0
-        )
-        # A prompt's blocks reach the events once its prefill ran: what this process sent
-        # there a moment ago is on its way, and counts too.
-        return max(reported, self.index.match_sent_lately(key.chain))
-
-    def recent_share(self, now: float) -> float:
-        """This process's recent requests here."""
-        return self.recent.now(now)
-
-    def counts_everyone(self, now: float, fresh_for: float) -> bool:
-        """Whether a fresh scrape gave the engine's request counter (everyones_recent)."""
-        return self.load.finished is not None and now - self.load.scraped_at <= fresh_for
-
-    def everyones_recent(self, now: float) -> float:
-        """Every sender's recent requests here, as of its last scrape those the engine
-        finished and those it was running or queueing, and this process's sent since."""
-        view = self.load
-        decay = math.exp((view.scraped_at - now) / RECENT_SECONDS)
-        since = max(self.recent_share(now) - view.ours_recent * decay, 0.0)
-        return view.recent * decay + view.running + view.waiting + since
-
-    def claimed(self, uncached: float) -> None:
-        self.in_flight += 1
-        self.pending_blocks += uncached
-
-    def count_recent(self, now: float, uncached: float) -> None:
-        self.recent.add(now, 1)
-        self.written.add(now, uncached)
-
-    def turnover(self, now: float) -> float:
-        """The share of its cache written lately, at most 1."""
-        return min(self.write_share(now), 1.0)
-
-    def write_share(self, now: float) -> float:
-        """How much was written to its cache lately, as a share of it: by this process's
-        requests, or by every sender's where its KV events say more (other replicas' writes,
-        and this process's own reach them once their prefill ran)."""
-        share = self.written.now(now) / max(self.index.capacity, 1)
-        if self.hears_events and self.kv_tokens and self.feed is not None:
-            share = max(share, self.feed.written.now(now) / self.kv_tokens)
-        return share
-
-    def sent_turn(self, key: RouteKey, now: float) -> None:
-        """Remember a chat's turn in place of those before it, with their conversation's
-        requests here."""
-        if key.turn:
-            share = self.conversation_share(key, now)
-            for turn in key.earlier_turns:
-                self.turns.pop(turn, None)
-            self.turns.pop(key.turn, None)  # a turn sent again goes to the end
-            self.turns[key.turn] = Decayed(share + 1, now)
-            if len(self.turns) > TURNS_KEPT:
-                del self.turns[next(iter(self.turns))]
-
-    def conversation_share(self, key: RouteKey, now: float) -> float:
-        """Of recent_share, the requests of this prompt's conversation (the chat turns before
-        it that this process sent here)."""
-        for earlier in key.earlier_turns:  # the latest this process sent
-            if (turn := self.turns.get(earlier)) is not None:
-                return turn.now(now)
-        return 0.0
-
-    def released(self) -> None:
-        # Their mean share: requests do not say their own at the end, and rarely need to.
-        self.pending_blocks -= self.pending_blocks / self.in_flight if self.in_flight > 0 else 0
-        self.in_flight -= 1
-
-    def routing_status(self, now: float) -> dict[str, Any]:
-        status = {"load": self.load.status(now), "index_blocks": len(self.index.blocks)}
-        # Requests sent here lately (decayed): this process's and its --peer replicas', and
-        # those of the replicas alone.
-        status["recent"] = round(self.recent_share(now), 2)
-        status["peers_recent"] = round(self.told.now(now), 2)
-        status["pending_blocks"] = round(self.pending_blocks, 1)
-        status["turnover"] = round(self.turnover(now), 2)
-        if self.feed is not None:
-            status |= self.feed.status(now)
-        return status
-
-
-def mix64(value: int) -> int:
-    """splitmix64's finaliser: every input bit moves every output bit."""
-    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
-    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & MASK64
-    return value ^ (value >> 31)
-
-
-def ring_points(seed: int) -> list[int]:
-    """A target's points on the hash ring, from its name's hash: the same in every process."""
-    return [mix64(seed << 8 | n) for n in range(RING_POINTS)]
-
-
-def slots_in(mask: int) -> Iterator[int]:
-    """The slots whose bits are set, lowest first."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
-def deepest_holders(chain: Sequence[int], holders: Mapping[int, int], members: int) -> int:
-    """The members that hold the most of the chain's leading blocks (a binary search, as in
-    leading: what a target holds of a chain is a prefix of it)."""
-    low, high = 0, len(chain)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if holders.get(chain[middle - 1], 0) & members:
-            low = middle
-        else:
-            high = middle - 1
-    return holders.get(chain[low - 1], 0) & members if low else 0
-
-
-def limit(total: float, count: int, balance: float, slack: float = 0.0) -> float:
-    """The most a target may carry, given one more: ``balance`` times the mean (HAProxy's
-    hash-balance-factor), or the mean plus ``slack`` while that is more."""
-    mean = (total + 1) / count
-    return math.ceil(max(balance * mean, mean + slack))
-
-
-class Roster:
-    """One stage's targets as a decision reads them without visiting each: a slot per target
-    (its bit in the reverse indexes), the hash ring, which targets hold each block (this
-    process's sends, and the engines' KV events), and running totals of their loads and
-    recent requests. A decision then weighs the prompt's holders and the first few targets
-    of its hash order, whatever the fleet's size.
-
-    The totals count this process's claims as they happen; what the engines' scrapes say
-    (other senders' requests) is summed again after each round of scrapes (rescan)."""
-
-    def __init__(self) -> None:
-        self.slot_of: dict[Target, int] = {}
-        self.by_slot: list[Target | None] = []
-        self.free: list[int] = []
-        # The ring: RING_POINTS points per target, sorted, and each point's slot. Every known
-        # target is on it, usable or not, so that every proxy process walks the same ring.
-        self.points: list[int] = []
-        self.point_slots: list[int] = []
-        self.ring_stale = True
-        self.held: dict[int, int] = {}  # PrefixIndex block -> its holders' bits
-        self.reported: dict[int, int] = {}  # HeldBlocks chain -> its holders' bits (KV events)
-        self.block_size = 0  # the KV events' block size, where any target hears them
-        # The targets the last decision was given (a Fleet's tuple), and their bits.
-        self.targets: Sequence[Target] = ()
-        self.position: dict[Target, int] = {}
-        self.members = 0
-        self.in_flight = 0
-        self.recent = Decayed()  # this process's recent requests on them all
-        self.others = 0.0  # other senders' requests on them, as of the last scrapes
-        self.counted = False  # every target's scrape gives its engine's request counter
-        self.counted_recent = Decayed()  # sum of LoadView.recent - ours_recent, decayed
-        self.queued = 0.0  # sum of LoadView.running + waiting
-        self.turn_at: dict[int, Target] = {}  # a chat's turn -> where it went (sent_turn)
-
-    def sync(self, targets: Sequence[Target], now: float, fresh_for: float) -> None:
-        """Take ``targets`` as the stage's usable ones; those not seen before are adopted."""
-        self.targets = targets
-        self.position = {target: i for i, target in enumerate(targets)}
-        members = 0
-        for target in targets:
-            members |= self.bit(target)
-        self.members = members
-        self.rescan(now, fresh_for)
-
-    def bit(self, target: Target) -> int:
-        if (slot := self.slot_of.get(target)) is None:
-            slot = self.free.pop() if self.free else len(self.by_slot)
-            if slot == len(self.by_slot):
-                self.by_slot.append(None)
-            self.by_slot[slot], self.slot_of[target] = target, slot
-            target.index.attach(self.held, 1 << slot)
-            self.ring_stale = True
-        held = target.feed.held if target.feed is not None else None
-        if held is not None and (held.holders is not self.reported or held.bit != 1 << slot):
-            held.attach(self.reported, 1 << slot)  # a new feed (a reload), or a new engine's
-        return 1 << slot
-
-    def enlist(self, targets: Collection[Target]) -> None:
-        """Take ``targets`` as every one the fleet has, usable or not: those new get a slot
-        now, while their KV events' views are small (attaching a full view to the reverse
-        index takes a while: 10 ms for 20,000 blocks); those gone lose theirs (an engine that
-        restarted is a new target, and the old one holds nothing)."""
-        for target in targets:
-            self.bit(target)
-        for target in [t for t in self.slot_of if t not in targets]:
-            slot = self.slot_of.pop(target)
-            if target.index.holders is self.held:  # unless another Roster took it (regroup)
-                target.index.attach(None, 0)
-            held = target.feed.held if target.feed is not None else None
-            if held is not None and held.holders is self.reported and held.bit == 1 << slot:
-                held.attach(None, 0)  # unless a new engine of its instance took the feed
-            self.by_slot[slot] = None
-            self.free.append(slot)
-            self.ring_stale = True
-            self.members &= ~(1 << slot)
-
-    def rescan(self, now: float, fresh_for: float) -> None:
-        """Sum the targets' counts again: what the scrapes said, and this process's own (which
-        the claims keep current between scrapes, and which this sets right)."""
-        targets = self.targets
-        self.in_flight = sum(t.in_flight for t in targets)
-        self.recent = Decayed(sum(t.recent_share(now) for t in targets), now)
-        self.others = sum(t.load.others(now, fresh_for) for t in targets)
-        self.counted = bool(targets) and all(t.counts_everyone(now, fresh_for) for t in targets)
-        views = [t.load for t in targets]
-        # Exponential decay is linear: their sum decays as one count.
-        decayed = sum(
-            (v.recent - v.ours_recent) * math.exp((v.scraped_at - now) / RECENT_SECONDS)
-            for v in views
-        )
-        self.counted_recent = Decayed(decayed if self.counted else 0.0, now)
-        self.queued = sum(v.running + v.waiting for v in views)
-        sizes = (t.feed.held.block_size for t in targets if t.hears_events and t.feed)
-        self.block_size = next(sizes, 0)
-
-    def recent_total(self, now: float) -> float:
-        """The sum of every target's recent requests: everyones_recent where every scrape
-        counts them (counted), else recent_share."""
-        ours = self.recent.now(now)
-        return self.counted_recent.now(now) + self.queued + ours if self.counted else ours
-
-    def walk(self, point: int) -> Iterator[Target]:
-        """The usable targets in the ring's order from ``point``, each once."""
-        if self.ring_stale:
-            ring = sorted(
-                (at, slot)
-                for target, slot in self.slot_of.items()
-                for at in ring_points(target.seed)
-            )
-            self.points = [at for at, _ in ring]
-            self.point_slots = [slot for _, slot in ring]
-            self.ring_stale = False
-        start = bisect.bisect_left(self.points, point)
-        slots, by_slot, members = self.point_slots, self.by_slot, self.members
-        seen = 0
-        for i in itertools.chain(range(start, len(slots)), range(start)):
-            slot = slots[i]
-            bit = 1 << slot
-            if members & bit and not seen & bit:
-                seen |= bit
-                yield cast(Target, by_slot[slot])  # a member's slot holds it
-
-    def holders(self, key: RouteKey) -> tuple[int, int]:
-        """The usable targets believed to hold the prompt's first block, and those believed to
-        hold the most of it: as this process sent it, and as KV events say."""
-        chain, members, held = key.chain, self.members, self.held
-        first = held.get(chain[0], 0) & members if chain else 0
-        tokens: list[int] = []
-        if self.reported and key.tokens is not None and self.block_size:
-            tokens = key.token_chain(self.block_size)
-            first |= self.reported.get(tokens[0], 0) & members if tokens else 0
-        if first.bit_count() <= HOLDER_CHOICES:
-            return first, 0  # all of them are weighed
-        most = deepest_holders(chain, held, members)
-        if tokens:
-            most |= deepest_holders(tokens, self.reported, members)
-        return first, most
-
-    def target(self, slot: int) -> Target:
-        return cast(Target, self.by_slot[slot])
-
-    def claimed(self, target: Target, uncached: float) -> None:
-        target.claimed(uncached)
-        if target in self.position:
-            self.in_flight += 1
-
-    def released(self, target: Target) -> None:
-        target.released()
-        if target in self.position:
-            self.in_flight -= 1
-
-    def sent(self, target: Target, key: RouteKey, now: float, uncached: float) -> Sent:
-        """What prefix_aware remembers of a request sent: its blocks, and its turn; what the
-        blocks added to the target's index, to take back (Sent)."""
-        sent = target.index.add(key.chain)
-        target.count_recent(now, uncached)
-        if target in self.position:
-            self.recent.add(now, 1)
-        if key.turn:
-            target.sent_turn(key, now)
-            for turn in key.earlier_turns:
-                if self.turn_at.get(turn) is target:
-                    del self.turn_at[turn]
-            self.turn_at.pop(key.turn, None)
-            self.turn_at[key.turn] = target
-            if len(self.turn_at) > TURNS_KEPT * max(len(self.targets), 1):
-                del self.turn_at[next(iter(self.turn_at))]
-        return sent
-
-    def conversation(self, key: RouteKey) -> set[Target]:
-        """Where this process sent the chat's earlier turns."""
-        return {t for turn in key.earlier_turns if (t := self.turn_at.get(turn)) is not None}
-
-
-@dataclass(slots=True)
-class ChatReturns:
-    """How many chats come back for a second turn: second turns over first turns among this
-    process's chat requests lately. A load balancer spreads both alike over replicas and
-    workers, so every process sees the same share without hearing of the others' chats."""
-
-    first: Decayed = field(default_factory=Decayed)
-    second: Decayed = field(default_factory=Decayed)
-    since: float = math.inf  # monotonic: the first chat request this process routed
-
-    def saw(self, key: RouteKey, now: float) -> None:
-        if not key.turn:
-            return
-        self.since = min(self.since, now)
-        if not key.earlier_turns:
-            self.first.add(now, 1)
-        elif len(key.earlier_turns) == 1:
-            self.second.add(now, 1)
-
-    def share(self, now: float) -> float:
-        """Assumed 1 for the first CHAT_RETURN_SECONDS, and where no chat began lately."""
-        first = self.first.now(now)
-        if now - self.since < CHAT_RETURN_SECONDS or first <= 0:
-            return 1.0
-        return min(self.second.now(now) / first, 1.0)
-
-
-@dataclass
-class Choice:
-    index: int
-    reason: str  # affinity, spill, cold, session, fallback or the policy's name
-    matched: float  # blocks of the prompt the target is believed to hold
-    sent: Sent | None = None  # what the pick added to the target's index (prefix_aware)
-
-
-@dataclass(slots=True)
-class Bounds:
-    """One decision's bounds (Router.bounds): the most recent requests and the longest queue
-    a target may have to be weighed, and the queue it may have to take a new prefix."""
-
-    now: float
-    fresh_for: float
-    everyone: bool  # recent requests as the engines counted them (Roster.counted)
-    recent_limit: float
-    queue_limit: float
-    room_limit: float
-    conversation: dict[Target, float]  # a chat's own turns over the mean, not counted
-    roomy_only: bool = True  # KV caches past KV_FULL are passed over
-    bounded: bool = True  # the recent and queue bounds apply
-
-    def load(self, target: Target) -> float:
-        return target.in_flight + target.load.others(self.now, self.fresh_for)
-
-    def admits(self, target: Target) -> bool:
-        if self.roomy_only and target.load.kv_usage >= KV_FULL:
-            return False
-        if not self.bounded:
-            return True
-        now = self.now
-        recent = target.everyones_recent(now) if self.everyone else target.recent_share(now)
-        recent -= self.conversation.get(target, 0.0)
-        return recent + 1 <= self.recent_limit and self.load(target) + 1 <= self.queue_limit
-
-    def has_room(self, target: Target) -> bool:
-        return self.load(target) + 1 <= self.room_limit
-
-    def relax(self) -> bool:
-        """Where no target is admitted: first without the bounds, then without KV_FULL."""
-        if self.bounded:
-            self.bounded = False
-        elif self.roomy_only:
-            self.roomy_only = False
-        else:
-            return False
-        return True
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """Where a model's requests go (Fleet.serving): the usable prefill engines and decodes that
+    serve it, and each stage's Router, that of the instances that run it."""
+
+    engines: tuple[PrefillEngine, ...]
+    decodes: tuple[DecodeInstance, ...]
+    prefill_router: Router
+    decode_router: Router
+    model: str | None = None
+    adapter: str | None = None  # the model, where it is a LoRA adapter (its KV events' blocks)
+
+    # Picks claim their target at once, before any await, so that concurrent arrivals see
+    # each other's load; every claim is released when its leg ends (Fleet.release_*: by the
+    # router of the group the target is in then). ``sends`` gets what each pick added to the
+    # routing indexes (Sent): the request keeps it, to take back if the prompt is refused
+    # (Fleet.take_back).
+
+    def claim_prefill(
+        self, avoid: Collection[Backend] = (), key: RouteKey | None = None,
+        sends: list[Sent] | None = None,
+    ) -> PrefillEngine:  # fmt: skip
+        engines = self.engines
+        if avoid:  # passed over while another is left (see claim_decode)
+            engines = tuple(e for e in engines if e.instance not in avoid) or engines
+        if not engines:
+            raise ProxyError(503, f"no usable prefill engine{naming_model(self)}")
+        router = self.prefill_router
+        choice = router.pick(engines, router.policy, key)
+        if sends is not None and choice.sent is not None:
+            sends.append(choice.sent)
+        engine = engines[choice.index]
+        engine.instance.in_flight += 1
+        return engine
+
+    def claim_decode(
+        self, avoid: Collection[Backend] = (), key: RouteKey | None = None,
+        sends: list[Sent] | None = None,
+    ) -> DecodeInstance:  # fmt: skip
+        decodes = self.decodes
+        if avoid:
+            # Those tried are passed over while another is left. One that could not be
+            # reached is out of the rotation anyway; one whose KV load failed stays in it
+            # and, the last one left, may be tried again.
+            decodes = tuple(d for d in decodes if d not in avoid) or decodes
+        if not decodes:
+            raise ProxyError(503, f"no usable decode instance{naming_model(self)}")
+        router = self.decode_router
+        choice = router.pick(decodes, router.policy, key)
+        if sends is not None and choice.sent is not None:
+            sends.append(choice.sent)
+        return decodes[choice.index]
+
+
+def naming_model(serving: Serving) -> str:
+    """For a 503: the model the request named, where the fleet knows models."""
+    return f" serves model `{serving.model}`" if serving.model is not None else ""
 
 
 class Router:
@@ -6261,12 +5815,615 @@ class Router:
         return least if shares[least] < margin * shares[choices[0]] else choices[0]
 
 
+class Target:
+    """What a stage picks among: a prefill engine, or a decode instance."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name = name  # stable across restarts and proxy processes: its place in the hash
+        self.seed = zlib.crc32(name.encode())
+        self.index = PrefixIndex(capacity)
+        self.load = LoadView()
+        self.in_flight = 0  # this process's requests on it
+        self.pending_blocks = 0.0  # the prompt blocks those have to compute (or pull)
+        self.recent = Decayed()  # this process's requests, and its --peer replicas'
+        self.told = Decayed()  # those of its --peer replicas alone (for /healthcheck)
+        # The prompt blocks they had to compute here, decayed alike: how fast its cache
+        # turns over (turnover).
+        self.written = Decayed()
+        self.kv_tokens = 0  # its KV cache in tokens, as its /metrics says; 0 if unknown
+        self.feed: KvFeed | None = None  # its KV events, with --kv-events-port
+        # The chat turns (turn_id) this process sent here lately, oldest first: with each, its
+        # conversation's requests here (decayed like recent) and when it was sent.
+        self.turns: dict[int, Decayed] = {}
+
+    @property
+    def hears_events(self) -> bool:
+        return self.feed is not None and self.feed.live and self.feed.held.block_size > 0
+
+    def holds(self, key: RouteKey) -> float:
+        """How many of the prompt's leading blocks (key.chain's) the target holds: as its KV
+        events say where it has published any and the prompt's tokens are known, else as
+        this process's own index estimates."""
+        feed = self.feed
+        if feed is None or not self.hears_events or key.tokens is None:
+            return self.index.match(key.chain)
+        size = feed.held.block_size
+        chain = key.token_chain(size)
+        reported = (
+            feed.held.match(chain) * len(key.chain) / key.token_blocks(size) if chain else 0.0
+        )
+        # A prompt's blocks reach the events once its prefill ran: what this process sent
+        # there a moment ago is on its way, and counts too.
+        return max(reported, self.index.match_sent_lately(key.chain))
+
+    def recent_share(self, now: float) -> float:
+        """This process's recent requests here."""
+        return self.recent.now(now)
+
+    def counts_everyone(self, now: float, fresh_for: float) -> bool:
+        """Whether a fresh scrape gave the engine's request counter (everyones_recent)."""
+        return self.load.finished is not None and now - self.load.scraped_at <= fresh_for
+
+    def everyones_recent(self, now: float) -> float:
+        """Every sender's recent requests here, as of its last scrape those the engine
+        finished and those it was running or queueing, and this process's sent since."""
+        view = self.load
+        decay = math.exp((view.scraped_at - now) / RECENT_SECONDS)
+        since = max(self.recent_share(now) - view.ours_recent * decay, 0.0)
+        return view.recent * decay + view.running + view.waiting + since
+
+    def claimed(self, uncached: float) -> None:
+        self.in_flight += 1
+        self.pending_blocks += uncached
+
+    def count_recent(self, now: float, uncached: float) -> None:
+        self.recent.add(now, 1)
+        self.written.add(now, uncached)
+
+    def turnover(self, now: float) -> float:
+        """The share of its cache written lately, at most 1."""
+        return min(self.write_share(now), 1.0)
+
+    def write_share(self, now: float) -> float:
+        """How much was written to its cache lately, as a share of it: by this process's
+        requests, or by every sender's where its KV events say more (other replicas' writes,
+        and this process's own reach them once their prefill ran)."""
+        share = self.written.now(now) / max(self.index.capacity, 1)
+        if self.hears_events and self.kv_tokens and self.feed is not None:
+            share = max(share, self.feed.written.now(now) / self.kv_tokens)
+        return share
+
+    def sent_turn(self, key: RouteKey, now: float) -> None:
+        """Remember a chat's turn in place of those before it, with their conversation's
+        requests here."""
+        if key.turn:
+            share = self.conversation_share(key, now)
+            for turn in key.earlier_turns:
+                self.turns.pop(turn, None)
+            self.turns.pop(key.turn, None)  # a turn sent again goes to the end
+            self.turns[key.turn] = Decayed(share + 1, now)
+            if len(self.turns) > TURNS_KEPT:
+                del self.turns[next(iter(self.turns))]
+
+    def conversation_share(self, key: RouteKey, now: float) -> float:
+        """Of recent_share, the requests of this prompt's conversation (the chat turns before
+        it that this process sent here)."""
+        for earlier in key.earlier_turns:  # the latest this process sent
+            if (turn := self.turns.get(earlier)) is not None:
+                return turn.now(now)
+        return 0.0
+
+    def released(self) -> None:
+        # Their mean share: requests do not say their own at the end, and rarely need to.
+        self.pending_blocks -= self.pending_blocks / self.in_flight if self.in_flight > 0 else 0
+        self.in_flight -= 1
+
+    def routing_status(self, now: float) -> dict[str, Any]:
+        status = {"load": self.load.status(now), "index_blocks": len(self.index.blocks)}
+        # Requests sent here lately (decayed): this process's and its --peer replicas', and
+        # those of the replicas alone.
+        status["recent"] = round(self.recent_share(now), 2)
+        status["peers_recent"] = round(self.told.now(now), 2)
+        status["pending_blocks"] = round(self.pending_blocks, 1)
+        status["turnover"] = round(self.turnover(now), 2)
+        if self.feed is not None:
+            status |= self.feed.status(now)
+        return status
+
+
+def mix64(value: int) -> int:
+    """splitmix64's finaliser: every input bit moves every output bit."""
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & MASK64
+    return value ^ (value >> 31)
+
+
+def ring_points(seed: int) -> list[int]:
+    """A target's points on the hash ring, from its name's hash: the same in every process."""
+    return [mix64(seed << 8 | n) for n in range(RING_POINTS)]
+
+
+def slots_in(mask: int) -> Iterator[int]:
+    """The slots whose bits are set, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def deepest_holders(chain: Sequence[int], holders: Mapping[int, int], members: int) -> int:
+    """The members that hold the most of the chain's leading blocks (a binary search, as in
+    leading: what a target holds of a chain is a prefix of it)."""
+    low, high = 0, len(chain)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if holders.get(chain[middle - 1], 0) & members:
+            low = middle
+        else:
+            high = middle - 1
+    return holders.get(chain[low - 1], 0) & members if low else 0
+
+
+def limit(total: float, count: int, balance: float, slack: float = 0.0) -> float:
+    """The most a target may carry, given one more: ``balance`` times the mean (HAProxy's
+    hash-balance-factor), or the mean plus ``slack`` while that is more."""
+    mean = (total + 1) / count
+    return math.ceil(max(balance * mean, mean + slack))
+
+
+class PrefixIndex:
+    """The prompt blocks a target is believed to hold: those this process sent it, the least
+    recently sent evicted first, at most ``capacity`` (its KV cache, or --prefix-index-blocks).
+
+    A chain's blocks are stamped tail first, so its head outlives its tail, as in vLLM's own
+    eviction: the blocks held are a prefix of each chain, and matching is a binary search.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: dict[int, int] = {}  # chained hash -> when it was last sent
+        self.clock = 0
+        # (monotonic time, clock before) of each send of the last PENDING_SECONDS.
+        self.sends: collections.deque[tuple[float, int]] = collections.deque()
+        # Routing's reverse index (Roster.held), where this index's blocks carry its bit.
+        self.holders: dict[int, int] | None = None
+        self.bit = 0
+
+    def match(self, chain: Sequence[int]) -> int:
+        """How many of the chain's leading blocks are held."""
+        return leading(chain, self.blocks)
+
+    def add(self, chain: Sequence[int]) -> Sent:
+        """Hold the chain's blocks from now on; what was new of them, to take back (Sent)."""
+        now = time.monotonic()
+        self.forget_sends_before(now - PENDING_SECONDS)  # kept short however it is read
+        self.sends.append((now, self.clock))
+        sent = Sent(self, chain, self.match(chain), self.clock + len(chain))
+        start, self.clock = self.clock, self.clock + len(chain)
+        self.blocks.update(zip(chain, range(self.clock, start, -1), strict=True))
+        if (holders := self.holders) is not None:
+            for block in chain:
+                add_holder(holders, block, self.bit)
+        if len(self.blocks) > self.capacity * (1 + INDEX_EVICT_BATCH):
+            newest = heapq.nlargest(self.capacity, self.blocks.items(), key=operator.itemgetter(1))
+            kept = dict(newest)
+            self.unhold(self.blocks.keys() - kept.keys())
+            self.blocks = kept
+        return sent
+
+    def take_back(self, sent: Sent) -> None:
+        """Forget the blocks a send brought (``sent``, add's), those no send since stamped
+        again: the target refused the prompt, and holds none of it."""
+        blocks, top = self.blocks, sent.top
+        brought = range(sent.held, len(sent.chain))
+        gone = [block for i in brought if blocks.get(block := sent.chain[i]) == top - i]
+        for block in gone:
+            del blocks[block]
+        self.unhold(gone)
+
+    def attach(self, holders: dict[int, int] | None, bit: int) -> None:
+        """Carry ``bit`` in ``holders`` for every block held, from now on (and no longer in
+        the reverse index it carried one in before)."""
+        self.unhold(self.blocks)
+        self.holders, self.bit = holders, bit
+        if holders is not None:
+            for block in self.blocks:
+                add_holder(holders, block, bit)
+
+    def unhold(self, blocks: Iterable[int]) -> None:
+        """Take this index's bit off ``blocks`` in the reverse index."""
+        if (holders := self.holders) is not None:
+            for block in blocks:
+                remove_holder(holders, block, self.bit)
+
+    def match_sent_lately(self, chain: Sequence[int]) -> int:
+        """How many of the chain's leading blocks this process sent in the last
+        PENDING_SECONDS."""
+        self.forget_sends_before(time.monotonic() - PENDING_SECONDS)
+        return leading(chain, SentAfter(self.blocks, self.sends[0][1])) if self.sends else 0
+
+    def forget_sends_before(self, horizon: float) -> None:
+        while self.sends and self.sends[0][0] < horizon:
+            self.sends.popleft()
+
+    def clear(self) -> None:
+        self.unhold(self.blocks)
+        self.blocks.clear()
+        self.sends.clear()
+
+
+@dataclass(slots=True, eq=False)
+class Sent:
+    """What one send added to a PrefixIndex (add), to take back if the prompt is refused
+    (Fleet.take_back): the chain's blocks from ``held`` on were new to it, and each was
+    stamped ``top`` less its place in the chain. Kept with the request (its chain is the
+    RouteKey's own list), so the index holds the send from the pick on, as concurrent
+    arrivals must see it, and loses it only if the send comes to nothing."""
+
+    index: PrefixIndex
+    chain: Sequence[int]
+    held: int  # the chain's leading blocks the index held before (a prefix: PrefixIndex)
+    top: int
+
+
+class SentAfter:
+    """The blocks of an index stamped after a clock value."""
+
+    def __init__(self, blocks: dict[int, int], clock: int) -> None:
+        self.blocks, self.clock = blocks, clock
+
+    def __contains__(self, block: object) -> bool:
+        return isinstance(block, int) and self.blocks.get(block, -1) > self.clock
+
+
+@dataclass(slots=True)
+class LoadView:
+    """A target's load as its own /metrics said at the last scrape: every proxy process and
+    replica reads the same engine, so they weigh its load alike."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    scraped_at: float = -math.inf  # monotonic
+    ours_at_scrape: int = 0  # of those, this process's requests
+    prefix_queries: float = 0.0  # a counter: when it goes back, the engine restarted
+    finished: float | None = None  # vllm:request_success_total; None before it was seen
+    # The requests it finished, decayed over RECENT_SECONDS as of the scrape: every sender's,
+    # alike for every proxy process and replica. And this process's Target.recent_share then.
+    recent: float = 0.0
+    ours_recent: float = 0.0
+
+    def others(self, now: float, fresh_for: float) -> float:
+        """Requests on the target that this process did not send (other processes' and
+        replicas'), as of a fresh scrape; none known without one."""
+        if now - self.scraped_at > fresh_for:
+            return 0.0
+        return max(0.0, self.running + self.waiting - self.ours_at_scrape)
+
+    def took(self, finished: float | None, now: float, ours_recent: float) -> None:
+        """Count what the engine finished since the last scrape into its recent requests."""
+        if finished is None:
+            self.finished = None
+            return
+        if self.finished is None:
+            done = 0.0  # its whole history, of unknown age
+        elif finished < self.finished:
+            done = finished  # the counter went back: the engine restarted
+        else:
+            done = finished - self.finished
+        self.recent = self.recent * math.exp((self.scraped_at - now) / RECENT_SECONDS) + done
+        self.finished, self.ours_recent = finished, ours_recent
+
+    def status(self, now: float) -> dict[str, Any]:
+        age = now - self.scraped_at
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_cache_usage": round(self.kv_usage, 4),
+            "age_s": round(age, 3) if age != math.inf else None,
+        }
+
+
+def leading(chain: Sequence[int], held: Container[int]) -> int:
+    """How many of the chain's leading blocks are held, found by binary search: engines evict
+    a chain's tail before its head, so what they hold of a chain is a prefix of it."""
+    low, high = 0, len(chain)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if chain[middle - 1] in held:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+class Roster:
+    """One stage's targets as a decision reads them without visiting each: a slot per target
+    (its bit in the reverse indexes), the hash ring, which targets hold each block (this
+    process's sends, and the engines' KV events), and running totals of their loads and
+    recent requests. A decision then weighs the prompt's holders and the first few targets
+    of its hash order, whatever the fleet's size.
+
+    The totals count this process's claims as they happen; what the engines' scrapes say
+    (other senders' requests) is summed again after each round of scrapes (rescan)."""
+
+    def __init__(self) -> None:
+        self.slot_of: dict[Target, int] = {}
+        self.by_slot: list[Target | None] = []
+        self.free: list[int] = []
+        # The ring: RING_POINTS points per target, sorted, and each point's slot. Every known
+        # target is on it, usable or not, so that every proxy process walks the same ring.
+        self.points: list[int] = []
+        self.point_slots: list[int] = []
+        self.ring_stale = True
+        self.held: dict[int, int] = {}  # PrefixIndex block -> its holders' bits
+        self.reported: dict[int, int] = {}  # HeldBlocks chain -> its holders' bits (KV events)
+        self.block_size = 0  # the KV events' block size, where any target hears them
+        # The targets the last decision was given (a Fleet's tuple), and their bits.
+        self.targets: Sequence[Target] = ()
+        self.position: dict[Target, int] = {}
+        self.members = 0
+        self.in_flight = 0
+        self.recent = Decayed()  # this process's recent requests on them all
+        self.others = 0.0  # other senders' requests on them, as of the last scrapes
+        self.counted = False  # every target's scrape gives its engine's request counter
+        self.counted_recent = Decayed()  # sum of LoadView.recent - ours_recent, decayed
+        self.queued = 0.0  # sum of LoadView.running + waiting
+        self.turn_at: dict[int, Target] = {}  # a chat's turn -> where it went (sent_turn)
+
+    def sync(self, targets: Sequence[Target], now: float, fresh_for: float) -> None:
+        """Take ``targets`` as the stage's usable ones; those not seen before are adopted."""
+        self.targets = targets
+        self.position = {target: i for i, target in enumerate(targets)}
+        members = 0
+        for target in targets:
+            members |= self.bit(target)
+        self.members = members
+        self.rescan(now, fresh_for)
+
+    def bit(self, target: Target) -> int:
+        if (slot := self.slot_of.get(target)) is None:
+            slot = self.free.pop() if self.free else len(self.by_slot)
+            if slot == len(self.by_slot):
+                self.by_slot.append(None)
+            self.by_slot[slot], self.slot_of[target] = target, slot
+            target.index.attach(self.held, 1 << slot)
+            self.ring_stale = True
+        held = target.feed.held if target.feed is not None else None
+        if held is not None and (held.holders is not self.reported or held.bit != 1 << slot):
+            held.attach(self.reported, 1 << slot)  # a new feed (a reload), or a new engine's
+        return 1 << slot
+
+    def enlist(self, targets: Collection[Target]) -> None:
+        """Take ``targets`` as every one the fleet has, usable or not: those new get a slot
+        now, while their KV events' views are small (attaching a full view to the reverse
+        index takes a while: 10 ms for 20,000 blocks); those gone lose theirs (an engine that
+        restarted is a new target, and the old one holds nothing)."""
+        for target in targets:
+            self.bit(target)
+        for target in [t for t in self.slot_of if t not in targets]:
+            slot = self.slot_of.pop(target)
+            if target.index.holders is self.held:  # unless another Roster took it (regroup)
+                target.index.attach(None, 0)
+            held = target.feed.held if target.feed is not None else None
+            if held is not None and held.holders is self.reported and held.bit == 1 << slot:
+                held.attach(None, 0)  # unless a new engine of its instance took the feed
+            self.by_slot[slot] = None
+            self.free.append(slot)
+            self.ring_stale = True
+            self.members &= ~(1 << slot)
+
+    def rescan(self, now: float, fresh_for: float) -> None:
+        """Sum the targets' counts again: what the scrapes said, and this process's own (which
+        the claims keep current between scrapes, and which this sets right)."""
+        targets = self.targets
+        self.in_flight = sum(t.in_flight for t in targets)
+        self.recent = Decayed(sum(t.recent_share(now) for t in targets), now)
+        self.others = sum(t.load.others(now, fresh_for) for t in targets)
+        self.counted = bool(targets) and all(t.counts_everyone(now, fresh_for) for t in targets)
+        views = [t.load for t in targets]
+        # Exponential decay is linear: their sum decays as one count.
+        decayed = sum(
+            (v.recent - v.ours_recent) * math.exp((v.scraped_at - now) / RECENT_SECONDS)
+            for v in views
+        )
+        self.counted_recent = Decayed(decayed if self.counted else 0.0, now)
+        self.queued = sum(v.running + v.waiting for v in views)
+        sizes = (t.feed.held.block_size for t in targets if t.hears_events and t.feed)
+        self.block_size = next(sizes, 0)
+
+    def recent_total(self, now: float) -> float:
+        """The sum of every target's recent requests: everyones_recent where every scrape
+        counts them (counted), else recent_share."""
+        ours = self.recent.now(now)
+        return self.counted_recent.now(now) + self.queued + ours if self.counted else ours
+
+    def walk(self, point: int) -> Iterator[Target]:
+        """The usable targets in the ring's order from ``point``, each once."""
+        if self.ring_stale:
+            ring = sorted(
+                (at, slot)
+                for target, slot in self.slot_of.items()
+                for at in ring_points(target.seed)
+            )
+            self.points = [at for at, _ in ring]
+            self.point_slots = [slot for _, slot in ring]
+            self.ring_stale = False
+        start = bisect.bisect_left(self.points, point)
+        slots, by_slot, members = self.point_slots, self.by_slot, self.members
+        seen = 0
+        for i in itertools.chain(range(start, len(slots)), range(start)):
+            slot = slots[i]
+            bit = 1 << slot
+            if members & bit and not seen & bit:
+                seen |= bit
+                yield cast(Target, by_slot[slot])  # a member's slot holds it
+
+    def holders(self, key: RouteKey) -> tuple[int, int]:
+        """The usable targets believed to hold the prompt's first block, and those believed to
+        hold the most of it: as this process sent it, and as KV events say."""
+        chain, members, held = key.chain, self.members, self.held
+        first = held.get(chain[0], 0) & members if chain else 0
+        tokens: list[int] = []
+        if self.reported and key.tokens is not None and self.block_size:
+            tokens = key.token_chain(self.block_size)
+            first |= self.reported.get(tokens[0], 0) & members if tokens else 0
+        if first.bit_count() <= HOLDER_CHOICES:
+            return first, 0  # all of them are weighed
+        most = deepest_holders(chain, held, members)
+        if tokens:
+            most |= deepest_holders(tokens, self.reported, members)
+        return first, most
+
+    def target(self, slot: int) -> Target:
+        return cast(Target, self.by_slot[slot])
+
+    def claimed(self, target: Target, uncached: float) -> None:
+        target.claimed(uncached)
+        if target in self.position:
+            self.in_flight += 1
+
+    def released(self, target: Target) -> None:
+        target.released()
+        if target in self.position:
+            self.in_flight -= 1
+
+    def sent(self, target: Target, key: RouteKey, now: float, uncached: float) -> Sent:
+        """What prefix_aware remembers of a request sent: its blocks, and its turn; what the
+        blocks added to the target's index, to take back (Sent)."""
+        sent = target.index.add(key.chain)
+        target.count_recent(now, uncached)
+        if target in self.position:
+            self.recent.add(now, 1)
+        if key.turn:
+            target.sent_turn(key, now)
+            for turn in key.earlier_turns:
+                if self.turn_at.get(turn) is target:
+                    del self.turn_at[turn]
+            self.turn_at.pop(key.turn, None)
+            self.turn_at[key.turn] = target
+            if len(self.turn_at) > TURNS_KEPT * max(len(self.targets), 1):
+                del self.turn_at[next(iter(self.turn_at))]
+        return sent
+
+    def conversation(self, key: RouteKey) -> set[Target]:
+        """Where this process sent the chat's earlier turns."""
+        return {t for turn in key.earlier_turns if (t := self.turn_at.get(turn)) is not None}
+
+
+@dataclass(slots=True)
+class Decayed:
+    """A count whose every part fades over RECENT_SECONDS."""
+
+    value: float = 0.0
+    at: float = 0.0  # monotonic, as of value
+
+    def now(self, now: float) -> float:
+        return self.value * math.exp((self.at - now) / RECENT_SECONDS)
+
+    def add(self, now: float, amount: float) -> None:
+        self.value, self.at = self.now(now) + amount, now
+
+
+# A stage's reverse index (Roster.held, Roster.reported): block -> a bit per target that holds
+# it, kept by each target's PrefixIndex and KV events' view (HeldBlocks) alike.
+
+
+def add_holder(holders: dict[int, int], chain: int, bit: int) -> None:
+    """``bit`` set for ``chain``. Most chains have one holder: one dict operation for them."""
+    if (mask := holders.setdefault(chain, bit)) is not bit:
+        holders[chain] = mask | bit
+
+
+def remove_holder(holders: dict[int, int], chain: int, bit: int) -> None:
+    """``bit`` cleared for ``chain``, and the chain gone with its last holder."""
+    if (mask := holders.pop(chain, 0)) is not bit and (rest := mask & ~bit):
+        holders[chain] = rest
+
+
+@dataclass(slots=True)
+class ChatReturns:
+    """How many chats come back for a second turn: second turns over first turns among this
+    process's chat requests lately. A load balancer spreads both alike over replicas and
+    workers, so every process sees the same share without hearing of the others' chats."""
+
+    first: Decayed = field(default_factory=Decayed)
+    second: Decayed = field(default_factory=Decayed)
+    since: float = math.inf  # monotonic: the first chat request this process routed
+
+    def saw(self, key: RouteKey, now: float) -> None:
+        if not key.turn:
+            return
+        self.since = min(self.since, now)
+        if not key.earlier_turns:
+            self.first.add(now, 1)
+        elif len(key.earlier_turns) == 1:
+            self.second.add(now, 1)
+
+    def share(self, now: float) -> float:
+        """Assumed 1 for the first CHAT_RETURN_SECONDS, and where no chat began lately."""
+        first = self.first.now(now)
+        if now - self.since < CHAT_RETURN_SECONDS or first <= 0:
+            return 1.0
+        return min(self.second.now(now) / first, 1.0)
+
+
+@dataclass
+class Choice:
+    index: int
+    reason: str  # affinity, spill, cold, session, fallback or the policy's name
+    matched: float  # blocks of the prompt the target is believed to hold
+    sent: Sent | None = None  # what the pick added to the target's index (prefix_aware)
+
+
+@dataclass(slots=True)
+class Bounds:
+    """One decision's bounds (Router.bounds): the most recent requests and the longest queue
+    a target may have to be weighed, and the queue it may have to take a new prefix."""
+
+    now: float
+    fresh_for: float
+    everyone: bool  # recent requests as the engines counted them (Roster.counted)
+    recent_limit: float
+    queue_limit: float
+    room_limit: float
+    conversation: dict[Target, float]  # a chat's own turns over the mean, not counted
+    roomy_only: bool = True  # KV caches past KV_FULL are passed over
+    bounded: bool = True  # the recent and queue bounds apply
+
+    def load(self, target: Target) -> float:
+        return target.in_flight + target.load.others(self.now, self.fresh_for)
+
+    def admits(self, target: Target) -> bool:
+        if self.roomy_only and target.load.kv_usage >= KV_FULL:
+            return False
+        if not self.bounded:
+            return True
+        now = self.now
+        recent = target.everyones_recent(now) if self.everyone else target.recent_share(now)
+        recent -= self.conversation.get(target, 0.0)
+        return recent + 1 <= self.recent_limit and self.load(target) + 1 <= self.queue_limit
+
+    def has_room(self, target: Target) -> bool:
+        return self.load(target) + 1 <= self.room_limit
+
+    def relax(self) -> bool:
+        """Where no target is admitted: first without the bounds, then without KV_FULL."""
+        if self.bounded:
+            self.bounded = False
+        elif self.roomy_only:
+            self.roomy_only = False
+        else:
+            return False
+        return True
+
+
 # ================================================================================================
-# 9. KV events and the tokenizer
-# Holds vLLM's KV cache events followed over ZMQ (HeldBlocks, KvFeed, replay) and the model's
-# tokenizer, which precise routing reads prompts with. Uses: 1-3, 8 (the reverse index's
-# bits).
+# 10. KV events and the tokenizer
+# Holds vLLM's KV events (ZMQ subscriber, HeldBlocks) and the prompt tokenizer that precise routing
+# reads prompts with. Uses: 1, 3, 5, 9, 11.
 # ================================================================================================
+
 
 # Prompts up to this many bytes are tokenized on the event loop: a thread's round trip costs
 # more than tokenizing them.
@@ -6412,15 +6569,20 @@ class TokenReading:
 # optional.
 STORED_FIELDS: Final = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
 
+
 EVENT_FIELDS: Final = {
     "BlockStored": (*STORED_FIELDS, "lora_id", "medium", "lora_name", "extra_keys", "group_idx"),
     "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
 }
 
+
 # What a request reuses: blocks on the GPU (an offloaded copy is not), of the first KV cache group.
 GPU_MEDIA: Final = (None, "GPU")
+
+
 FIRST_GROUP: Final = (None, 0)
+
 
 # HeldBlocks.chains' values: a chain's position in its prompt times this, plus how many of
 # vLLM's blocks have it.
@@ -6727,12 +6889,15 @@ class KvFeed:
 # sequence numbers is asked for again (replay) or counted.
 KV_EVENTS_HWM: Final = 100_000
 
+
 # Seconds for a replay socket to answer each batch: a busy engine's publisher thread answers
 # between its work (real vLLM on 2 loaded cores took over a second). Only this engine's events
 # wait meanwhile, never a request.
 REPLAY_TIMEOUT: Final = 10.0
 
+
 REPLAY_SLICE: Final = 32  # replayed batches applied between two turns of the event loop
+
 
 # After a replay that did not answer, gaps are counted as missed for this long instead of
 # asked for again: each ask would hold this engine's live events back for REPLAY_TIMEOUT.
@@ -6959,10 +7124,10 @@ async def model_root(state: ProxyState) -> str | None:
 
 
 # ================================================================================================
-# 10. The fleet: instances, discovery, health and load
-# Holds each prefill instance and its engines, each decode, the Fleet that holds them, and the
-# background coroutines that keep it true: health, bootstrap /query, vLLM's load, DNS.
-# Uses: 1-3, 7, 8 (each instance is a routing Target), 9.
+# 11. The fleet: instances, discovery, health and load
+# Holds the instances (PrefillInstance, DecodeInstance), their serving groups per model (Serving:
+# where a request's claims are made), health checks, discovery (DNS, bootstrap) and load scraping.
+# Uses: 1-3, 6, 9-10.
 # ================================================================================================
 
 
@@ -7008,320 +7173,6 @@ def parse_served(payload: object) -> Served:
     if model is None:
         raise ValueError("no base model listed")
     return Served(cards, parents, model)
-
-
-class Backend:
-    """An upstream instance's place in the rotation, moved by health checks and refusals.
-
-    It leaves at once when a live request finds its port refused, or after ``unhealthy_after``
-    failed checks in a row; it comes back after ``healthy_after`` good checks.
-    """
-
-    role: ClassVar[str]
-
-    def __init__(self, url: URL) -> None:
-        self.url = url
-        self.routes = route_urls(url)
-        self.usable = False
-        self.since = time.time()
-        self.last_error: str | None = None
-        self.failures = 0
-        self.passes = 0
-        self.in_flight = 0
-        # Set to check this instance now instead of at the next interval; ``checked`` is set,
-        # and replaced, as each check ends (a retry waits for one: KvLoadFailed).
-        self.recheck = asyncio.Event()
-        self.checked = asyncio.Event()
-        # Its last failure was a check that got no answer in time (connected, not refused): a
-        # sign of load, maybe. Such an instance takes requests in a panic (Fleet.refresh).
-        self.timed_out = False
-        # Checks in a row that failed the same way: the checks back off while it lasts.
-        self.same_failures = 0
-        # When the last check began and the last request on it succeeded (monotonic): a check
-        # that times out while requests succeed is a sign of load, not of failure.
-        self.checked_at = 0.0
-        self.last_success = 0.0
-        self.slow = False
-        # Why its /metrics gave no load (routing then counts this proxy's own requests).
-        self.load_error: str | None = None
-        # Where it was named (--prefill, the file, a DNS name), and whether it was since
-        # dropped from there: it then takes no new requests once another is usable.
-        self.origin = ""
-        self.leaving = False
-        # Told why, when what it held is lost (it went down, or restarted): decodes waiting
-        # for a prefill's KV there.
-        self.down_watchers: set[Callable[[str], None]] = set()
-        # What it serves (learn_models); None until its /v1/models was read: it then serves
-        # whatever a request names, as every instance did before the proxy knew models.
-        self.served: Served | None = None
-        self.models_error: str | None = None  # why its /v1/models could not be read
-
-    @property
-    def model(self) -> str:
-        """Its routing group: the model it runs, "" while that is not known."""
-        return self.served.model if self.served is not None else ""
-
-    def serves(self, model: str) -> bool:
-        return self.served is None or model in self.served
-
-    @property
-    def named(self) -> tuple[str, URL, str]:
-        """Role, URL and origin, for log lines."""
-        return self.role, self.url, self.origin or "configured"
-
-    def check_passed(self, healthy_after: int) -> bool:
-        """Count a good check; True if that brought the instance back into the rotation."""
-        self.failures = 0
-        self.passes += 1
-        if self.usable or self.passes < healthy_after:
-            return False
-        self.usable, self.since = True, time.time()
-        return True
-
-    def check_failed(self, error: str, unhealthy_after: int) -> bool:
-        """Count a failed check; True if that took the instance out of the rotation."""
-        self.passes = 0
-        self.failures += 1
-        self.last_error = error
-        self.slow = False
-        if not self.usable or self.failures < unhealthy_after:
-            return False
-        self.went_down()
-        return True
-
-    def connection_refused(self, error: str) -> bool:
-        """A live request could not connect: out at once, and checked again right away; True
-        if that took it out of the rotation."""
-        self.passes = self.same_failures = 0
-        self.timed_out = False
-        self.last_error = error
-        self.recheck.set()
-        if not self.usable:
-            return False
-        self.went_down()
-        return True
-
-    def went_down(self) -> None:
-        self.usable, self.since = False, time.time()
-        self.lost_all(f"went down ({self.last_error})")
-
-    def lost_all(self, why: str) -> None:
-        for watcher in list(self.down_watchers):
-            watcher(why)
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "url": str(self.url),
-            "usable": self.usable,
-            "since": datetime.fromtimestamp(self.since, UTC).isoformat(timespec="seconds"),
-            "slow": self.slow,
-            "timed_out": self.timed_out,  # its last failed check: no answer in time
-            "last_error": self.last_error,
-            "load_error": self.load_error,
-            "in_flight": self.in_flight,
-            "origin": self.origin,
-            "leaving": self.leaving,
-        }
-
-
-class PrefillEngine(Target):
-    """One data-parallel rank of a prefill instance: what a decode names as its KV source.
-
-    A restart brings new engine ids and so new PrefillEngines: what the old ones were believed
-    to hold is gone with them.
-    """
-
-    def __init__(
-        self, instance: PrefillInstance, dp_rank: int, engine_id: str, capacity: int = 65536
-    ) -> None:
-        super().__init__(f"{instance.url}#{dp_rank}", capacity)
-        self.instance = instance
-        self.dp_rank = dp_rank
-        self.engine_id = engine_id
-
-    def __repr__(self) -> str:
-        return f"PrefillEngine({self.name}, {self.engine_id})"
-
-    @property
-    def url(self) -> URL:
-        return self.instance.url
-
-    @property
-    def bootstrap_addr(self) -> str:
-        return self.instance.spec.bootstrap_addr
-
-    def status(self, now: float) -> dict[str, Any]:
-        state = {"dp_rank": self.dp_rank, "engine_id": self.engine_id, "in_flight": self.in_flight}
-        return state | self.routing_status(now)
-
-
-class PrefillInstance(Backend):
-    """A prefill server (vLLM ``kv_producer``), its bootstrap server and its engines."""
-
-    role = "prefill"
-
-    def __init__(self, spec: PrefillSpec) -> None:
-        super().__init__(spec.url)
-        self.spec = spec
-        self.query_url = spec.bootstrap.with_path("/query")
-        # Replaced as a whole tuple, never mutated: a request sees the old set or the new one.
-        self.engines: tuple[PrefillEngine, ...] = ()
-
-    def move_bootstrap(self, spec: PrefillSpec) -> None:
-        self.spec, self.query_url = spec, spec.bootstrap.with_path("/query")
-        self.recheck.set()
-
-    @property
-    def engine_ids(self) -> tuple[str, ...]:
-        return tuple(engine.engine_id for engine in self.engines)
-
-    def status(self) -> dict[str, Any]:
-        now = time.monotonic()
-        return {
-            **super().status(),
-            "bootstrap": self.spec.bootstrap_addr,
-            "engine_ids": list(self.engine_ids),
-            "engines": [engine.status(now) for engine in self.engines],
-        }
-
-
-class DecodeInstance(Backend, Target):
-    """A decode server (vLLM ``kv_consumer``); it runs no bootstrap server. Its prefix cache
-    keeps the prompts it received: a decode that holds a prefix pulls only the rest."""
-
-    role = "decode"
-
-    def __init__(self, url: URL, capacity: int = 65536) -> None:
-        Backend.__init__(self, url)
-        Target.__init__(self, str(url), capacity)
-
-    def status(self) -> dict[str, Any]:
-        return super().status() | self.routing_status(time.monotonic())
-
-
-def in_rotation(backends: Sequence[B]) -> tuple[B, ...]:
-    """The usable ones, but those leaving only while no other is: a reload never opens a gap."""
-    usable = tuple(backend for backend in backends if backend.usable)
-    return tuple(backend for backend in usable if not backend.leaving) or usable
-
-
-def panic_takes(backends: Sequence[B], usable: Sequence[B], threshold: float) -> tuple[B, ...]:
-    """The instances of a routing group that take requests only in its panic, as Envoy's panic
-    threshold has it: those out only because their checks timed out, while fewer than
-    ``threshold`` of the group (``usable`` of ``backends``), or none, are usable; () when it
-    is not in one. When most of a fleet fails its checks at once it is more often loaded (or
-    the checks' path is) than down, and taking it all out would turn a slowdown into an
-    outage."""
-    slow = tuple(b for b in backends if not b.usable and b.timed_out and not b.leaving)
-    if slow and (not usable or len(usable) < threshold * len(backends)):
-        return slow
-    return ()
-
-
-def say_panic(role: str, model: str | None, slow: Sequence[Backend]) -> None:
-    """Log a panic's start (``slow``: who takes requests in it) or end (none); ``model``: the
-    group's, where the role's instances run several."""
-    which = f"{role} panic" if model is None else f"{role} panic (model {model or 'not known'})"
-    if slow:
-        names = ", ".join(str(backend.url) for backend in slow)
-        log.warning("%s: too few usable; sending to those that are slow: %s", which, names)
-    else:
-        log.warning("%s over", which)
-
-
-def choose_index(
-    candidates: Sequence[T], turn: Iterator[int], policy: Policy, load: Callable[[T], int]
-) -> int:
-    """Round robin, or the least loaded with ties broken round robin.
-
-    The rotation advances on every pick either way, so requests arriving together spread
-    over equally loaded targets instead of piling onto the first.
-    """
-    count = len(candidates)
-    best = next(turn) % count
-    if policy is Policy.ROUND_ROBIN:
-        return best
-    best_load = load(candidates[best])
-    for offset in range(1, count):
-        if best_load == 0:
-            break
-        candidate = (best + offset) % count
-        if (candidate_load := load(candidates[candidate])) < best_load:
-            best, best_load = candidate, candidate_load
-    return best
-
-
-@dataclass(frozen=True, slots=True)
-class Serving:
-    """Where a model's requests go (Fleet.serving): the usable prefill engines and decodes that
-    serve it, and each stage's Router, that of the instances that run it."""
-
-    engines: tuple[PrefillEngine, ...]
-    decodes: tuple[DecodeInstance, ...]
-    prefill_router: Router
-    decode_router: Router
-    model: str | None = None
-    adapter: str | None = None  # the model, where it is a LoRA adapter (its KV events' blocks)
-
-    # Picks claim their target at once, before any await, so that concurrent arrivals see
-    # each other's load; every claim is released when its leg ends (Fleet.release_*: by the
-    # router of the group the target is in then). ``sends`` gets what each pick added to the
-    # routing indexes (Sent): the request keeps it, to take back if the prompt is refused
-    # (Fleet.take_back).
-
-    def claim_prefill(
-        self, avoid: Collection[Backend] = (), key: RouteKey | None = None,
-        sends: list[Sent] | None = None,
-    ) -> PrefillEngine:  # fmt: skip
-        engines = self.engines
-        if avoid:  # passed over while another is left (see claim_decode)
-            engines = tuple(e for e in engines if e.instance not in avoid) or engines
-        if not engines:
-            raise ProxyError(503, f"no usable prefill engine{naming_model(self)}")
-        router = self.prefill_router
-        choice = router.pick(engines, router.policy, key)
-        if sends is not None and choice.sent is not None:
-            sends.append(choice.sent)
-        engine = engines[choice.index]
-        engine.instance.in_flight += 1
-        return engine
-
-    def claim_decode(
-        self, avoid: Collection[Backend] = (), key: RouteKey | None = None,
-        sends: list[Sent] | None = None,
-    ) -> DecodeInstance:  # fmt: skip
-        decodes = self.decodes
-        if avoid:
-            # Those tried are passed over while another is left. One that could not be
-            # reached is out of the rotation anyway; one whose KV load failed stays in it
-            # and, the last one left, may be tried again.
-            decodes = tuple(d for d in decodes if d not in avoid) or decodes
-        if not decodes:
-            raise ProxyError(503, f"no usable decode instance{naming_model(self)}")
-        router = self.decode_router
-        choice = router.pick(decodes, router.policy, key)
-        if sends is not None and choice.sent is not None:
-            sends.append(choice.sent)
-        return decodes[choice.index]
-
-
-def naming_model(serving: Serving) -> str:
-    """For a 503: the model the request named, where the fleet knows models."""
-    return f" serves model `{serving.model}`" if serving.model is not None else ""
-
-
-def largest_group(backends: Iterable[Backend]) -> str:
-    """The model most of ``backends`` run (Backend.model), the first one's on a tie."""
-    counts = collections.Counter(backend.model for backend in backends)
-    return max(counts, key=counts.__getitem__) if counts else ""
-
-
-def unknown_model(model: str, known: Iterable[str]) -> ProxyError:
-    """vLLM's own answer to a model it does not serve (its _check_model), for the fleet."""
-    message = f"The model `{model}` does not exist. Valid aliases: {', '.join(known)}."
-    # Written as vLLM writes it (Starlette's compact JSON): a client sees the same bytes.
-    body = json.dumps(error_body(404, message, "model"), separators=(",", ":"), ensure_ascii=False)
-    return ProxyError(404, message, param="model", body=body.encode(), reason="unknown_model")
 
 
 class Fleet:
@@ -7913,7 +7764,9 @@ LOAD_SERIES: Final = {
     "vllm:request_success_total": "finished",
 }
 
+
 ENGINE_LABEL: Final = re.compile(r'[{,]engine="(\d+)"')
+
 
 # One engine's KV cache in tokens: with DP, num_gpu_blocks counts every rank's blocks.
 KV_TOKENS_LABEL: Final = re.compile(r'kv_cache_size_tokens="(\d+)"')
@@ -8018,7 +7871,11 @@ async def watch_load(app: web.Application) -> None:
 # one. A datagram lost costs only that: the next scrape counts the send anyway.
 
 PEER_FLUSH_SECONDS: Final = 0.01  # sends batched this long before they are told
+
+
 PEER_DATAGRAM_BYTES: Final = 8192  # sends per datagram up to this size (one at the least)
+
+
 # A send's leading blocks told: the prompt's head, where its relatives match it. Keeps a send
 # within about 1.5 KB; the rest of a long prompt a peer learns from KV events, or not.
 PEER_CHAIN_BLOCKS: Final = 64
@@ -8275,18 +8132,432 @@ async def watch_fleet(app: web.Application) -> None:
         await asyncio.gather(*checks.values(), return_exceptions=True)
 
 
+class PrefillEngine(Target):
+    """One data-parallel rank of a prefill instance: what a decode names as its KV source.
+
+    A restart brings new engine ids and so new PrefillEngines: what the old ones were believed
+    to hold is gone with them.
+    """
+
+    def __init__(
+        self, instance: PrefillInstance, dp_rank: int, engine_id: str, capacity: int = 65536
+    ) -> None:
+        super().__init__(f"{instance.url}#{dp_rank}", capacity)
+        self.instance = instance
+        self.dp_rank = dp_rank
+        self.engine_id = engine_id
+
+    def __repr__(self) -> str:
+        return f"PrefillEngine({self.name}, {self.engine_id})"
+
+    @property
+    def url(self) -> URL:
+        return self.instance.url
+
+    @property
+    def bootstrap_addr(self) -> str:
+        return self.instance.spec.bootstrap_addr
+
+    def status(self, now: float) -> dict[str, Any]:
+        state = {"dp_rank": self.dp_rank, "engine_id": self.engine_id, "in_flight": self.in_flight}
+        return state | self.routing_status(now)
+
+
+def in_rotation(backends: Sequence[B]) -> tuple[B, ...]:
+    """The usable ones, but those leaving only while no other is: a reload never opens a gap."""
+    usable = tuple(backend for backend in backends if backend.usable)
+    return tuple(backend for backend in usable if not backend.leaving) or usable
+
+
+def panic_takes(backends: Sequence[B], usable: Sequence[B], threshold: float) -> tuple[B, ...]:
+    """The instances of a routing group that take requests only in its panic, as Envoy's panic
+    threshold has it: those out only because their checks timed out, while fewer than
+    ``threshold`` of the group (``usable`` of ``backends``), or none, are usable; () when it
+    is not in one. When most of a fleet fails its checks at once it is more often loaded (or
+    the checks' path is) than down, and taking it all out would turn a slowdown into an
+    outage."""
+    slow = tuple(b for b in backends if not b.usable and b.timed_out and not b.leaving)
+    if slow and (not usable or len(usable) < threshold * len(backends)):
+        return slow
+    return ()
+
+
+def say_panic(role: str, model: str | None, slow: Sequence[Backend]) -> None:
+    """Log a panic's start (``slow``: who takes requests in it) or end (none); ``model``: the
+    group's, where the role's instances run several."""
+    which = f"{role} panic" if model is None else f"{role} panic (model {model or 'not known'})"
+    if slow:
+        names = ", ".join(str(backend.url) for backend in slow)
+        log.warning("%s: too few usable; sending to those that are slow: %s", which, names)
+    else:
+        log.warning("%s over", which)
+
+
+def choose_index(
+    candidates: Sequence[T], turn: Iterator[int], policy: Policy, load: Callable[[T], int]
+) -> int:
+    """Round robin, or the least loaded with ties broken round robin.
+
+    The rotation advances on every pick either way, so requests arriving together spread
+    over equally loaded targets instead of piling onto the first.
+    """
+    count = len(candidates)
+    best = next(turn) % count
+    if policy is Policy.ROUND_ROBIN:
+        return best
+    best_load = load(candidates[best])
+    for offset in range(1, count):
+        if best_load == 0:
+            break
+        candidate = (best + offset) % count
+        if (candidate_load := load(candidates[candidate])) < best_load:
+            best, best_load = candidate, candidate_load
+    return best
+
+
+def largest_group(backends: Iterable[Backend]) -> str:
+    """The model most of ``backends`` run (Backend.model), the first one's on a tie."""
+    counts = collections.Counter(backend.model for backend in backends)
+    return max(counts, key=counts.__getitem__) if counts else ""
+
+
+def unknown_model(model: str, known: Iterable[str]) -> ProxyError:
+    """vLLM's own answer to a model it does not serve (its _check_model), for the fleet."""
+    message = f"The model `{model}` does not exist. Valid aliases: {', '.join(known)}."
+    # Written as vLLM writes it (Starlette's compact JSON): a client sees the same bytes.
+    body = json.dumps(error_body(404, message, "model"), separators=(",", ":"), ensure_ascii=False)
+    return ProxyError(404, message, param="model", body=body.encode(), reason="unknown_model")
+
+
+class Backend:
+    """An upstream instance's place in the rotation, moved by health checks and refusals.
+
+    It leaves at once when a live request finds its port refused, or after ``unhealthy_after``
+    failed checks in a row; it comes back after ``healthy_after`` good checks.
+    """
+
+    role: ClassVar[str]
+
+    def __init__(self, url: URL) -> None:
+        self.url = url
+        self.routes = route_urls(url)
+        self.usable = False
+        self.since = time.time()
+        self.last_error: str | None = None
+        self.failures = 0
+        self.passes = 0
+        self.in_flight = 0
+        # Set to check this instance now instead of at the next interval; ``checked`` is set,
+        # and replaced, as each check ends (a retry waits for one: KvLoadFailed).
+        self.recheck = asyncio.Event()
+        self.checked = asyncio.Event()
+        # Its last failure was a check that got no answer in time (connected, not refused): a
+        # sign of load, maybe. Such an instance takes requests in a panic (Fleet.refresh).
+        self.timed_out = False
+        # Checks in a row that failed the same way: the checks back off while it lasts.
+        self.same_failures = 0
+        # When the last check began and the last request on it succeeded (monotonic): a check
+        # that times out while requests succeed is a sign of load, not of failure.
+        self.checked_at = 0.0
+        self.last_success = 0.0
+        self.slow = False
+        # Why its /metrics gave no load (routing then counts this proxy's own requests).
+        self.load_error: str | None = None
+        # Where it was named (--prefill, the file, a DNS name), and whether it was since
+        # dropped from there: it then takes no new requests once another is usable.
+        self.origin = ""
+        self.leaving = False
+        # Told why, when what it held is lost (it went down, or restarted): decodes waiting
+        # for a prefill's KV there.
+        self.down_watchers: set[Callable[[str], None]] = set()
+        # What it serves (learn_models); None until its /v1/models was read: it then serves
+        # whatever a request names, as every instance did before the proxy knew models.
+        self.served: Served | None = None
+        self.models_error: str | None = None  # why its /v1/models could not be read
+
+    @property
+    def model(self) -> str:
+        """Its routing group: the model it runs, "" while that is not known."""
+        return self.served.model if self.served is not None else ""
+
+    def serves(self, model: str) -> bool:
+        return self.served is None or model in self.served
+
+    @property
+    def named(self) -> tuple[str, URL, str]:
+        """Role, URL and origin, for log lines."""
+        return self.role, self.url, self.origin or "configured"
+
+    def check_passed(self, healthy_after: int) -> bool:
+        """Count a good check; True if that brought the instance back into the rotation."""
+        self.failures = 0
+        self.passes += 1
+        if self.usable or self.passes < healthy_after:
+            return False
+        self.usable, self.since = True, time.time()
+        return True
+
+    def check_failed(self, error: str, unhealthy_after: int) -> bool:
+        """Count a failed check; True if that took the instance out of the rotation."""
+        self.passes = 0
+        self.failures += 1
+        self.last_error = error
+        self.slow = False
+        if not self.usable or self.failures < unhealthy_after:
+            return False
+        self.went_down()
+        return True
+
+    def connection_refused(self, error: str) -> bool:
+        """A live request could not connect: out at once, and checked again right away; True
+        if that took it out of the rotation."""
+        self.passes = self.same_failures = 0
+        self.timed_out = False
+        self.last_error = error
+        self.recheck.set()
+        if not self.usable:
+            return False
+        self.went_down()
+        return True
+
+    def went_down(self) -> None:
+        self.usable, self.since = False, time.time()
+        self.lost_all(f"went down ({self.last_error})")
+
+    def lost_all(self, why: str) -> None:
+        for watcher in list(self.down_watchers):
+            watcher(why)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "url": str(self.url),
+            "usable": self.usable,
+            "since": datetime.fromtimestamp(self.since, UTC).isoformat(timespec="seconds"),
+            "slow": self.slow,
+            "timed_out": self.timed_out,  # its last failed check: no answer in time
+            "last_error": self.last_error,
+            "load_error": self.load_error,
+            "in_flight": self.in_flight,
+            "origin": self.origin,
+            "leaving": self.leaving,
+        }
+
+
+class DecodeInstance(Backend, Target):
+    """A decode server (vLLM ``kv_consumer``); it runs no bootstrap server. Its prefix cache
+    keeps the prompts it received: a decode that holds a prefix pulls only the rest."""
+
+    role = "decode"
+
+    def __init__(self, url: URL, capacity: int = 65536) -> None:
+        Backend.__init__(self, url)
+        Target.__init__(self, str(url), capacity)
+
+    def status(self) -> dict[str, Any]:
+        return super().status() | self.routing_status(time.monotonic())
+
+
+class PrefillInstance(Backend):
+    """A prefill server (vLLM ``kv_producer``), its bootstrap server and its engines."""
+
+    role = "prefill"
+
+    def __init__(self, spec: PrefillSpec) -> None:
+        super().__init__(spec.url)
+        self.spec = spec
+        self.query_url = spec.bootstrap.with_path("/query")
+        # Replaced as a whole tuple, never mutated: a request sees the old set or the new one.
+        self.engines: tuple[PrefillEngine, ...] = ()
+
+    def move_bootstrap(self, spec: PrefillSpec) -> None:
+        self.spec, self.query_url = spec, spec.bootstrap.with_path("/query")
+        self.recheck.set()
+
+    @property
+    def engine_ids(self) -> tuple[str, ...]:
+        return tuple(engine.engine_id for engine in self.engines)
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            **super().status(),
+            "bootstrap": self.spec.bootstrap_addr,
+            "engine_ids": list(self.engine_ids),
+            "engines": [engine.status(now) for engine in self.engines],
+        }
+
+
 # ================================================================================================
-# 11. Metrics, access log and tracing
-# Holds the Prometheus metrics, the per-request record behind them and the access line, and
-# OpenTelemetry tracing (optional). Uses: 1-3.
+# 12. Metrics, access log and tracing
+# Holds the Prometheus metrics, the access log line and OpenTelemetry tracing (optional). Uses: 1-3,
+# 5, 9, 11.
 # ================================================================================================
 
+
 LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
 
 # Probed every few seconds by load balancers: counted, but their access lines are DEBUG.
 PROBE_ROUTES: Final = frozenset({"/health", "/healthcheck", "/metrics"})
 
+
 access_log = logging.getLogger("mooncake_proxy.access")
+
+
+class TokenGaps:
+    """One stream's gaps between SSE events, counted in TOKEN_GAP_BUCKETS as they pass."""
+
+    __slots__ = ("counts", "last", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(TOKEN_GAP_BUCKETS) + 1)  # and +Inf
+        self.total = 0.0
+        self.last = 0.0
+
+    def events(self, count: int, now: float) -> None:
+        """``count`` events completed in one chunk: the first after the gap since the last
+        one (none before the first), the rest together with it."""
+        if self.last:
+            gap = now - self.last
+            self.counts[bisect.bisect_left(TOKEN_GAP_BUCKETS, gap)] += 1
+            self.total += gap
+        self.counts[0] += count - 1
+        self.last = now
+
+
+METRICS_REFRESH_SECONDS: Final = 1.0  # how stale, under --workers, another worker's gauges get
+
+
+async def refresh_metrics(app: web.Application) -> None:
+    """Under --workers a scrape reads every worker's gauges from their files: keep this
+    worker's current even while the scrapes go to the others."""
+    metrics = app[STATE_KEY].metrics
+    while True:
+        metrics.refresh()
+        await asyncio.sleep(METRICS_REFRESH_SECONDS)
+
+
+def metrics_across_workers() -> Callable[[], None]:
+    """Before the workers fork: prometheus_client's multiprocess mode, in the directory that
+    PROMETHEUS_MULTIPROC_DIR names (emptied: counts start again with the daemon) or in a new
+    one. prometheus_client picks how it stores values when imported; no metric exists yet,
+    so choosing again here is what it would have chosen with the variable set before.
+    Returns what to do at exit: remove a directory made here."""
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given:
+        os.makedirs(given, exist_ok=True)
+        for stale in glob.glob(os.path.join(given, "*.db")):
+            os.remove(stale)
+        path = given
+    else:
+        path = tempfile.mkdtemp(prefix="mooncake-proxy-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    prometheus_client.values.ValueClass = prometheus_client.values.get_value_class()  # type: ignore[no-untyped-call]
+    return (lambda: None) if given else functools.partial(shutil.rmtree, path, True)
+
+
+def record_request(metrics: Metrics, stats: RequestStats, status: int) -> None:
+    now = time.monotonic()
+    metrics.of(metrics.requests, stats.route, str(status), stats.model_label).inc()
+    if stats.span is not None:
+        stats.span.set_attribute("http.response.status_code", status)
+        stats.span.end()
+    probe = stats.route in PROBE_ROUTES
+    if not probe:
+        metrics.of(metrics.duration, stats.route, stats.model_label).observe(now - stats.started)
+        first_byte = (stats.first_byte or now) - stats.started
+        metrics.of(metrics.first_byte, stats.route).observe(first_byte)
+        if stats.first_token is not None:
+            record_token_times(metrics, stats)
+    level = logging.DEBUG if probe else logging.INFO
+    if access_log.isEnabledFor(level):
+        fields = stats.access_fields(status, now)
+        access_log.log(
+            level,
+            "%(request_id)s %(method)s %(path)s %(status)d model=%(model)s "
+            "prefill=%(prefill)s decode=%(decode)s ttfb=%(ttfb_s).4fs total=%(total_s).4fs "
+            "bytes=%(bytes_out)d outcome=%(outcome)s trace=%(trace_id)s",
+            fields,
+            extra={"access": fields},
+        )
+
+
+def record_token_times(metrics: Metrics, stats: RequestStats) -> None:
+    """The latency a client felt: its first token, the KV wait before it, the gaps after."""
+    assert stats.first_token is not None
+    ttft = stats.first_token - stats.started
+    metrics.of(metrics.first_token, stats.route, stats.model_label).observe(ttft)
+    if stats.token_gaps is not None:
+        metrics.token_gaps(stats.route, stats.token_gaps)
+        if stats.prefill_answered is not None:
+            wait = max(0.0, stats.first_token - stats.prefill_answered)
+            metrics.of(metrics.kv_wait, stats.route).observe(wait)
+
+
+class Tracing:
+    """The proxy's own spans (--otlp-traces-endpoint, the [tracing] extra): one per request,
+    a child per leg whose context the leg's traceparent carries, so vLLM's spans hang under
+    the proxy's. OpenTelemetry's SDK batches and exports them from a thread of its own."""
+
+    def __init__(self, endpoint: str) -> None:
+        from opentelemetry import trace
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.provider = TracerProvider(resource=Resource.create({"service.name": ID}))
+        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        self.tracer = self.provider.get_tracer(ID, str(VERSION))
+        self.propagator = TraceContextTextMapPropagator()
+        self.trace = trace
+
+    def request_span(self, client_headers: Mapping[str, str], route: str) -> Any:
+        """Under the client's trace context if it sent a valid one, else a new trace."""
+        parent = self.propagator.extract(client_headers)
+        span = self.tracer.start_span(
+            f"POST {route}", context=parent, kind=self.trace.SpanKind.SERVER
+        )
+        span.set_attribute("http.route", route)
+        return span
+
+    def leg(self, parent: Any, name: str, headers: dict[str, str]) -> tuple[Any, dict[str, str]]:
+        """A leg's span and its headers, whose traceparent names that span."""
+        context = self.trace.set_span_in_context(parent)
+        span = self.tracer.start_span(name, context=context, kind=self.trace.SpanKind.CLIENT)
+        headers = {**headers}
+        self.propagator.inject(headers, context=self.trace.set_span_in_context(span))
+        return span, headers
+
+
+def trace_id_of_span(span: Any) -> str:
+    return f"{span.get_span_context().trace_id:032x}"
+
+
+def span_error(message: str) -> Any:
+    from opentelemetry.trace import Status, StatusCode
+
+    return Status(StatusCode.ERROR, message)
+
+
+async def tracing_ctx(app: web.Application) -> AsyncIterator[None]:
+    """With --otlp-traces-endpoint: the exporter for the app's lifetime; at exit, what it
+    still holds is sent (the SDK gives that up after its own timeout)."""
+    state = app[STATE_KEY]
+    endpoint = state.config.otlp_traces_endpoint
+    if endpoint is not None:
+        try:
+            state.tracing = Tracing(endpoint)
+        except ImportError as missing:
+            log.warning(
+                "--otlp-traces-endpoint needs the tracing extra, pip install '.[tracing]' in "
+                "the proxy's source tree (%s): "
+                "no spans are exported; the legs still carry the trace context", missing,
+            )  # fmt: skip
+    yield
+    if state.tracing is not None:
+        await asyncio.to_thread(state.tracing.provider.shutdown)
 
 
 @dataclass(eq=False)
@@ -8337,15 +8608,20 @@ STATS_KEY: Final = web.RequestKey("stats", RequestStats)
 
 GaugeMode = Literal["livemin", "livemax", "livesum"]
 
+
 # The ``model`` label's values: the fleet's models, as many as this, then "other"; NO_MODEL
 # while the fleet's models are not known, and on routes that name none.
 MODEL_LABELS: Final = 32
+
+
 NO_MODEL: Final = "-"
+
 
 # Label values a fresh proxy makes its series for (Metrics.start_series): the statuses PD
 # requests are most often answered with, the reasons a leg fails for (beside http_<status>),
 # and each policy's routing reasons.
 PD_STATUSES: Final = ("200", "400", "404", "429", "499", "500", "502", "503", "504")
+
 
 LEG_ERRORS: Final = {
     "prefill": ("refused", "timeout", "broken", "stopped_early", "kv_lost"),
@@ -8354,7 +8630,9 @@ LEG_ERRORS: Final = {
     "admission": ("queue_full", "queue_timeout"),
 }
 
+
 ROUTING_REASONS: Final = {Policy.PREFIX_AWARE: ("affinity", "spill", "cold", "session", "fallback")}
+
 
 # Seconds between two SSE events: a token every few ms at the least, seconds when stalled.
 TOKEN_GAP_BUCKETS: Final = (
@@ -8616,178 +8894,10 @@ class Metrics:
         child._sum.inc(gaps.total)
 
 
-class TokenGaps:
-    """One stream's gaps between SSE events, counted in TOKEN_GAP_BUCKETS as they pass."""
-
-    __slots__ = ("counts", "last", "total")
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(TOKEN_GAP_BUCKETS) + 1)  # and +Inf
-        self.total = 0.0
-        self.last = 0.0
-
-    def events(self, count: int, now: float) -> None:
-        """``count`` events completed in one chunk: the first after the gap since the last
-        one (none before the first), the rest together with it."""
-        if self.last:
-            gap = now - self.last
-            self.counts[bisect.bisect_left(TOKEN_GAP_BUCKETS, gap)] += 1
-            self.total += gap
-        self.counts[0] += count - 1
-        self.last = now
-
-
-METRICS_REFRESH_SECONDS: Final = 1.0  # how stale, under --workers, another worker's gauges get
-
-
-async def refresh_metrics(app: web.Application) -> None:
-    """Under --workers a scrape reads every worker's gauges from their files: keep this
-    worker's current even while the scrapes go to the others."""
-    metrics = app[STATE_KEY].metrics
-    while True:
-        metrics.refresh()
-        await asyncio.sleep(METRICS_REFRESH_SECONDS)
-
-
-def metrics_across_workers() -> Callable[[], None]:
-    """Before the workers fork: prometheus_client's multiprocess mode, in the directory that
-    PROMETHEUS_MULTIPROC_DIR names (emptied: counts start again with the daemon) or in a new
-    one. prometheus_client picks how it stores values when imported; no metric exists yet,
-    so choosing again here is what it would have chosen with the variable set before.
-    Returns what to do at exit: remove a directory made here."""
-    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if given:
-        os.makedirs(given, exist_ok=True)
-        for stale in glob.glob(os.path.join(given, "*.db")):
-            os.remove(stale)
-        path = given
-    else:
-        path = tempfile.mkdtemp(prefix="mooncake-proxy-metrics-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-    prometheus_client.values.ValueClass = prometheus_client.values.get_value_class()  # type: ignore[no-untyped-call]
-    return (lambda: None) if given else functools.partial(shutil.rmtree, path, True)
-
-
-def route_label(request: web.Request) -> str:
-    resource = request.match_info.route.resource
-    return resource.canonical if resource is not None else "unmatched"
-
-
-def loggable_path(request: web.BaseRequest) -> str:
-    """The request's path as the client sent it, cut short and safe for one log line."""
-    path = request.raw_path
-    path = path if len(path) <= 200 else f"{path[:200]}..."
-    return path if path.isprintable() and path.isascii() else ascii(path)[1:-1]
-
-
-def record_request(metrics: Metrics, stats: RequestStats, status: int) -> None:
-    now = time.monotonic()
-    metrics.of(metrics.requests, stats.route, str(status), stats.model_label).inc()
-    if stats.span is not None:
-        stats.span.set_attribute("http.response.status_code", status)
-        stats.span.end()
-    probe = stats.route in PROBE_ROUTES
-    if not probe:
-        metrics.of(metrics.duration, stats.route, stats.model_label).observe(now - stats.started)
-        first_byte = (stats.first_byte or now) - stats.started
-        metrics.of(metrics.first_byte, stats.route).observe(first_byte)
-        if stats.first_token is not None:
-            record_token_times(metrics, stats)
-    level = logging.DEBUG if probe else logging.INFO
-    if access_log.isEnabledFor(level):
-        fields = stats.access_fields(status, now)
-        access_log.log(
-            level,
-            "%(request_id)s %(method)s %(path)s %(status)d model=%(model)s "
-            "prefill=%(prefill)s decode=%(decode)s ttfb=%(ttfb_s).4fs total=%(total_s).4fs "
-            "bytes=%(bytes_out)d outcome=%(outcome)s trace=%(trace_id)s",
-            fields,
-            extra={"access": fields},
-        )
-
-
-def record_token_times(metrics: Metrics, stats: RequestStats) -> None:
-    """The latency a client felt: its first token, the KV wait before it, the gaps after."""
-    assert stats.first_token is not None
-    ttft = stats.first_token - stats.started
-    metrics.of(metrics.first_token, stats.route, stats.model_label).observe(ttft)
-    if stats.token_gaps is not None:
-        metrics.token_gaps(stats.route, stats.token_gaps)
-        if stats.prefill_answered is not None:
-            wait = max(0.0, stats.first_token - stats.prefill_answered)
-            metrics.of(metrics.kv_wait, stats.route).observe(wait)
-
-
-class Tracing:
-    """The proxy's own spans (--otlp-traces-endpoint, the [tracing] extra): one per request,
-    a child per leg whose context the leg's traceparent carries, so vLLM's spans hang under
-    the proxy's. OpenTelemetry's SDK batches and exports them from a thread of its own."""
-
-    def __init__(self, endpoint: str) -> None:
-        from opentelemetry import trace
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        self.provider = TracerProvider(resource=Resource.create({"service.name": ID}))
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-        self.tracer = self.provider.get_tracer(ID, str(VERSION))
-        self.propagator = TraceContextTextMapPropagator()
-        self.trace = trace
-
-    def request_span(self, client_headers: Mapping[str, str], route: str) -> Any:
-        """Under the client's trace context if it sent a valid one, else a new trace."""
-        parent = self.propagator.extract(client_headers)
-        span = self.tracer.start_span(
-            f"POST {route}", context=parent, kind=self.trace.SpanKind.SERVER
-        )
-        span.set_attribute("http.route", route)
-        return span
-
-    def leg(self, parent: Any, name: str, headers: dict[str, str]) -> tuple[Any, dict[str, str]]:
-        """A leg's span and its headers, whose traceparent names that span."""
-        context = self.trace.set_span_in_context(parent)
-        span = self.tracer.start_span(name, context=context, kind=self.trace.SpanKind.CLIENT)
-        headers = {**headers}
-        self.propagator.inject(headers, context=self.trace.set_span_in_context(span))
-        return span, headers
-
-
-def trace_id_of_span(span: Any) -> str:
-    return f"{span.get_span_context().trace_id:032x}"
-
-
-def span_error(message: str) -> Any:
-    from opentelemetry.trace import Status, StatusCode
-
-    return Status(StatusCode.ERROR, message)
-
-
-async def tracing_ctx(app: web.Application) -> AsyncIterator[None]:
-    """With --otlp-traces-endpoint: the exporter for the app's lifetime; at exit, what it
-    still holds is sent (the SDK gives that up after its own timeout)."""
-    state = app[STATE_KEY]
-    endpoint = state.config.otlp_traces_endpoint
-    if endpoint is not None:
-        try:
-            state.tracing = Tracing(endpoint)
-        except ImportError as missing:
-            log.warning(
-                "--otlp-traces-endpoint needs the tracing extra, pip install '.[tracing]' in "
-                "the proxy's source tree (%s): "
-                "no spans are exported; the legs still carry the trace context", missing,
-            )  # fmt: skip
-    yield
-    if state.tracing is not None:
-        await asyncio.to_thread(state.tracing.provider.shutdown)
-
-
 # ================================================================================================
-# 12. The application
-# Holds create_app: one web.Application, its resources (cleanup_ctx) and background coroutines.
-# Uses: all above.
+# 13. The application
+# Holds create_app: the routes, the middleware, the background tasks (cleanup_ctx). Uses: 1-4, 8,
+# 10-12, 14.
 # ================================================================================================
 
 
@@ -8892,9 +9002,9 @@ def create_app(config: ProxyConfig) -> web.Application:
 
 
 # ================================================================================================
-# 13. The process
-# Holds serving: systemd notification, logging, the event loop, reloads on SIGHUP, drains, and the
-# Supervisor behind --workers. Uses: all above.
+# 14. The process
+# Holds serve (signals, drain, reload), the systemd notifications, the garbage collector's tuning
+# and the Supervisor behind --workers. Uses: 1-3, 5, 8, 13.
 # ================================================================================================
 
 
@@ -9032,6 +9142,7 @@ def event_loop_factory(choice: str) -> LoopFactory | None:
 # size instead of 2.4 (a 1 MiB one, on the heap either way, is not concerned).
 LARGE_BUFFER_BYTES: Final = 4 << 20
 
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
@@ -9114,16 +9225,20 @@ def run_serve(
 # Signals the supervisor passes on to its workers, each of which acts on them itself.
 PASSED_ON: Final = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
+
 # A worker that dies is started again at once if it had served this long, else after a wait
 # that doubles up to WORKER_BACKOFF_MAX: one that cannot start must not spin the host.
 WORKER_STEADY_SECONDS: Final = 10.0
 
+
 WORKER_BACKOFF_MAX: Final = 30.0
+
 
 # Each worker reports to the supervisor as to systemd (READY=1, then WATCHDOG=1 every second
 # from its event loop); one silent for this long is not healthy, and systemd is not told the
 # daemon is.
 WORKER_SILENT_SECONDS: Final = 3.0
+
 
 # How long a replacement waits for a usable fleet before it takes its socket's connections.
 WORKER_WARM_UP_SECONDS: Final = 10.0
@@ -9379,7 +9494,9 @@ def tune_gc() -> None:
 # 15 MiB just freed among them.
 LARGE_GARBAGE_BYTES: Final = LARGE_BUFFER_BYTES
 
+
 LARGE_GARBAGE_SECONDS: Final = 1.0
+
 
 LARGE_GARBAGE_SHARE: Final = 0.01
 
@@ -9526,8 +9643,8 @@ DRAIN_POLL_SECONDS: Final = 0.05
 
 
 # ================================================================================================
-# 14. Command line
-# Holds build_parser and main. Uses: all above.
+# 15. Command line
+# Holds build_parser and main. Uses: 1-2, 12, 14.
 # ================================================================================================
 
 
@@ -9650,10 +9767,12 @@ SHORT_USAGE: Final = (
     "usage: mooncake-proxy --prefill URL [BOOTSTRAP] --decode URL [URL ...] [options]"
 )
 
+
 HELP_FOOTER: Final = (
     f"Every flag is also an environment variable, {ENV_PREFIX}<FLAG>, and a key of the --config "
     "file."
 )
+
 
 # --help on one screen (40 lines at most, test_front_door.py): what the proxy is, the command
 # lines of the README, the groups (format_summary lists them between these two parts).

@@ -31,6 +31,7 @@ import contextlib
 import difflib
 import importlib
 import itertools
+import logging
 import re
 import sys
 import textwrap
@@ -277,6 +278,11 @@ async def proxy(tracer: Tracer, marker: Middleware) -> AsyncIterator[URL]:
     """The proxy, served as the daemon serves it, in front of a prefill and a decode fake;
     ``marker`` its outermost middleware. Yields its URL once both fakes are usable."""
     async with contextlib.AsyncExitStack() as stack:
+        # The access log on, as the daemon's default --log-level info has it, wherever this
+        # runs (under pytest, whose log capture turns it on too, or on its own).
+        access = mp.access_log
+        stack.callback(access.setLevel, access.level)
+        access.setLevel(logging.INFO)
         servers = Servers(stack)
         serve = testing_support.serve
         prefill = fake_vllm.FakeVllm("prefill", delay=PREFILL_DELAY)
