@@ -3241,21 +3241,16 @@ class Attempt:
         except (LegFailed, TimeoutError) as error:
             url = self.decode.routes[exchange.legs.api.path]
             failure = transport_error("decode", url, error)
+            if isinstance(error, LegFailed) and not exchange.relaying:
+                # Lost as it answered, before a byte reached the client (a whole answer's
+                # head came, then the connection went): the pair starts again (try_again).
+                lost = Unreachable(502, failure.message, reason="broken", backend=self.decode)
+                raise lost from None
             if isinstance(error, LegFailed):
-                if not exchange.relaying:
-                    # Lost as it answered, before a byte reached the client (a whole answer's
-                    # head came, then the connection went): the pair starts again (try_again).
-                    lost = Unreachable(502, failure.message, reason="broken", backend=self.decode)
-                    raise lost from None
-                if exchange.journal is not None:
-                    count = exchange.journal.count()
-                    await self.cut_short(f"{failure.message} after {count} tokens", lost=True)
-                    return
+                await self.end_stream(failure, lost=True)
+                return
             exchange.count_failure("decode", failure)
-            message = failure.message
-            if (why := exchange.plan.unmigratable) is not None and isinstance(error, LegFailed):
-                message = f"{message}; not continued elsewhere: {why}"
-            raise ProxyError(failure.status, message, reason="broken") from None
+            raise ProxyError(failure.status, failure.message, reason="broken") from None
         except ProxyError as failure:
             exchange.count_failure("decode", failure)
             self.end_decode_span(failure.message)
@@ -3279,18 +3274,30 @@ class Attempt:
         self.decode.last_success = time.monotonic()
         await relay_body(self, leg, url)
 
-    async def cut_short(self, why: str, *, lost: bool) -> None:
-        """A stream that may go on elsewhere lost its decode after tokens: StreamCut, for
-        Exchange.migrate; or, if its last token went out already, only its end is owed."""
-        exchange = self.exchange
-        assert exchange.journal is not None
-        if exchange.journal.finished:
+    async def end_stream(self, cut: ProxyError | str | None, *, lost: bool = False) -> None:
+        """How an answer whose bytes reach the client ends: decided here alone. ``cut`` None:
+        it is whole, and ends. Else why its decode stopped short of its end (``lost``: its
+        connection went). An answer whose last token went out already is owed only its end;
+        a stream with a journal goes on on another pair (StreamCut, for Exchange.migrate);
+        any other ends with the error (in band once streaming: Exchange.fail), saying why it
+        was not continued."""
+        exchange, journal, response = self.exchange, self.exchange.journal, self.exchange.response
+        if cut is None or (journal is not None and journal.finished):
             with contextlib.suppress(ConnectionError):
-                await exchange.response.write(exchange.journal.ending())
-                await exchange.response.write_eof()
+                if cut is not None and journal is not None:
+                    await response.write(journal.ending())
+                await response.write_eof()
             return
-        self.end_decode_span(why)
-        raise StreamCut(f"request {self.request_id}: {why}", self.decode, lost=lost)
+        if journal is not None:
+            why = cut if isinstance(cut, str) else f"{cut.message} after {journal.count()} tokens"
+            self.end_decode_span(why)
+            raise StreamCut(f"request {self.request_id}: {why}", self.decode, lost=lost)
+        assert isinstance(cut, ProxyError)  # a text only says why a journal's stream stopped
+        exchange.count_failure("decode", cut)
+        message = cut.message
+        if (unmigratable := exchange.plan.unmigratable) is not None:
+            message = f"{message}; not continued elsewhere: {unmigratable}"
+        raise ProxyError(cut.status, message, reason="broken")
 
     def finish_decode_leg(self) -> None:
         if self.decode_leg is not None:
@@ -4021,7 +4028,7 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
     read brought at once. A PD stream (not a decode alone's) is held until its first token:
     vLLM fails a stream whose KV pull failed with an error event before any token, and until
     one came the pair can start again. A stream that may go on elsewhere (a journal) is
-    relayed by whole events, and goes on elsewhere if its decode fails (Attempt.cut_short).
+    relayed by whole events, and goes on elsewhere if its decode fails (Attempt.end_stream).
 
     The first bytes leave with the client's headers through aiohttp's response; the rest is
     written by the leg's read callback (DecodeRelay), and this task only wakes when the answer
@@ -4057,15 +4064,13 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
     except ConnectionError:  # aiohttp's ClientConnectionResetError is one too
         raise ClientGone from None
     if journal is not None and (why := journal.cut_by(complete)) is not None:
-        await attempt.cut_short(f"decode {url} {why}", lost=False)
+        await attempt.end_stream(f"decode {url} {why}")
         return
     if not complete:
         raise ClientGone
     if gaps is None and leg.status == 200:
         stats.first_token = time.monotonic()  # a whole answer: its first token came with it
-    # A client that closed as soon as it read the last bytes had its whole answer.
-    with contextlib.suppress(ConnectionError):
-        await response.write_eof()
+    await attempt.end_stream(None)  # a client that closed once it read the last bytes had it all
 
 
 def answer_head(
