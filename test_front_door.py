@@ -5,14 +5,22 @@ signal stops it."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 import mooncake_proxy as mp
+from fake_vllm import free_port
 from testing_support import HERE
 
 
@@ -131,3 +139,148 @@ def test_a_taken_port_is_one_line_saying_how_to_pick_another(
     assert line.startswith(f"mooncake-proxy: error: cannot listen on {where}:{port}: "), line
     assert "in use" in line and "another mooncake-proxy" in line
     assert "pass --port N" in line and "--port 0 for any free one" in line
+
+
+# --- make demo: a taken port; whatever signal stops it, nothing of it is left
+
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """A process's state, parent and start time (in clock ticks since boot); None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := proc_stat(int(entry.name))) and stat[1] == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def tree(pid: int) -> dict[int, int]:
+    """``pid`` and its descendants, each with its start time (a pid used again is not it)."""
+    found, todo = {}, [pid]
+    while todo:
+        current = todo.pop()
+        if (stat := proc_stat(current)) is not None:
+            found[current] = stat[2]
+            todo += children(current)
+    return found
+
+
+def alive(pid: int, started: int) -> bool:
+    """Not gone, nor a zombie (a container's init may never reap one whose parent died)."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[2] == started and stat[0] not in "ZX"
+
+
+def accepts(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+        return True
+    return False
+
+
+def wait_until(check: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def start_make_demo(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """``make demo ARGS=...`` as a terminal's foreground job (a process group of its own), in
+    this test's venv, which it does not install into; what it prints goes to files (a pipe
+    would be held open by whatever outlived it)."""
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    venv = Path(sys.prefix)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    out, err = tmp_path / "demo.out", tmp_path / "demo.err"
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        make = subprocess.Popen(
+            ["make", "-s", "-C", str(HERE), "-o", f"{venv}/.installed-run", "demo",
+             f"VENV={venv}", f"ARGS={' '.join(args)}"],
+            stdout=stdout, stderr=stderr, env=env, start_new_session=True,
+        )  # fmt: skip
+    return make, out, err
+
+
+SIGNALS = [
+    # Ctrl-C: the terminal sends SIGINT to its foreground job, make, the demo and the proxy.
+    ("Ctrl-C", "job", signal.SIGINT),
+    # A closed terminal: SIGHUP to the job (the shell passes its own on).
+    ("hangup", "job", signal.SIGHUP),
+    # kill, timeout, a supervisor: to make alone, which passes SIGTERM on to its commands.
+    ("kill make", "make", signal.SIGTERM),
+    # make killed at once: the demo hears of it by PR_SET_PDEATHSIG, and stops.
+    ("kill -9 make", "make", signal.SIGKILL),
+    # To the demo alone.
+    ("kill -INT demo", "demo", signal.SIGINT),
+    ("kill demo", "demo", signal.SIGTERM),
+    ("kill -HUP demo", "demo", signal.SIGHUP),
+    # The demo killed at once: the proxy hears of it by PR_SET_PDEATHSIG; the fakes were in it.
+    ("kill -9 demo", "demo", signal.SIGKILL),
+]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize(("case", "to", "signum"), SIGNALS, ids=[case for case, _, _ in SIGNALS])
+def test_make_demo_stopped_by_a_signal_leaves_nothing_behind(
+    tmp_path: Path, case: str, to: str, signum: signal.Signals
+) -> None:
+    port = free_port()
+    make, out, err = start_make_demo(tmp_path, "--port", str(port))
+    try:
+        # Serving, after its streamed request: make, the demo, the proxy.
+        assert wait_until(lambda: b"keeps serving" in out.read_bytes(), 60), err.read_text()
+        processes = tree(make.pid)
+        (demo,) = children(make.pid)
+        assert len(children(demo)) == 1 and len(processes) == 3, processes  # and the proxy
+        started = re.search(r"^starting: python (.*)$", out.read_text(), re.MULTILINE)
+        assert started, out.read_text()
+        ports = [int(p) for p in re.findall(r"(?:127\.0\.0\.1:| )(\d{4,5})\b", started[1])]
+        assert port in ports and len(ports) == 7  # the proxy's, 4 APIs, 2 bootstrap servers
+        assert all(map(accepts, ports))
+        if to == "job":
+            os.killpg(make.pid, signum)
+        else:
+            os.kill(make.pid if to == "make" else demo, signum)
+
+        def left() -> list[int]:
+            return [pid for pid, since in processes.items() if alive(pid, since)]
+
+        assert wait_until(lambda: not left(), 20), f"{case}: still running: {left()}"
+        assert not [p for p in ports if accepts(p)], f"{case}: still listening"
+        make.wait(5)
+    finally:  # whatever is left of its process group, make gone or not
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(make.pid, signal.SIGKILL)
+        make.wait(5)
+    assert "Traceback" not in err.read_text()
+
+
+def test_make_demo_on_a_taken_port_says_how_to_pick_another(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        make, out, err = start_make_demo(tmp_path, "--once", "--port", str(port))
+        try:
+            assert make.wait(30) != 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(make.pid, signal.SIGKILL)
+    said = [line for line in err.read_text().splitlines() if line.startswith("demo: ")]
+    assert said == [
+        f"demo: cannot listen on 127.0.0.1:{port}: the port is in use (another demo, proxy or "
+        'vLLM is listening there); run make demo ARGS="--port N" for another port, or '
+        'ARGS="--port 0" for any free one'
+    ]
+    assert "starting:" not in out.read_text()  # nothing was
