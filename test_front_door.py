@@ -5,6 +5,7 @@ signal stops it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -16,12 +17,22 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
+from pytest_aiohttp import AiohttpServer
 
 import mooncake_proxy as mp
 from fake_vllm import free_port
-from testing_support import HERE
+from testing_support import (
+    COMPLETIONS,
+    HERE,
+    Cluster,
+    ProxyProcess,
+    StartCluster,
+    completion,
+)
 
 
 def run_proxy(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -139,6 +150,118 @@ def test_a_taken_port_is_one_line_saying_how_to_pick_another(
     assert line.startswith(f"mooncake-proxy: error: cannot listen on {where}:{port}: "), line
     assert "in use" in line and "another mooncake-proxy" in line
     assert "pass --port N" in line and "--port 0 for any free one" in line
+
+
+# --- /healthcheck's status: one word for the page's many
+
+
+async def health(cluster: Cluster) -> tuple[int, dict[str, Any]]:
+    answer = await cluster.client.get("/healthcheck")
+    return answer.status, await answer.json()
+
+
+async def until_status(cluster: Cluster, wanted: str) -> tuple[int, dict[str, Any]]:
+    async with asyncio.timeout(10):
+        while (seen := await health(cluster))[1]["status"] != wanted:
+            await asyncio.sleep(0.02)
+    return seen
+
+
+QUICK_CHECKS = {"health_interval": 0.05, "discovery_interval": 0.05}
+
+
+async def test_healthcheck_status_is_ok_when_every_instance_serves(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(prefill_dp=(2, 1), decodes=2)
+    code, page = await health(cluster)
+    assert code == 200 and page["status"] == "ok" and page["ready"] is True
+    assert next(iter(page)) == "status"  # the first thing a reader of the page sees
+
+
+async def test_healthcheck_status_is_degraded_while_an_instance_is_out(
+    start_cluster: StartCluster,
+) -> None:
+    """One decode of two down: requests are served, by the other, and the page says so."""
+    cluster = await start_cluster(decodes=2, **QUICK_CHECKS)
+    await cluster.kill(cluster.decodes[1])
+    code, page = await until_status(cluster, "degraded")
+    assert code == 200 and page["ready"] is True
+    assert [d["usable"] for d in page["decode"]] == [True, False] and not page["panic"]
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+    await cluster.start_again(cluster.decodes[1])
+    assert (await until_status(cluster, "ok"))[0] == 200
+
+
+async def test_healthcheck_status_is_degraded_in_a_panic(start_cluster: StartCluster) -> None:
+    """Every decode only times out its checks: they serve on (a panic), and that is no health."""
+    cluster = await start_cluster(decodes=2, health_timeout=0.5, **QUICK_CHECKS)
+    for decode in cluster.decodes:
+        decode.health_delay = 2.0
+    async with asyncio.timeout(10):
+        while not (page := (await health(cluster))[1])["panic"]:
+            await asyncio.sleep(0.02)
+    code, page = await health(cluster)
+    assert code == 200 and page["status"] == "degraded" and page["panic"] == ["decode"]
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 200
+
+
+async def test_healthcheck_status_is_degraded_while_a_model_has_no_decode(
+    start_cluster: StartCluster,
+) -> None:
+    """Every instance usable, but model b's prefill has no decode of model b: b's requests get
+    503 while a's are served."""
+    cluster = await start_cluster(
+        prefill_dp=(1, 1),
+        decodes=2,
+        each_prefill=({"model": "tiny-a"}, {"model": "tiny-b"}),
+        each_decode=({"model": "tiny-a"}, {"model": "tiny-a"}),
+        **QUICK_CHECKS,
+    )
+    code, page = await until_status(cluster, "degraded")
+    assert code == 200 and all(i["usable"] for i in (*page["prefill"], *page["decode"]))
+    assert not page["panic"]
+    a, b = (completion(model=model) for model in ("tiny-a", "tiny-b"))
+    assert (await cluster.client.post(COMPLETIONS, json=a)).status == 200
+    assert (await cluster.client.post(COMPLETIONS, json=b)).status == 503
+
+
+async def test_healthcheck_status_is_unavailable_without_a_usable_decode(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster(**QUICK_CHECKS)
+    await cluster.kill(cluster.decodes[0])
+    code, page = await until_status(cluster, "unavailable")
+    assert code == 503 and page["ready"] is False and page["draining"] is False
+    assert (await cluster.client.post(COMPLETIONS, json=completion())).status == 503
+
+
+async def test_healthcheck_status_is_unavailable_while_draining(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    """SIGTERM with a stream in flight: the proxy drains, and its page says unavailable."""
+    proxy, _ = await ProxyProcess.start(aiohttp_server, decode={"token_delay": 0.1})
+    try:
+        async with aiohttp.ClientSession() as session, asyncio.timeout(20):
+            page_url = f"{proxy.base}/healthcheck"
+            async with session.get(page_url) as before:
+                assert before.status == 200 and (await before.json())["status"] == "ok"
+            body = completion(stream=True, max_tokens=15)
+            async with session.post(f"{proxy.base}/v1/completions", json=body) as stream:
+                await stream.content.readany()
+                proxy.process.send_signal(signal.SIGTERM)
+                await proxy.log.wait_for("SIGTERM: draining")
+                fresh = aiohttp.TCPConnector(force_close=True)  # a new connection
+                async with (
+                    aiohttp.ClientSession(connector=fresh) as other,
+                    other.get(page_url) as during,
+                ):
+                    page = await during.json()
+                    assert during.status == 503 and page["draining"] is True
+                    assert page["status"] == "unavailable"
+                await stream.read()
+    finally:
+        await proxy.stop()
 
 
 # --- make demo: a taken port; whatever signal stops it, nothing of it is left
