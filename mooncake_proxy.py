@@ -2106,6 +2106,7 @@ async def handle_models(request: web.Request) -> web.Response:
 def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
     fleet = state.fleet
     return {
+        "status": health_status(state),
         "id": ID,
         "version": VERSION,
         "ready": state.serving,
@@ -2137,6 +2138,30 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
         "prefill": [instance.status() for instance in fleet.prefills],
         "decode": [instance.status() for instance in fleet.decodes],
     }
+
+
+def health_status(state: ProxyState) -> Literal["ok", "degraded", "unavailable"]:
+    """/healthcheck's word for it: "unavailable" while PD requests are refused (no usable
+    prefill engine or decode, or draining: the page's 503); "degraded" while they are served
+    but an instance is out of the rotation (one a reload let go aside), a role or a model is
+    in a panic, or a model some instance serves has no usable prefill engine or decode; "ok"
+    otherwise."""
+    if not state.serving:
+        return "unavailable"
+    fleet = state.fleet
+    out = any(not b.usable and not b.leaving for b in (*fleet.prefills, *fleet.decodes))
+    return "degraded" if out or fleet.panics or any_model_unserved(fleet) else "ok"
+
+
+def any_model_unserved(fleet: Fleet) -> bool:
+    for model in fleet.known_models():
+        try:
+            view = fleet.serving(model)
+        except ProxyError:
+            return True
+        if not view.engines or not view.decodes:
+            return True
+    return False
 
 
 async def handle_healthcheck(request: web.Request) -> web.Response:

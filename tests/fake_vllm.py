@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import ctypes
 import errno
 import hashlib
 import itertools
@@ -2712,16 +2713,35 @@ def port_taken(port: int) -> str | None:
         else:
             return None
     # Run by make (which tells its commands MAKELEVEL), the flag goes through ARGS.
-    how = 'make demo ARGS="--port {}"' if "MAKELEVEL" in os.environ else "--port {}"
+    how = (
+        'run make demo ARGS="--port N" for another port, or ARGS="--port 0" for any free one'
+        if "MAKELEVEL" in os.environ
+        else "pass --port N for another port, or --port 0 for any free one"
+    )
     return (
         f"cannot listen on 127.0.0.1:{port}: the port is in use (another demo, proxy or vLLM "
-        f"is listening there); pass {how.format('N')} for another port, or "
-        f"{how.format(0)} for any free one"
+        f"is listening there); {how}"
     )
 
 
 DEMO_READY_TIMEOUT = 20.0
 DEMO_REQUEST_TIMEOUT = 30.0
+# How long the proxy has to stop after the demo's SIGTERM (it drains, with nothing in flight)
+# before it is killed.
+DEMO_STOP_TIMEOUT = 10.0
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent(signum: int, parent: int) -> None:
+    """On Linux, this process is sent ``signum`` when the thread that started it ends, however
+    it ends (SIGKILL included, when none of its handlers runs); ``parent`` is that process's
+    pid, for the case where it ended before this was asked. Nothing elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0 and os.getppid() != parent:
+        os.kill(os.getpid(), signum)
 
 
 async def wait_for_proxy(
@@ -2778,7 +2798,12 @@ async def demo(once: bool, port: int) -> int:
             argv += ["--decode", node.url]
     print("simulated cluster: 2 prefill instances (3 DP engines), 2 decode instances")
     print("starting: python", " ".join(argv[1:]), flush=True)
-    proxy = await asyncio.create_subprocess_exec(*argv)
+    # The proxy dies with the demo even when the demo is killed at once (SIGKILL, the OOM
+    # killer): nothing of the demo is left to serve behind it.
+    demo_pid = os.getpid()
+    proxy = await asyncio.create_subprocess_exec(
+        *argv, preexec_fn=lambda: die_with_parent(signal.SIGKILL, demo_pid)
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         # Every wait is bounded, and a client-side timeout covers each request.
@@ -2820,7 +2845,11 @@ async def demo(once: bool, port: int) -> int:
     finally:
         if proxy.returncode is None:
             proxy.terminate()
-            await proxy.wait()
+            try:
+                await asyncio.wait_for(proxy.wait(), DEMO_STOP_TIMEOUT)
+            except TimeoutError:
+                proxy.kill()
+                await proxy.wait()
         for runner in runners:
             await runner.cleanup()
 
@@ -2883,6 +2912,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.serve:
             return asyncio.run(serve_one(args))
+        # The demo stops, its proxy with it, when what started it ends: make, killed, would
+        # leave it running (make passes SIGTERM on to its commands, but not SIGKILL).
+        die_with_parent(signal.SIGTERM, os.getppid())
         return asyncio.run(demo(args.once, args.port))
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM (demo)
         return 0
