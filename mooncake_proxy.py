@@ -1591,6 +1591,9 @@ UNREACHABLE_ERRORS: Final = (
 )
 
 
+RESET_ERRNOS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+
+
 def was_reset(error: BaseException) -> bool:
     """A connection reset before the answer came: a restarting server closing its idle
     keep-alive connections as the request was written on one (uvicorn does on SIGTERM)."""
@@ -1601,9 +1604,6 @@ def was_reset(error: BaseException) -> bool:
     # A connection found closing as the body is written comes as "Can not write request
     # body", a ClientOSError without an errno, the reset its cause (aiohttp 3.14).
     return error.errno in RESET_ERRNOS or isinstance(error.__cause__, ConnectionResetError)
-
-
-RESET_ERRNOS: Final = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
 
 
 def failure_detail(error: BaseException) -> str:
@@ -1743,6 +1743,10 @@ def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# What a preflight's answer allows where --allowed-methods is '*' (Starlette's, as vLLM's).
+CORS_ALL_METHODS: Final = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+
+
 def preflight(request: web.Request, config: ProxyConfig) -> web.Response | None:
     """With --allowed-origins, the answer to a browser's preflight (OPTIONS with Origin and
     Access-Control-Request-Method); None for any other request. The other answers get their
@@ -1790,10 +1794,6 @@ def require_key(request: web.Request, config: ProxyConfig) -> None:
         # Constant time: how much of a guess matched must not show in the answer's timing.
         if not hmac.compare_digest(supplied, f"Bearer {config.api_key}".encode()):
             raise ProxyError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-
-
-# What a preflight's answer allows where --allowed-methods is '*' (Starlette's, as vLLM's).
-CORS_ALL_METHODS: Final = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
@@ -2456,6 +2456,16 @@ UNMIGRATABLE_FIELDS: Final = (
 )
 
 
+# vLLM splits a request with these fields into several that all carry its kv_transfer_params,
+# each computing the prompt on the prefill and pulling it on the decode under the one
+# transfer_id. Mooncake hands a transfer to one puller: the others wait out vLLM's KV timeout
+# (seen on vLLM 0.32 through PD: 3 of 23 requests with n > 1 hung until it, most on prompts
+# the decode had cached before), or load another prompt's KV (a batch of prompts came back
+# with wrong text, with no error). Beam search sends requests of its own, which never pull the
+# KV at all. Such requests go to a decode alone, which computes the prompt itself.
+SAMPLE_COUNTS: Final = ("n", "best_of")
+
+
 def fans_out(path: str, body: Mapping[str, Any]) -> str | None:
     """Why vLLM would split this request (the field that says so), or None if it would not.
     Values are read as vLLM's validation reads them: "3" and 3.0 are 3."""
@@ -2581,16 +2591,6 @@ def lax_float(value: object) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     return 0.0
-
-
-# vLLM splits a request with these fields into several that all carry its kv_transfer_params,
-# each computing the prompt on the prefill and pulling it on the decode under the one
-# transfer_id. Mooncake hands a transfer to one puller: the others wait out vLLM's KV timeout
-# (seen on vLLM 0.32 through PD: 3 of 23 requests with n > 1 hung until it, most on prompts
-# the decode had cached before), or load another prompt's KV (a batch of prompts came back
-# with wrong text, with no error). Beam search sends requests of its own, which never pull the
-# KV at all. Such requests go to a decode alone, which computes the prompt itself.
-SAMPLE_COUNTS: Final = ("n", "best_of")
 
 
 def request_priority(request: web.Request, body: Mapping[str, Any]) -> int:
@@ -3636,6 +3636,53 @@ async def until_first_token(leg: HttpLeg, data: bytes, attempt: Attempt, url: UR
 # ================================================================================================
 
 
+# Where a stream's chunks carry their token ids, once return_token_ids asks for them (vLLM
+# writes chunks with pydantic: compact, in a fixed order, each field once).
+TOKEN_IDS: Final = b',"token_ids":['
+
+
+PROMPT_IDS: Final = b'"prompt_token_ids":['
+
+
+# What a journal keeps of its last events, to find where to go on from (StreamJournal.rewind):
+# reads (each one or more events) or events, this many and more per character its stop strings
+# reach back; a character's bytes span a few tokens, and a rewind past a stop string's reach a
+# few tokens per character.
+RECENT_EVENTS: Final = 32
+
+
+EVENTS_PER_REACHED_CHAR: Final = 4
+
+
+# What shows in a chat's chunks when vLLM runs a reasoning or tool parser over its output: a
+# token the parser swallowed (an empty delta), reasoning apart from content, calls apart from
+# text. A continuation is a completion, whose text no parser splits (chat_completion/serving.py).
+PARSER_SIGNS: Final = (
+    (b'"delta":{}', "a token its decode's reasoning or tool parser swallowed"),
+    (b'"reasoning":', "reasoning that its decode's reasoning parser split off"),
+    (b'"reasoning_content":', "reasoning that its decode's reasoning parser split off"),
+    (b'"tool_calls":', "tool calls that its decode's tool parser split off"),
+)
+
+
+# What a continuation does not take from the client's request: what makes or shapes the
+# prompt (the token ids replace it), chat-only fields, and the fields it sets itself.
+NOT_CONTINUED: Final = frozenset(
+    {
+        *("messages", "prompt", "truncate_prompt_tokens", "add_special_tokens"),
+        *("chat_template", "chat_template_kwargs", "add_generation_prompt", "documents"),
+        *("continue_final_message", "mm_processor_kwargs", "tool_choice", "parallel_tool_calls"),
+        *("reasoning_effort", "include_reasoning", "max_completion_tokens", "return_token_ids"),
+        *("stream_options", "kv_transfer_params"),
+    }
+)
+
+
+# vLLM's cap of a completion that names none, and of one whose max_tokens is null (0.32's
+# CompletionRequest.normalize_null_max_tokens); a chat's is what is left of max_model_len.
+COMPLETION_MAX_TOKENS: Final = 16
+
+
 class StreamJournal:
     """What a stream that may go on elsewhere has sent its client, as much as going on needs:
     the prompt's token ids and the generated ones, as the decode wrote them (JSON digits,
@@ -4014,35 +4061,6 @@ def stop_reach(body: Mapping[str, Any]) -> tuple[int, int]:
     return reach, 0 if lax_bool(body.get("include_stop_str_in_output")) else reach
 
 
-# Where a stream's chunks carry their token ids, once return_token_ids asks for them (vLLM
-# writes chunks with pydantic: compact, in a fixed order, each field once).
-TOKEN_IDS: Final = b',"token_ids":['
-
-
-PROMPT_IDS: Final = b'"prompt_token_ids":['
-
-
-# What a journal keeps of its last events, to find where to go on from (StreamJournal.rewind):
-# reads (each one or more events) or events, this many and more per character its stop strings
-# reach back; a character's bytes span a few tokens, and a rewind past a stop string's reach a
-# few tokens per character.
-RECENT_EVENTS: Final = 32
-
-
-EVENTS_PER_REACHED_CHAR: Final = 4
-
-
-# What shows in a chat's chunks when vLLM runs a reasoning or tool parser over its output: a
-# token the parser swallowed (an empty delta), reasoning apart from content, calls apart from
-# text. A continuation is a completion, whose text no parser splits (chat_completion/serving.py).
-PARSER_SIGNS: Final = (
-    (b'"delta":{}', "a token its decode's reasoning or tool parser swallowed"),
-    (b'"reasoning":', "reasoning that its decode's reasoning parser split off"),
-    (b'"reasoning_content":', "reasoning that its decode's reasoning parser split off"),
-    (b'"tool_calls":', "tool calls that its decode's tool parser split off"),
-)
-
-
 # One event the client got: its text, and its new token ids (None: ids a continuation gives
 # again, its text the client's all the same).
 Given = tuple[str, tuple[int, ...] | None]
@@ -4115,6 +4133,12 @@ def answer_head(
         stats.token_gaps = TokenGaps()
         return stats.token_gaps
     return None
+
+
+RESPONSE_PREAMBLE: Final = frozenset(
+    (b"response.created", b"response.in_progress", b"response.output_item.added",
+     b"response.content_part.added")
+)  # fmt: skip
 
 
 def stream_start(data: bytes) -> str | bool | None:
@@ -4213,24 +4237,6 @@ async def detokenized(
 
 # A continuation is a completion of token ids, whatever the client's request was.
 CONTINUATION_API: Final = COMPLETIONS_API
-
-
-# What a continuation does not take from the client's request: what makes or shapes the
-# prompt (the token ids replace it), chat-only fields, and the fields it sets itself.
-NOT_CONTINUED: Final = frozenset(
-    {
-        *("messages", "prompt", "truncate_prompt_tokens", "add_special_tokens"),
-        *("chat_template", "chat_template_kwargs", "add_generation_prompt", "documents"),
-        *("continue_final_message", "mm_processor_kwargs", "tool_choice", "parallel_tool_calls"),
-        *("reasoning_effort", "include_reasoning", "max_completion_tokens", "return_token_ids"),
-        *("stream_options", "kv_transfer_params"),
-    }
-)
-
-
-# vLLM's cap of a completion that names none, and of one whose max_tokens is null (0.32's
-# CompletionRequest.normalize_null_max_tokens); a chat's is what is left of max_model_len.
-COMPLETION_MAX_TOKENS: Final = 16
 
 
 class DecodeRelay:
@@ -4345,18 +4351,23 @@ class ClientWire:
 RESPONSE_STREAM_HEAD: Final = b"event: response.created\n"
 
 
-RESPONSE_PREAMBLE: Final = frozenset(
-    (b"response.created", b"response.in_progress", b"response.output_item.added",
-     b"response.content_part.added")
-)  # fmt: skip
-
-
 # ================================================================================================
 # 8. The legs and client connections
 # Holds the upstream pool (UpstreamPool, HttpLeg, httptools parsing) and the slots it grants, and
 # the client connection (ClientConnection: parser limits, slow clients, lingering close). Uses: 1-3,
 # 5, 12.
 # ================================================================================================
+
+
+# After answering a connection that is to close (an unread body, a slow head, over the cap),
+# how long its further bytes are read and dropped, so that closing does not reset the
+# connection before the client read the answer; aiohttp's own 10 s would let a trickling
+# client keep its connection that much longer.
+CLOSE_LINGER: Final = 2.0
+
+
+# The route label of requests whose head never parsed (malformed, or too slow to arrive).
+UNPARSED: Final = "unparsed"
 
 
 class ClientConnection(web.RequestHandler):
@@ -4606,6 +4617,9 @@ Sink = Callable[[list[bytes]], bool | None]
 LEG_BODY_COPY_LIMIT: Final = 64 * 1024
 
 
+HEADS_KEPT: Final = 4096  # UpstreamPool's request lines: a few routes per instance
+
+
 class UpstreamPool:
     """The legs' keep-alive connections, by upstream.
 
@@ -4720,17 +4734,6 @@ MAX_LINE_BYTES: Final = 8190
 
 
 MAX_HEADERS: Final = 128
-
-
-# After answering a connection that is to close (an unread body, a slow head, over the cap),
-# how long its further bytes are read and dropped, so that closing does not reset the
-# connection before the client read the answer; aiohttp's own 10 s would let a trickling
-# client keep its connection that much longer.
-CLOSE_LINGER: Final = 2.0
-
-
-# The route label of requests whose head never parsed (malformed, or too slow to arrive).
-UNPARSED: Final = "unparsed"
 
 
 def malformed_request_error(error: HttpProcessingError) -> ProxyError:
@@ -5052,9 +5055,6 @@ class HttpLeg(asyncio.Protocol):
         self.reusable = self.parser.should_keep_alive()
         self.complete = True
         self.wake()
-
-
-HEADS_KEPT: Final = 4096  # UpstreamPool's request lines: a few routes per instance
 
 
 # ================================================================================================
@@ -8434,6 +8434,37 @@ PROBE_ROUTES: Final = frozenset({"/health", "/healthcheck", "/metrics"})
 access_log = logging.getLogger("mooncake_proxy.access")
 
 
+# The ``model`` label's values: the fleet's models, as many as this, then "other"; NO_MODEL
+# while the fleet's models are not known, and on routes that name none.
+MODEL_LABELS: Final = 32
+
+
+NO_MODEL: Final = "-"
+
+
+# Label values a fresh proxy makes its series for (Metrics.start_series): the statuses PD
+# requests are most often answered with, the reasons a leg fails for (beside http_<status>),
+# and each policy's routing reasons.
+PD_STATUSES: Final = ("200", "400", "404", "429", "499", "500", "502", "503", "504")
+
+
+LEG_ERRORS: Final = {
+    "prefill": ("refused", "timeout", "broken", "stopped_early", "kv_lost"),
+    "decode": ("refused", "timeout", "broken", "kv_load", "in_band"),
+    "client": ("client_gone",),
+    "admission": ("queue_full", "queue_timeout"),
+}
+
+
+ROUTING_REASONS: Final = {Policy.PREFIX_AWARE: ("affinity", "spill", "cold", "session", "fallback")}
+
+
+# Seconds between two SSE events: a token every few ms at the least, seconds when stalled.
+TOKEN_GAP_BUCKETS: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5,
+)  # fmt: skip
+
+
 class TokenGaps:
     """One stream's gaps between SSE events, counted in TOKEN_GAP_BUCKETS as they pass."""
 
@@ -8637,37 +8668,6 @@ STATS_KEY: Final = web.RequestKey("stats", RequestStats)
 
 
 GaugeMode = Literal["livemin", "livemax", "livesum"]
-
-
-# The ``model`` label's values: the fleet's models, as many as this, then "other"; NO_MODEL
-# while the fleet's models are not known, and on routes that name none.
-MODEL_LABELS: Final = 32
-
-
-NO_MODEL: Final = "-"
-
-
-# Label values a fresh proxy makes its series for (Metrics.start_series): the statuses PD
-# requests are most often answered with, the reasons a leg fails for (beside http_<status>),
-# and each policy's routing reasons.
-PD_STATUSES: Final = ("200", "400", "404", "429", "499", "500", "502", "503", "504")
-
-
-LEG_ERRORS: Final = {
-    "prefill": ("refused", "timeout", "broken", "stopped_early", "kv_lost"),
-    "decode": ("refused", "timeout", "broken", "kv_load", "in_band"),
-    "client": ("client_gone",),
-    "admission": ("queue_full", "queue_timeout"),
-}
-
-
-ROUTING_REASONS: Final = {Policy.PREFIX_AWARE: ("affinity", "spill", "cold", "session", "fallback")}
-
-
-# Seconds between two SSE events: a token every few ms at the least, seconds when stalled.
-TOKEN_GAP_BUCKETS: Final = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5,
-)  # fmt: skip
 
 
 M = TypeVar("M", Counter, Histogram, Gauge)
@@ -9237,6 +9237,10 @@ def ensure_file_descriptors(config: ProxyConfig) -> None:
 Reread = Callable[[], ProxyConfig]
 
 
+# Signals the supervisor passes on to its workers, each of which acts on them itself.
+PASSED_ON: Final = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
 def run_serve(
     config: ProxyConfig,
     sock: socket.socket,
@@ -9250,10 +9254,6 @@ def run_serve(
     signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(serve(config, sock, reread, warm_up))
-
-
-# Signals the supervisor passes on to its workers, each of which acts on them itself.
-PASSED_ON: Final = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 # A worker that dies is started again at once if it had served this long, else after a wait
@@ -9634,6 +9634,9 @@ def first_checks_bound(config: ProxyConfig) -> float:
     return 2 * config.health_timeout + (config.healthy_after - 1) * config.discovery_interval
 
 
+FIRST_CHECKS_POLL_SECONDS: Final = 0.01
+
+
 async def first_checks(state: ProxyState, within: float) -> None:
     """Until the fleet's first checks have settled (checks_settled), for ``within`` seconds at
     most, before the listener takes connections: the port is bound before the app starts,
@@ -9648,7 +9651,7 @@ async def first_checks(state: ProxyState, within: float) -> None:
                 await asyncio.sleep(FIRST_CHECKS_POLL_SECONDS)
 
 
-FIRST_CHECKS_POLL_SECONDS: Final = 0.01
+DRAIN_POLL_SECONDS: Final = 0.05
 
 
 async def warmed_up(state: ProxyState, within: float) -> None:
@@ -9669,13 +9672,77 @@ async def drained(admission: Admission, within: float) -> None:
                 await asyncio.sleep(DRAIN_POLL_SECONDS)
 
 
-DRAIN_POLL_SECONDS: Final = 0.05
-
-
 # ================================================================================================
 # 15. Command line
 # Holds build_parser and main. Uses: 1-2, 12, 14.
 # ================================================================================================
+
+
+# --help's groups, in the order an operator meets them: the name --help=GROUP takes, what the
+# group is for, its settings. Every setting in one (build_parser checks, so that a new setting
+# cannot be left out of --help).
+FLAG_GROUPS: Final = (
+    ("Fleet", "where the prefill and decode instances are",
+        ("prefills", "decodes", "prefill_dns", "decode_dns", "dns_interval", "dns_server")),
+    ("Serving", "where the proxy listens, and as what", ("config_file", "host", "port",
+        "workers", "loop", "log_level", "log_format", "otlp_traces_endpoint",
+        "shutdown_timeout")),
+    ("Health", "when an instance leaves the rotation and comes back", ("health_interval",
+        "discovery_interval", "health_timeout", "unhealthy_after", "healthy_after",
+        "panic_threshold")),
+    ("Legs", "the proxy's requests to vLLM", ("upstream_api_key", "connect_timeout",
+        "keepalive_timeout", "request_timeout", "first_token_timeout", "prefill_timeout",
+        "max_retries", "migration_limit", "max_connections", "pool_timeout")),
+    ("Routing", "which engine and which decode a request goes to", ("policy",
+        "prefill_policy", "decode_policy", "load_interval", "prefix_index_blocks",
+        "prefix_block_bytes", "balance_factor", "prefill_load_weight", "decode_load_weight",
+        "peers")),
+    ("KV-events", "routing on what each engine holds", ("kv_events_port",
+        "kv_events_replay_port", "kv_events", "tokenizer")),
+    ("Limits", "what clients may ask, and how long they may take", ("max_request_bytes",
+        "max_in_flight", "max_queue", "queue_timeout", "header_timeout", "body_timeout",
+        "body_min_rate", "max_client_connections", "client_keepalive_timeout")),
+    ("Access", "who may call the proxy, and how", ("api_key", "protect_metrics",
+        "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "upstream_ca_certs", "allowed_origins",
+        "allowed_methods", "allowed_headers", "allow_credentials")),
+)  # fmt: skip
+
+
+SHORT_USAGE: Final = (
+    "usage: mooncake-proxy --prefill URL [BOOTSTRAP] --decode URL [URL ...] [options]"
+)
+
+
+HELP_FOOTER: Final = (
+    f"Every flag is also an environment variable, {ENV_PREFIX}<FLAG>, and a key of the --config "
+    "file."
+)
+
+
+# --help on one screen (40 lines at most, test_front_door.py): what the proxy is, the command
+# lines of the README, the groups (format_summary lists them between these two parts).
+HELP_SUMMARY: Final = (
+    (
+        "A prefill/decode disaggregation proxy for vLLM's MooncakeConnector: clients see one",
+        "OpenAI-compatible server, and each request's prefill and decode run on two instances.",
+        "",
+        "One prefill (its Mooncake bootstrap server on port 8998) and one decode:",
+        "  mooncake-proxy --prefill http://10.0.0.1:8100 8998 --decode http://10.0.0.3:8200",
+        "More of each, listening on every interface:",
+        "  mooncake-proxy --host 0.0.0.0 --port 8000 \\",
+        "      --prefill http://10.0.0.1:8100 8998 --prefill http://10.0.0.2:8100 8998 \\",
+        "      --decode http://10.0.0.3:8200 http://10.0.0.4:8200",
+        "From a settings file (its keys are the flags' names: deploy/mooncake-proxy.toml):",
+        "  mooncake-proxy --config /etc/mooncake-proxy/proxy.toml",
+        "",
+        "Options, in groups: --help=GROUP shows one group's, --help=all every option.",
+    ),
+    (
+        f"Every flag is also an environment variable, {ENV_PREFIX}<FLAG>, and a key of the",
+        "--config file; the command line wins over the environment, the environment over the",
+        "file. --version prints the version.",
+    ),
+)
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -9753,36 +9820,6 @@ class PrintVersion(argparse.Action):
         parser.exit()
 
 
-# --help's groups, in the order an operator meets them: the name --help=GROUP takes, what the
-# group is for, its settings. Every setting in one (build_parser checks, so that a new setting
-# cannot be left out of --help).
-FLAG_GROUPS: Final = (
-    ("Fleet", "where the prefill and decode instances are",
-        ("prefills", "decodes", "prefill_dns", "decode_dns", "dns_interval", "dns_server")),
-    ("Serving", "where the proxy listens, and as what", ("config_file", "host", "port",
-        "workers", "loop", "log_level", "log_format", "otlp_traces_endpoint",
-        "shutdown_timeout")),
-    ("Health", "when an instance leaves the rotation and comes back", ("health_interval",
-        "discovery_interval", "health_timeout", "unhealthy_after", "healthy_after",
-        "panic_threshold")),
-    ("Legs", "the proxy's requests to vLLM", ("upstream_api_key", "connect_timeout",
-        "keepalive_timeout", "request_timeout", "first_token_timeout", "prefill_timeout",
-        "max_retries", "migration_limit", "max_connections", "pool_timeout")),
-    ("Routing", "which engine and which decode a request goes to", ("policy",
-        "prefill_policy", "decode_policy", "load_interval", "prefix_index_blocks",
-        "prefix_block_bytes", "balance_factor", "prefill_load_weight", "decode_load_weight",
-        "peers")),
-    ("KV-events", "routing on what each engine holds", ("kv_events_port",
-        "kv_events_replay_port", "kv_events", "tokenizer")),
-    ("Limits", "what clients may ask, and how long they may take", ("max_request_bytes",
-        "max_in_flight", "max_queue", "queue_timeout", "header_timeout", "body_timeout",
-        "body_min_rate", "max_client_connections", "client_keepalive_timeout")),
-    ("Access", "who may call the proxy, and how", ("api_key", "protect_metrics",
-        "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "upstream_ca_certs", "allowed_origins",
-        "allowed_methods", "allowed_headers", "allow_credentials")),
-)  # fmt: skip
-
-
 def same_group(name: str, asked: str) -> bool:
     """--help=GROUP names a group without regard to case, dashes, underscores or spaces."""
     return re.sub(r"[-_\s]", "", asked).lower() == re.sub(r"[-_\s]", "", name).lower()
@@ -9791,43 +9828,6 @@ def same_group(name: str, asked: str) -> bool:
 def group_title(name: str) -> str:
     """A group's section title in --help=all and docs/reference.md."""
     return next(f"{name}: {about}" for named, about, _ in FLAG_GROUPS if named == name)
-
-
-SHORT_USAGE: Final = (
-    "usage: mooncake-proxy --prefill URL [BOOTSTRAP] --decode URL [URL ...] [options]"
-)
-
-
-HELP_FOOTER: Final = (
-    f"Every flag is also an environment variable, {ENV_PREFIX}<FLAG>, and a key of the --config "
-    "file."
-)
-
-
-# --help on one screen (40 lines at most, test_front_door.py): what the proxy is, the command
-# lines of the README, the groups (format_summary lists them between these two parts).
-HELP_SUMMARY: Final = (
-    (
-        "A prefill/decode disaggregation proxy for vLLM's MooncakeConnector: clients see one",
-        "OpenAI-compatible server, and each request's prefill and decode run on two instances.",
-        "",
-        "One prefill (its Mooncake bootstrap server on port 8998) and one decode:",
-        "  mooncake-proxy --prefill http://10.0.0.1:8100 8998 --decode http://10.0.0.3:8200",
-        "More of each, listening on every interface:",
-        "  mooncake-proxy --host 0.0.0.0 --port 8000 \\",
-        "      --prefill http://10.0.0.1:8100 8998 --prefill http://10.0.0.2:8100 8998 \\",
-        "      --decode http://10.0.0.3:8200 http://10.0.0.4:8200",
-        "From a settings file (its keys are the flags' names: deploy/mooncake-proxy.toml):",
-        "  mooncake-proxy --config /etc/mooncake-proxy/proxy.toml",
-        "",
-        "Options, in groups: --help=GROUP shows one group's, --help=all every option.",
-    ),
-    (
-        f"Every flag is also an environment variable, {ENV_PREFIX}<FLAG>, and a key of the",
-        "--config file; the command line wins over the environment, the environment over the",
-        "file. --version prints the version.",
-    ),
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
