@@ -60,18 +60,28 @@ def flow() -> ModuleType:
     return module
 
 
+# The fakes take their turns by delays of a tenth of a second (docs/flow.py): on a machine
+# loaded enough to stall the loop that long, the legs' events may come in another order. A
+# walk that differs is walked again, this many times in all, before the page is called stale.
+WALKS = 3
+
+
 async def test_flow_md_is_the_walk_of_a_streamed_chat() -> None:
     walk = flow()
-    stops = await walk.walk()
     written = walk.PAGE.read_text()
-    wanted = walk.page(stops, written)
+    for _ in range(WALKS):
+        wanted = walk.page(await walk.walk(), written)
+        if wanted == written:
+            return
     assert wanted == written, "run make flow\n" + walk.diff(written, wanted)
 
 
 async def test_the_walk_goes_back_up_the_file_at_most_15_times() -> None:
     walk = flow()
-    stops = await walk.walk()
-    up = walk.back_jumps(stops)
+    for _ in range(WALKS):
+        stops = await walk.walk()
+        if len(up := walk.back_jumps(stops)) <= walk.LIMIT:
+            return
     back = [
         f"{stops[i - 1].name} {stops[i - 1].line} -> {stops[i].name} {stops[i].line}" for i in up
     ]
