@@ -908,6 +908,26 @@ class ProxyConfig:
         "the transfer",
         weight,
     )
+    # Disaggregation pays for a long prompt its decode does not hold. For a short one, or a
+    # conversation's next turn whose earlier turns the decode holds, the handoff (two legs,
+    # a bootstrap look-up, a pull, and the decode's wait for it) costs more than the decode
+    # computing the few new tokens itself: on vLLM 0.32 (CPU, PROTOCOL.md) ~16 tokens took
+    # 350 ms through PD against 46 ms at the decode alone, ~128 tokens 53 against 22.
+    max_local_prefill_tokens: int = setting(
+        0,
+        "a PD request whose chosen decode would compute fewer than this many tokens of the "
+        "prompt itself (the prompt less what that decode holds) goes to that decode alone, "
+        "with no prefill leg; 0: every request goes through PD",
+        at_least(0),
+    )
+    # Computing a prompt pauses the decode's running streams for as long: a decode is given
+    # at most this many at once, the next short prompt goes through PD.
+    max_local_prefills: int = setting(
+        1,
+        "how many prompts one decode computes itself at once (--max-local-prefill-tokens): "
+        "past that, a short prompt goes through PD, sparing the decode's running streams",
+        at_least(1),
+    )
     kv_events_port: int | None = setting(
         None,
         "route on what each engine really holds, from vLLM's KV cache events: the port every "
@@ -2409,6 +2429,9 @@ class Plan:
     alone: str | None  # why it goes to a decode alone (fans_out); None: PD
     unmigratable: str | None  # why its stream cannot go on elsewhere; None: it can, or no stream
     shared: SharedBody | None  # a large body's fields both legs send, encoded once
+    # The prompt's bytes as routing reads it (prompt_bytes), where its decode may compute it
+    # alone (--max-local-prefill-tokens); 0 where it may not.
+    prompt_size: int = 0
 
 
 def plan_request(
@@ -2440,7 +2463,10 @@ def plan_request(
         why = "it goes to a decode alone" if alone else api.continues
         why = why or unmigratable(body, config.migration_limit)
     shared = None if small else SharedBody.of(body)
-    return Plan(api, model, group, stream, route, alone, why, shared)
+    prompt_size = 0
+    if config.max_local_prefill_tokens and alone is None:
+        prompt_size = route.length if route is not None else len(prompt_bytes(api.path, body))
+    return Plan(api, model, group, stream, route, alone, why, shared, prompt_size)
 
 
 # The fields of a request that a continuation cannot give as the decode would have: outputs
@@ -2817,12 +2843,13 @@ class Exchange:
         ``transfer_id``)."""
         if self.tries.failures and isinstance(failed := self.tries.failures[-1], KvLoadFailed):
             await failed.suspect_checked(self.state.config.health_timeout)
-        engine, decode = self.claim_pair()
+        engine, decode, local = self.claim_pair()
         try:
             await self.state.slots.acquire(
                 1 if engine is None else 2, self.state.config.pool_timeout
             )
         except BaseException as error:
+            decode.local_prefills -= local
             self.state.fleet.release_decode(decode)
             named = f"decode {decode.url}"
             if engine is not None:
@@ -2845,25 +2872,54 @@ class Exchange:
         if self.tries.failures:
             failure, where = self.tries.failures[-1].message, (engine or decode).url
             log.info("%s; retrying on %s as request %s", failure, where, request_id)
-        return Attempt(self, request_id, engine, decode)
+        return Attempt(self, request_id, engine, decode, local)
 
-    def claim_pair(self) -> tuple[PrefillEngine | None, DecodeInstance]:
-        """From the model's serving group as it is now: a prefill engine (None for a decode
-        alone) and a decode, among those not tried."""
+    def claim_pair(self) -> tuple[PrefillEngine | None, DecodeInstance, bool]:
+        """From the model's serving group as it is now, among those not tried: a decode, and
+        a prefill engine unless the decode computes the prompt alone (fans_out, or as
+        computes_alone decides): then None, and whether it was decided here (a local
+        prefill, counted on the decode until its first token)."""
         fleet, tries, route = self.state.fleet, self.tries, self.legs.route
         try:
             group = fleet.serving(self.plan.model)
-            engine = None
-            if self.plan.alone is None:
-                engine = group.claim_prefill(tries.tried, route, tries.sends)
+            decode, held = group.claim_decode_holding(tries.tried, route, tries.sends)
+            if self.plan.alone is not None:
+                return None, decode, False
+            if self.computes_alone(decode, held):
+                decode.local_prefills += 1
+                return None, decode, True
             try:
-                return engine, group.claim_decode(tries.tried, route, tries.sends)
+                return group.claim_prefill(tries.tried, route, tries.sends), decode, False
             except ProxyError:
-                if engine is not None:
-                    fleet.release_prefill(engine)
+                fleet.release_decode(decode)
                 raise
         except ProxyError as nothing_left:
             raise tries.exhausted() if tries.failures else nothing_left from None
+
+    def computes_alone(self, decode: DecodeInstance, held: float) -> bool:
+        """Whether ``decode``, holding ``held`` of the prompt's blocks, is to compute the rest
+        itself (--max-local-prefill-tokens), and not to pull it: fewer tokens than the limit
+        are left, and it is not computing --max-local-prefills prompts already."""
+        config, metrics = self.state.config, self.state.metrics
+        if not config.max_local_prefill_tokens:
+            return False
+        if (journal := self.journal) is not None and self.legs.api is not self.plan.api:
+            left = float(journal.prompt_count() + journal.count())  # a continuation: exactly
+        else:
+            left = local_tokens(
+                self.legs.route, self.plan.prompt_size, held, config.prefix_block_bytes,
+                self.state.fleet.bytes_per_token,
+            )  # fmt: skip
+        if left >= config.max_local_prefill_tokens:
+            why, alone = "long", False
+        elif decode.local_prefills >= config.max_local_prefills:
+            why, alone = "decode_busy", False
+        else:
+            why, alone = ("cached" if held else "short"), True
+        metrics.of(metrics.local_prefill_decisions, "local" if alone else "pd", why).inc()
+        if alone:
+            metrics.local_prefill_tokens.inc(left)
+        return alone
 
     def fail_over(self, stage: str, backend: Backend | None, failure: ProxyError) -> None:
         """Step 7, for either leg: take the instance that could not be reached (if one could
@@ -3098,6 +3154,7 @@ class Attempt:
     request_id: str
     engine: PrefillEngine | None
     decode: DecodeInstance
+    local: bool = False  # its decode computes the prompt (counted there until its first bytes)
     prefill: asyncio.Task[None] | None = None
     watch: PrefillWatch | None = None  # the prefill leg's, while the decode leg runs
     decode_leg: HttpLeg | None = None
@@ -3117,8 +3174,16 @@ class Attempt:
             else:
                 await self.abandon_prefill()
         finally:
+            self.prompt_computed()
             self.exchange.state.fleet.release_decode(self.decode)
             self.exchange.state.slots.release(1)
+
+    def prompt_computed(self) -> None:
+        """A local prefill's decode is done computing the prompt (its first bytes came, or the
+        attempt ended): it may take another (--max-local-prefills)."""
+        if self.local:
+            self.local = False
+            self.decode.local_prefills -= 1
 
     @property
     def transfer_id(self) -> str:
@@ -3229,7 +3294,9 @@ class Attempt:
                     return leg
                 except LegFailed as error:
                     raise self.decode_failed(url, error) from None
-            if not isinstance(failure, Unreachable):
+            if not isinstance(failure, Unreachable) or self.local:
+                # A local prefill was decided on what that decode holds: another attempt
+                # decides again on another (try_again), PD where it holds nothing.
                 raise failure
             exchange.fail_over("decode", self.decode, failure)
             tries = exchange.tries
@@ -4089,6 +4156,7 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
         exchange.first_token.came()
     if attempt.watch is not None:
         attempt.watch.kv_arrived()
+    attempt.prompt_computed()
     if not continued:
         response.writer = await response.prepare(exchange.request)
         stats.first_byte = time.monotonic()
@@ -5573,6 +5641,14 @@ class Serving:
         self, avoid: Collection[Backend] = (), key: RouteKey | None = None,
         sends: list[Sent] | None = None,
     ) -> DecodeInstance:  # fmt: skip
+        return self.claim_decode_holding(avoid, key, sends)[0]
+
+    def claim_decode_holding(
+        self, avoid: Collection[Backend] = (), key: RouteKey | None = None,
+        sends: list[Sent] | None = None,
+    ) -> tuple[DecodeInstance, float]:  # fmt: skip
+        """A decode, and how many of the prompt's blocks (key.chain's) it is believed to hold
+        (Choice.matched: 0 unless routed by prefix)."""
         decodes = self.decodes
         if avoid:
             # Those tried are passed over while another is left. One that could not be
@@ -5585,7 +5661,28 @@ class Serving:
         choice = router.pick(decodes, router.policy, key)
         if sends is not None and choice.sent is not None:
             sends.append(choice.sent)
-        return decodes[choice.index]
+        return decodes[choice.index], choice.matched
+
+
+def local_tokens(
+    route: RouteKey | None, size: int, held: float, block: int, bytes_per_token: float
+) -> float:
+    """How many of a prompt's tokens a decode that holds ``held`` of its blocks (key.chain's)
+    computes itself: by the prompt's token ids where they are known (KV events), else by
+    its bytes (``size`` where it has no route key) at the fleet's learned bytes a token."""
+    if route is not None and route.tokens is not None and route.chain:
+        return len(route.tokens) * max(0.0, 1.0 - held / len(route.chain))
+    length = route.length if route is not None else size
+    return max(0.0, length - held * block) / bytes_per_token
+
+
+# Every (decision, reason) of Exchange.computes_alone, for the metrics.
+LOCAL_PREFILL_REASONS: Final = (
+    ("local", "short"),
+    ("local", "cached"),
+    ("pd", "long"),
+    ("pd", "decode_busy"),
+)
 
 
 def naming_model(serving: Serving) -> str:
@@ -8382,9 +8479,11 @@ class DecodeInstance(Backend, Target):
     def __init__(self, url: URL, capacity: int = 65536) -> None:
         Backend.__init__(self, url)
         Target.__init__(self, str(url), capacity)
+        self.local_prefills = 0  # this process's requests computing their prompt here now
 
     def status(self) -> dict[str, Any]:
-        return super().status() | self.routing_status(time.monotonic())
+        status = super().status() | self.routing_status(time.monotonic())
+        return status | {"local_prefills": self.local_prefills}
 
 
 class PrefillInstance(Backend):
@@ -8777,6 +8876,14 @@ class Metrics:
         "PD requests sent to a decode alone, which computes the prompt itself, by the field that "
         "makes vLLM split them into several requests (n, best_of, use_beam_search, prompt: a "
         "batch of prompts).", ("reason",))
+    local_prefill_decisions = Metric(Counter, "local_prefill_decisions",
+        "With --max-local-prefill-tokens: whether a PD request's decode computed the prompt "
+        "itself (local) or pulled it (pd), and why: short (a prompt it holds nothing of, under "
+        "the limit), cached (what it does not hold is under the limit), long, decode_busy "
+        "(--max-local-prefills reached).", ("decision", "reason"))
+    local_prefill_tokens = Metric(Counter, "local_prefill_tokens",
+        "Prompt tokens the decodes computed themselves where the proxy sent a request alone "
+        "(--max-local-prefill-tokens), as the proxy estimates them.")
     # fmt: on
 
     def __init__(self, state: ProxyState) -> None:
@@ -8823,6 +8930,9 @@ class Metrics:
             self.migrations.labels(reason)
         for field_name in (*SAMPLE_COUNTS, "use_beam_search", "prompt"):
             self.of(self.prefill_skipped, field_name)
+        if config.max_local_prefill_tokens:
+            for decision, reason in LOCAL_PREFILL_REASONS:
+                self.of(self.local_prefill_decisions, decision, reason)
 
     def exposition(self) -> bytes:
         self.refresh()
@@ -9696,7 +9806,7 @@ FLAG_GROUPS: Final = (
     ("Routing", "which engine and which decode a request goes to", ("policy",
         "prefill_policy", "decode_policy", "load_interval", "prefix_index_blocks",
         "prefix_block_bytes", "balance_factor", "prefill_load_weight", "decode_load_weight",
-        "peers")),
+        "peers", "max_local_prefill_tokens", "max_local_prefills")),
     ("KV-events", "routing on what each engine holds", ("kv_events_port",
         "kv_events_replay_port", "kv_events", "tokenizer")),
     ("Limits", "what clients may ask, and how long they may take", ("max_request_bytes",
