@@ -2918,7 +2918,7 @@ class Exchange:
             why, alone = ("cached" if held else "short"), True
         metrics.of(metrics.local_prefill_decisions, "local" if alone else "pd", why).inc()
         if alone:
-            metrics.local_prefill_tokens.inc(left)
+            metrics.of(metrics.prompt_tokens, "decode").inc(left)
         return alone
 
     def fail_over(self, stage: str, backend: Backend | None, failure: ProxyError) -> None:
@@ -3596,6 +3596,7 @@ async def send_prefill(
         problem, prompt_tokens = prefill_outcome(body)
         if problem:
             raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
+        state.metrics.of(state.metrics.prompt_tokens, "prefill").inc(prompt_tokens)
         exchange.stats.prefill_answered = time.monotonic()
         legs = exchange.legs
         if legs.route is not None and legs.api is exchange.plan.api:  # not a continuation's
@@ -8881,9 +8882,11 @@ class Metrics:
         "itself (local) or pulled it (pd), and why: short (a prompt it holds nothing of, under "
         "the limit), cached (what it does not hold is under the limit), long, decode_busy "
         "(--max-local-prefills reached).", ("decision", "reason"))
-    local_prefill_tokens = Metric(Counter, "local_prefill_tokens",
-        "Prompt tokens the decodes computed themselves where the proxy sent a request alone "
-        "(--max-local-prefill-tokens), as the proxy estimates them.")
+    prompt_tokens = Metric(Counter, "prompt_tokens",
+        "Prompt tokens of PD requests by what computed them: prefill (the decode pulled them; "
+        "as the prefill's answer counts them) or decode (sent to it alone by "
+        "--max-local-prefill-tokens; as the proxy estimates what it did not hold).",
+        ("computed_by",))
     # fmt: on
 
     def __init__(self, state: ProxyState) -> None:
@@ -8930,9 +8933,10 @@ class Metrics:
             self.migrations.labels(reason)
         for field_name in (*SAMPLE_COUNTS, "use_beam_search", "prompt"):
             self.of(self.prefill_skipped, field_name)
-        if config.max_local_prefill_tokens:
-            for decision, reason in LOCAL_PREFILL_REASONS:
-                self.of(self.local_prefill_decisions, decision, reason)
+        for decision, reason in LOCAL_PREFILL_REASONS:
+            self.of(self.local_prefill_decisions, decision, reason)
+        for computed_by in ("prefill", "decode"):
+            self.of(self.prompt_tokens, computed_by)
 
     def exposition(self) -> bytes:
         self.refresh()

@@ -28,5 +28,5 @@ root=$(bash integration/setup_env.sh | tail -n 1) && [ -d "$root/venv" ] \
 VLLM_ENV_ROOT=$root exec .venv/bin/python -m pytest \
     integration/test_real_vllm.py integration/test_real_vllm_routing.py \
     integration/test_real_vllm_migration.py integration/test_real_vllm_differential.py \
-    integration/test_real_vllm_models.py \
+    integration/test_real_vllm_models.py integration/test_real_vllm_local_prefill.py \
     -v -p no:cacheprovider -o asyncio_mode=strict "$@"

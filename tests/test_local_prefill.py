@@ -63,10 +63,14 @@ async def test_a_prompt_under_the_limit_goes_to_the_decode_alone(
     decision, reason = ("local", "short") if alone else ("pd", "long")
     name = "mooncake_proxy_local_prefill_decisions_total"
     assert sample(samples, name, decision=decision, reason=reason) == 1
-    expected = tokens if alone else 0
-    assert sample(samples, "mooncake_proxy_local_prefill_tokens_total") == pytest.approx(
-        expected, abs=1
-    )
+    computed = {
+        where: sample(samples, "mooncake_proxy_prompt_tokens_total", computed_by=where)
+        for where in ("decode", "prefill")
+    }
+    if alone:  # as estimated: the prompt's bytes at BYTES_PER_TOKEN
+        assert computed == {"decode": pytest.approx(tokens, abs=1), "prefill": 0}
+    else:  # as the prefill's answer counts them
+        assert computed["decode"] == 0 and computed["prefill"] > 0
 
 
 async def test_limit_0_sends_every_request_through_pd(start_cluster: StartCluster) -> None:
@@ -75,7 +79,9 @@ async def test_limit_0_sends_every_request_through_pd(start_cluster: StartCluste
     assert response.status == 200
     assert pulled(cluster.decodes[0].requests[0]) and len(cluster.prefills[0].requests) == 1
     samples = await scrape(cluster)
-    assert not [k for k in samples if k[0].startswith("mooncake_proxy_local_prefill_decisions")]
+    decisions = [v for k, v in samples.items() if k[0].endswith("local_prefill_decisions_total")]
+    assert len(decisions) == len(mp.LOCAL_PREFILL_REASONS) and not any(decisions)
+    assert sample(samples, "mooncake_proxy_prompt_tokens_total", computed_by="prefill") > 0
 
 
 async def test_a_decode_computing_a_prompt_already_gets_the_next_short_one_through_pd(
@@ -91,6 +97,8 @@ async def test_a_decode_computing_a_prompt_already_gets_the_next_short_one_throu
     async with asyncio.timeout(5):
         while decode.local_prefills == 0:
             await asyncio.sleep(0.01)
+    health = await (await cluster.client.get("/healthcheck")).json()
+    assert [d["local_prefills"] for d in health["decode"]] == [1]
     second = await cluster.client.post(COMPLETIONS, json=completion(prompt="b"))
     assert second.status == 200
     assert (await first).status == 200
@@ -127,7 +135,7 @@ async def test_a_conversations_next_turn_goes_to_its_decode_and_computes_only_th
     samples = await scrape(cluster)
     name = "mooncake_proxy_local_prefill_decisions_total"
     assert sample(samples, name, decision="local", reason="cached") == 1
-    computed = sample(samples, "mooncake_proxy_local_prefill_tokens_total")
+    computed = sample(samples, "mooncake_proxy_prompt_tokens_total", computed_by="decode")
     assert 0 < computed < len(long_question) / BYTES_PER_TOKEN / 2
 
 
