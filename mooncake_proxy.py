@@ -2417,20 +2417,20 @@ API_ROUTES: Final[Mapping[str, Api]] = {
 @dataclass(frozen=True, slots=True)
 class Plan:
     """What a PD request is to do, settled once in the handler (plan_request) and read by its
-    run: its API, its model and that model's serving group, the route its prompt goes by,
-    whether it goes to a decode alone, whether its stream can go on elsewhere, and what of
-    its body both legs share."""
+    run: its API, its model (each attempt asks the fleet for that model's serving group as
+    it is then), the route its prompt goes by, whether it goes to a decode alone, whether its
+    stream can go on elsewhere, and what of its body both legs share."""
 
     api: Api
     model: str | None  # what the client named: the serving group's (Fleet.serving)
-    group: Serving  # as it was when the request came (each attempt asks for it as it is)
     stream: bool
     route: RouteKey | None  # for prefix_aware routing; None: not routed by prefix
     alone: str | None  # why it goes to a decode alone (fans_out); None: PD
     unmigratable: str | None  # why its stream cannot go on elsewhere; None: it can, or no stream
     shared: SharedBody | None  # a large body's fields both legs send, encoded once
     # The prompt's bytes as routing reads it (prompt_bytes), where its decode may compute it
-    # alone (--max-local-prefill-tokens); 0 where it may not.
+    # alone (--max-local-prefill-tokens) and it has no route key to say so (route.length);
+    # else 0.
     prompt_size: int = 0
 
 
@@ -2464,9 +2464,9 @@ def plan_request(
         why = why or unmigratable(body, config.migration_limit)
     shared = None if small else SharedBody.of(body)
     prompt_size = 0
-    if config.max_local_prefill_tokens and alone is None:
-        prompt_size = route.length if route is not None else len(prompt_bytes(api.path, body))
-    return Plan(api, model, group, stream, route, alone, why, shared, prompt_size)
+    if config.max_local_prefill_tokens and alone is None and route is None:
+        prompt_size = len(prompt_bytes(api.path, body))
+    return Plan(api, model, stream, route, alone, why, shared, prompt_size)
 
 
 # The fields of a request that a continuation cannot give as the decode would have: outputs
