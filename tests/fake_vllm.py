@@ -1098,6 +1098,7 @@ class EngineSim:
     hits: int = 0  # of those, found cached (vllm:prefix_cache_hits)
     local_hit_tokens: int = 0  # decode: prompt tokens it had cached itself
     transferred_tokens: int = 0  # decode: prompt tokens pulled from a prefill
+    computed_tokens: int = 0  # prompt tokens it computed (a prefill's, or a decode's alone)
     requests: int = 0  # prefix cache lookups
     finished: int = 0  # every request answered, as vLLM's request_success_total counts
     active_blocks: int = 0  # held by the prompt being computed
@@ -1181,6 +1182,7 @@ INJECTABLE = frozenset(
         *("die_after_pull", "fail_pulls", "linger_after_done", "health_status", "health_delay"),
         "die_after_head",
         *("drop_after", "drop_after_pull", "engine_dead", "metrics_status", "extra_waiting"),
+        "kv_usage",
         *("stream_interval", "keepalive_after_finish"),
     }
 )
@@ -1273,6 +1275,7 @@ class FakeVllm:
     sims: list[EngineSim] = field(default_factory=list)
     metrics_status: int = 200  # 404: a server without /metrics
     extra_waiting: int = 0  # added to every engine's vllm:num_requests_waiting
+    kv_usage: float | None = None  # said as every engine's vllm:kv_cache_usage_perc instead
     _blocks: dict[str, PromptBlocks] = field(default_factory=dict)
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters loaded: name -> path
     model: str = MODEL  # --served-model-name: what it serves, and what requests must name
@@ -1387,6 +1390,7 @@ class FakeVllm:
             # As vLLM's: the blocks running requests hold. Cached blocks no request uses are
             # free to evict, so a cache full of them is not a full KV cache.
             usage = sim.active_blocks / sim.capacity if sim.capacity else 0.0
+            usage = usage if self.kv_usage is None else self.kv_usage
             lines += [
                 f"vllm:num_requests_running{{{labels}}} {float(running)}",
                 f"vllm:num_requests_waiting{{{labels}}} {float(sim.waiting + self.extra_waiting)}",
@@ -1399,6 +1403,8 @@ class FakeVllm:
                 f"{float(sim.local_hit_tokens)}",
                 f'vllm:prompt_tokens_by_source_total{{{labels},source="external_kv_transfer"}} '
                 f"{float(sim.transferred_tokens)}",
+                f'vllm:prompt_tokens_by_source_total{{{labels},source="local_compute"}} '
+                f"{float(sim.computed_tokens)}",
                 f'vllm:cache_config_info{{block_size="{BLOCK_TOKENS}",engine="{rank}",'
                 f'kv_cache_size_tokens="{sim.capacity * BLOCK_TOKENS}",'
                 f'num_gpu_blocks="{sim.capacity * self.dp_size}"}} 1.0',
@@ -1453,6 +1459,7 @@ class FakeVllm:
                     blocks = self.prompt_blocks(prompt)
                     cached = sim.lookup(blocks)
                     sim.active_blocks = len(blocks.chain)
+                    sim.computed_tokens += blocks.tokens - cached * BLOCK_TOKENS
                     await asyncio.sleep((blocks.tokens - cached * BLOCK_TOKENS) * self.token_time)
                     sim.store(blocks)
                     sim.active_blocks = 0
@@ -1461,6 +1468,32 @@ class FakeVllm:
         finally:
             if queued:  # cancelled while waiting (the proxy closed the connection)
                 sim.waiting -= 1
+
+    async def compute_alone(self, prompt: Any) -> None:
+        """A decode computing a prompt sent to it alone (no KV to pull): what its prefix cache
+        lacks, at token_time a token, its running streams paused meanwhile (between_tokens),
+        as vLLM's steps carry the prompt's chunks beside their tokens (here the whole pause
+        at once, a simplification)."""
+        sim = self.sim(0)
+        if sim.busy is None:
+            sim.busy = asyncio.Lock()
+        async with sim.busy:
+            blocks = self.prompt_blocks(prompt)
+            cached = sim.lookup(blocks)
+            sim.local_hit_tokens += cached * BLOCK_TOKENS
+            sim.computed_tokens += blocks.tokens - cached * BLOCK_TOKENS
+            await asyncio.sleep((blocks.tokens - cached * BLOCK_TOKENS) * self.token_time)
+            sim.store(blocks)
+
+    async def between_tokens(self) -> None:
+        """A stream's wait for its next token: token_delay, and on a decode computing a prompt
+        alone (compute_alone), until that is done."""
+        if self.token_delay:
+            await asyncio.sleep(self.token_delay)
+        busy = self.sims[0].busy if self.role == "decode" and self.sims else None
+        if busy is not None and busy.locked():
+            async with busy:
+                pass
 
     def receive_kv(self, prompt: Any) -> None:
         """A decode's prefix cache: it pulls only the blocks it lacks, and keeps them."""
@@ -1801,6 +1834,9 @@ class FakeVllm:
                 )
         else:
             await asyncio.sleep(self.delay)
+            if self.cache_blocks:
+                for prompt in prompts:
+                    await self.compute_alone(prompt)
         return await self.answer(request, path, body, request_id, generations, response)
 
     # --- Mooncake, simulated over HTTP
@@ -2046,8 +2082,7 @@ class FakeVllm:
             if text:
                 for event in events.delta(text):
                     await self.write(response, request_id, event)
-            if self.token_delay:
-                await asyncio.sleep(self.token_delay)
+            await self.between_tokens()
         for event in events.tail():
             await self.write(response, request_id, event)
         await response.write_eof()
@@ -2181,8 +2216,7 @@ class FakeVllm:
                 if (chunk := merged(pending, chunk, index, last, self.stream_interval)) is None:
                     continue
                 await self.frame(response, request_id, chunk, ids)
-            if self.token_delay:
-                await asyncio.sleep(self.token_delay)
+            await self.between_tokens()
         if self.keepalive_after_finish:
             await self.write(response, request_id, b": keep-alive\n\n")
         if self.break_after_tokens == longest and self.take_fault():
@@ -2259,8 +2293,7 @@ class FakeVllm:
                 return response
             for event in events.deltas(delta or {}):
                 await self.write(response, request_id, event)
-            if self.token_delay:
-                await asyncio.sleep(self.token_delay)
+            await self.between_tokens()
         for event in events.close():
             await self.write(response, request_id, event)
         ending = {"stop_reason": stop, "stop_sequence": stop_sequence}
@@ -2861,7 +2894,14 @@ async def serve_one(args: argparse.Namespace) -> int:
     """One fake vLLM server until SIGTERM; then it drains: /health answers 503 at once, new
     requests are still served for ``--drain-delay`` seconds (while load balancers notice), then
     it stops listening, lets its in-flight requests finish and exits 0."""
-    fake = FakeVllm(args.serve, token_delay=args.token_delay, max_model_len=args.max_model_len)
+    fake = FakeVllm(
+        args.serve,
+        token_delay=args.token_delay,
+        max_model_len=args.max_model_len,
+        cache_blocks=args.cache_blocks,
+        token_time=args.token_time,
+        pull_delay=args.pull_delay,
+    )
     fake.api_url = f"http://{args.host}:{args.port}"
     apps = [fake.api_app()]
     if args.serve == "prefill":
@@ -2900,6 +2940,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-delay", type=float, default=0.0, help="seconds between tokens")
     parser.add_argument(
         "--max-model-len", type=int, default=4096, help="with --serve: vLLM's --max-model-len"
+    )
+    # What a benchmark's simulated servers cost (bench/bench_local_prefill.py --simulated).
+    parser.add_argument(
+        "--cache-blocks", type=int, default=0, help="with --serve: prefix cache blocks (0: none)"
+    )
+    parser.add_argument(
+        "--token-time",
+        type=float,
+        default=0.0,
+        help="with --serve and --cache-blocks: seconds of compute a prompt token it lacks",
+    )
+    parser.add_argument(
+        "--pull-delay",
+        type=float,
+        default=0.0,
+        help="with --serve decode: seconds a KV pull waits before it starts (the handoff)",
     )
     parser.add_argument(
         "--drain-delay",

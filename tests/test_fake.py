@@ -8,9 +8,11 @@ in-band error's own JSON, tools without a parser, and the routes a proxy passes 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -635,3 +637,44 @@ async def test_detokenize_ends_in_a_replacement_inside_a_character(
         status, raw, _ = await send(fake.url, "/detokenize", {"tokens": answer.token_ids[:end]})
         assert status == 200
         assert json.loads(raw)["prompt"].endswith("\ufffd") == ends_inside
+
+
+async def test_a_decode_sent_a_prompt_alone_computes_it_and_pauses_its_streams(
+    runners: list[web.AppRunner],
+) -> None:
+    """As vLLM's decode computes a prompt that comes without KV to pull: counted under
+    prompt_tokens_by_source's local_compute (its cached blocks under local_cache_hit), and
+    its running streams wait while it computes."""
+    fake = await start_fake(
+        FakeVllm("decode", cache_blocks=64, token_time=0.002, token_delay=0.005), runners
+    )
+
+    async def by_source() -> dict[str, float]:
+        status, raw, _ = await send(fake.url, "/metrics", {}, method="GET")
+        assert status == 200
+        found = re.findall(r'source="(\w+)"\} ([\d.]+)', raw.decode())
+        return {source: float(value) for source, value in found}
+
+    async def timed_stream() -> tuple[float, list[Any]]:
+        started = time.perf_counter()
+        _, events = await post(fake.url, COMPLETIONS, {"prompt": "a", "max_tokens": 30,
+                                                       "stream": True})  # fmt: skip
+        return time.perf_counter() - started, events
+
+    long_prompt = "the decode computes this prompt itself " * 40
+    streaming = asyncio.create_task(timed_stream())
+    await asyncio.sleep(0.03)  # the stream is under way
+    started = time.perf_counter()
+    _, (answer,) = await post(fake.url, COMPLETIONS, {"prompt": long_prompt, "max_tokens": 1})
+    computing = time.perf_counter() - started
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    assert computing >= prompt_tokens * 0.002
+    took, events = await streaming
+    assert events[-1] is None  # the stream went on after the pause, whole
+    assert took >= 30 * 0.005 + prompt_tokens * 0.002  # its tokens, and the pause
+    counted = await by_source()
+    assert counted["local_compute"] >= prompt_tokens and counted["external_kv_transfer"] == 0
+    before = counted["local_compute"]
+    await post(fake.url, COMPLETIONS, {"prompt": long_prompt, "max_tokens": 1})
+    counted = await by_source()
+    assert counted["local_cache_hit"] > 0 and counted["local_compute"] - before < prompt_tokens
