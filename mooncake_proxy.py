@@ -1476,6 +1476,9 @@ class ProxyState:
     dns_changed: asyncio.Event = field(default_factory=asyncio.Event)
     # Collects, soon after each large request, the cyclic garbage a failed one leaves.
     large_garbage: LargeGarbage = field(default_factory=lambda: LargeGarbage())
+    # With --max-local-prefill-tokens: how many PD requests went each way, by "decision/reason"
+    # (LOCAL_PREFILL_REASONS), for /healthcheck (the metrics count them too).
+    local_prefill_decisions: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
         self.fleet = Fleet(self.config)
@@ -1538,6 +1541,16 @@ class ProxyState:
     def serving(self) -> bool:
         """PD requests are taken: a prefill engine and a decode usable, and not draining."""
         return self.fleet.ready and not self.draining
+
+    def count_local_prefill_decision(self, alone: bool, why: str, left: float) -> None:
+        """One decision of local_prefill_decision, in the metrics and in /healthcheck; the
+        tokens a decode is to compute itself (``left``), in prompt_tokens."""
+        decision = "local" if alone else "pd"
+        self.local_prefill_decisions[f"{decision}/{why}"] += 1
+        metrics = self.metrics
+        metrics.of(metrics.local_prefill_decisions, decision, why).inc()
+        if alone:
+            metrics.of(metrics.prompt_tokens, "decode").inc(left)
 
 
 STATE_KEY: Final = web.AppKey("state", ProxyState)
@@ -1689,7 +1702,7 @@ def pool_exhausted(config: ProxyConfig, legs: str) -> ProxyError:
 # 4. The front door
 # Holds the middleware every request passes (ids, CORS, the API key, the access log) and the
 # handlers: a PD route's (handle_completion -> plan_request (5) -> run_pd_request (6)), and the
-# passthrough, models, health and metrics routes. Uses: 1-3, 5-6, 8, 11-12.
+# passthrough, models, health and metrics routes. Uses: 1-3, 5-6, 8-9, 11-12.
 # ================================================================================================
 
 
@@ -2155,8 +2168,26 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
         ],
         # With --peer: the replicas told of this process's sends, and how many it heard.
         "peers": state.peers.status() if state.peers is not None else None,
+        "local_prefill": local_prefill_status(state),
         "prefill": [instance.status() for instance in fleet.prefills],
         "decode": [instance.status() for instance in fleet.decodes],
+    }
+
+
+def local_prefill_status(state: ProxyState) -> dict[str, Any] | None:
+    """--max-local-prefill-tokens at work: the limit and every decision so far by reason
+    (None while every request goes through PD)."""
+    config = state.config
+    if not config.max_local_prefill_tokens:
+        return None
+    counts = state.local_prefill_decisions
+    decisions: dict[str, dict[str, int]] = {}
+    for decision, reason in LOCAL_PREFILL_REASONS:
+        decisions.setdefault(decision, {})[reason] = counts[f"{decision}/{reason}"]
+    return {
+        "max_tokens": config.max_local_prefill_tokens,
+        "max_per_decode": config.max_local_prefills,
+        "decisions": decisions,
     }
 
 
@@ -2885,7 +2916,7 @@ class Exchange:
             decode, held = group.claim_decode_holding(tries.tried, route, tries.sends)
             if self.plan.alone is not None:
                 return None, decode, False
-            if self.computes_alone(decode, held):
+            if self.computes_alone(decode, held, prefills=bool(group.engines)):
                 decode.local_prefills += 1
                 return None, decode, True
             try:
@@ -2896,29 +2927,22 @@ class Exchange:
         except ProxyError as nothing_left:
             raise tries.exhausted() if tries.failures else nothing_left from None
 
-    def computes_alone(self, decode: DecodeInstance, held: float) -> bool:
+    def computes_alone(self, decode: DecodeInstance, held: float, prefills: bool) -> bool:
         """Whether ``decode``, holding ``held`` of the prompt's blocks, is to compute the rest
-        itself (--max-local-prefill-tokens), and not to pull it: fewer tokens than the limit
-        are left, and it is not computing --max-local-prefills prompts already."""
-        config, metrics = self.state.config, self.state.metrics
-        if not config.max_local_prefill_tokens:
+        itself (--max-local-prefill-tokens), and not to pull it (local_prefill_decision);
+        ``prefills``: whether the model has a usable prefill engine."""
+        state = self.state
+        if not state.config.max_local_prefill_tokens:
             return False
         if (journal := self.journal) is not None and self.legs.api is not self.plan.api:
             left = float(journal.prompt_count() + journal.count())  # a continuation: exactly
         else:
             left = local_tokens(
-                self.legs.route, self.plan.prompt_size, held, config.prefix_block_bytes,
-                self.state.fleet.bytes_per_token,
+                self.legs.route, self.plan.prompt_size, held, state.config.prefix_block_bytes,
+                state.fleet.bytes_per_token,
             )  # fmt: skip
-        if left >= config.max_local_prefill_tokens:
-            why, alone = "long", False
-        elif decode.local_prefills >= config.max_local_prefills:
-            why, alone = "decode_busy", False
-        else:
-            why, alone = ("cached" if held else "short"), True
-        metrics.of(metrics.local_prefill_decisions, "local" if alone else "pd", why).inc()
-        if alone:
-            metrics.of(metrics.prompt_tokens, "decode").inc(left)
+        alone, why = local_prefill_decision(state.config, decode, left, held, prefills)
+        state.count_local_prefill_decision(alone, why, left)
         return alone
 
     def fail_over(self, stage: str, backend: Backend | None, failure: ProxyError) -> None:
@@ -5677,10 +5701,29 @@ def local_tokens(
     return max(0.0, length - held * block) / bytes_per_token
 
 
-# Every (decision, reason) of Exchange.computes_alone, for the metrics.
+def local_prefill_decision(
+    config: ProxyConfig, decode: DecodeInstance, left: float, held: float, prefills: bool
+) -> tuple[bool, str]:
+    """Whether a decode that would compute ``left`` tokens of a prompt itself (``held``: the
+    blocks of it it holds) is to do so rather than pull them, and why (LOCAL_PREFILL_REASONS).
+    The load of both pools counts: a decode computing --max-local-prefills prompts already,
+    or whose KV cache is full (vLLM would preempt its running streams for the prompt), is
+    spared; and where the model has no usable prefill engine left (a try whose prefill
+    went away), the decode computes the prompt whatever its length, rather than a 503."""
+    if not prefills:
+        return True, "no_prefill"
+    if left >= config.max_local_prefill_tokens:
+        return False, "long"
+    if decode.local_prefills >= config.max_local_prefills or decode.kv_full(config):
+        return False, "decode_busy"
+    return True, ("cached" if held else "short")
+
+
+# Every (decision, reason) of local_prefill_decision, for the metrics and /healthcheck.
 LOCAL_PREFILL_REASONS: Final = (
     ("local", "short"),
     ("local", "cached"),
+    ("local", "no_prefill"),
     ("pd", "long"),
     ("pd", "decode_busy"),
 )
@@ -8482,6 +8525,12 @@ class DecodeInstance(Backend, Target):
         Target.__init__(self, str(url), capacity)
         self.local_prefills = 0  # this process's requests computing their prompt here now
 
+    def kv_full(self, config: ProxyConfig) -> bool:
+        """Its KV cache is full, as a fresh scrape of its /metrics says (as the routers read
+        one): a prompt computed there would preempt its running streams."""
+        fresh = time.monotonic() - self.load.scraped_at <= 3 * config.load_interval
+        return fresh and self.load.kv_usage >= KV_FULL
+
     def status(self) -> dict[str, Any]:
         status = super().status() | self.routing_status(time.monotonic())
         return status | {"local_prefills": self.local_prefills}
@@ -8880,8 +8929,9 @@ class Metrics:
     local_prefill_decisions = Metric(Counter, "local_prefill_decisions",
         "With --max-local-prefill-tokens: whether a PD request's decode computed the prompt "
         "itself (local) or pulled it (pd), and why: short (a prompt it holds nothing of, under "
-        "the limit), cached (what it does not hold is under the limit), long, decode_busy "
-        "(--max-local-prefills reached).", ("decision", "reason"))
+        "the limit), cached (what it does not hold is under the limit), no_prefill (the model "
+        "had no usable prefill engine left), long, decode_busy (--max-local-prefills "
+        "reached, or its KV cache full).", ("decision", "reason"))
     prompt_tokens = Metric(Counter, "prompt_tokens",
         "Prompt tokens of PD requests by what computed them: prefill (the decode pulled them; "
         "as the prefill's answer counts them) or decode (sent to it alone by "

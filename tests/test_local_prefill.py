@@ -20,6 +20,7 @@ from testing_support import (
     StartCluster,
     chat,
     completion,
+    eventually,
     fleet_of,
     sample,
     scrape,
@@ -107,6 +108,57 @@ async def test_a_decode_computing_a_prompt_already_gets_the_next_short_one_throu
     samples = await scrape(cluster)
     name = "mooncake_proxy_local_prefill_decisions_total"
     assert sample(samples, name, decision="pd", reason="decode_busy") == 1
+
+
+async def test_a_decode_whose_kv_cache_is_full_gets_even_a_short_prompt_through_pd(
+    start_cluster: StartCluster,
+) -> None:
+    """A full cache, as the decode's /metrics says: a prompt computed there would preempt its
+    running streams. Once it has room again, short prompts go to it alone again."""
+    cluster = await local_cluster(start_cluster, load_interval=0.05, decode={"kv_usage": 0.99})
+    decode = fleet_of(cluster).decodes[0]
+    await eventually(lambda: decode.load.kv_usage == 0.99)
+    response = await cluster.client.post(COMPLETIONS, json=completion(prompt="full"))
+    assert response.status == 200
+    cluster.decodes[0].kv_usage = 0.5
+    await eventually(lambda: decode.load.kv_usage == 0.5)
+    response = await cluster.client.post(COMPLETIONS, json=completion(prompt="roomy"))
+    assert response.status == 200
+    assert [pulled(r) for r in cluster.decodes[0].requests] == [True, False]
+    health = await (await cluster.client.get("/healthcheck")).json()
+    assert health["local_prefill"] == {
+        "max_tokens": 100,
+        "max_per_decode": 1,
+        "decisions": {
+            "local": {"short": 1, "cached": 0, "no_prefill": 0},
+            "pd": {"long": 0, "decode_busy": 1},
+        },
+    }
+
+
+@pytest.mark.parametrize("limit", [0, 100])
+async def test_a_long_prompt_whose_prefill_went_away_is_computed_by_its_decode(
+    start_cluster: StartCluster, limit: int
+) -> None:
+    """The only prefill refuses the prompt's leg (gone before its health check saw it): with
+    local prefill on, the try after it has no prefill engine to pull from, and the decode
+    computes the prompt, however long, rather than the client getting a 503."""
+    cluster = await start_cluster(max_local_prefill_tokens=limit, health_interval=3600)
+    fleet_of(cluster).bytes_per_token = BYTES_PER_TOKEN
+    await cluster.kill(cluster.prefills[0])
+    body = completion(prompt=prompt_of_tokens(400))
+    response = await cluster.client.post(COMPLETIONS, json=body)
+    if not limit:  # as before: PD or nothing, the prefill's failure said
+        assert response.status == 502, await response.text()
+        assert all(pulled(r) for r in cluster.decodes[0].requests)  # sent beside it, cut
+        return
+    assert response.status == 200, await response.text()
+    *beside, alone = cluster.decodes[0].requests  # the first try's leg, cut, if it was sent
+    assert all(pulled(r) for r in beside) and not pulled(alone)
+    samples = await scrape(cluster)
+    name = "mooncake_proxy_local_prefill_decisions_total"
+    assert sample(samples, name, decision="pd", reason="long") == 1  # the first try
+    assert sample(samples, name, decision="local", reason="no_prefill") == 1
 
 
 def turns(first_user: str, answer: str, then: str) -> list[dict[str, str]]:
