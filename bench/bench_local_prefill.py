@@ -1,7 +1,9 @@
-"""Disaggregate only when it pays: always-PD against --max-local-prefill-tokens, on real vLLM.
+"""Disaggregate only when it pays: always-PD against --max-local-prefill-tokens, on real vLLM
+or on a simulated pair.
 
 One prefill and one decode (vLLM 0.32 on the CPU, the integration suite's tiny model, real
-Mooncake over TCP), and two proxies in front of the same pair: one with
+Mooncake over TCP; or, with ``--simulated``, two fake vLLM servers whose costs are set below),
+and two proxies in front of the same pair: one with
 ``--max-local-prefill-tokens 0`` (every request through PD, as before) and one with the limit
 under test. A mixed workload, the same for both, at each concurrency:
 
@@ -19,6 +21,15 @@ prefill's and the decode's own, from their /metrics), and errors.
 Needs the real-vLLM environment that ``make integration`` builds (VLLM_ENV_ROOT, default
 ~/.cache/mooncake-proxy/real-vllm). ``python bench/bench_local_prefill.py`` (about ten
 minutes); ``--quick`` runs one round at concurrency 1.
+
+``--simulated`` needs nothing but the fakes (tests/fake_vllm.py, each a process): a prefill
+that computes a prompt's uncached tokens at ``--token-time`` seconds each, a decode that
+computes a prompt sent to it alone at the same rate (its running streams paused meanwhile, as
+a vLLM step carrying a prompt delays every token in it), waits ``--handoff`` seconds before
+each KV pull (the PD handoff) and streams a token every ``--itl`` seconds. Its defaults stand
+for a GPU: 0.1 ms a prompt token, 50 ms of handoff (vLLM issue 51919 measures ~200 ms p50
+from the prefill's token to the client's first, 29 ms of it the transfer), 5 ms a token.
+What it shows is the trade's shape at those costs, not a GPU's figures.
 """
 
 from __future__ import annotations
@@ -41,7 +52,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration"))
 from test_real_vllm import (  # type: ignore[import-not-found]  # noqa: E402  (its servers)
     DECODE_MAX_MODEL_LEN,
-    MODEL,
     PROXY,
     Server,
     free_port,
@@ -50,6 +60,8 @@ from test_real_vllm import (  # type: ignore[import-not-found]  # noqa: E402  (i
 )
 
 TOKENS = 24  # each answer's length
+FAKE = ROOT / "tests" / "fake_vllm.py"
+FAKE_MODEL = "fake-model"  # what the fakes serve
 WORDS = {"short": 4, "conversation": 150, "document": 300}  # ~16, ~200, ~400 tokens
 KINDS = ("short", "conversation", "document")
 
@@ -74,10 +86,10 @@ class Cell:
     decode_tokens: float = 0.0  # the decode computed itself
 
 
-def stream(base: str, messages: list[dict[str, str]], kind: str) -> tuple[Sample, str]:
+def stream(base: str, messages: list[dict[str, str]], kind: str, model: str) -> tuple[Sample, str]:
     where = urlsplit(base)
     connection = http.client.HTTPConnection(where.hostname or "", where.port, timeout=300)
-    body = {"model": MODEL, "messages": messages, "max_tokens": TOKENS, "temperature": 0,
+    body = {"model": model, "messages": messages, "max_tokens": TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     started = time.perf_counter()
     try:
@@ -109,37 +121,39 @@ def stream(base: str, messages: list[dict[str, str]], kind: str) -> tuple[Sample
     return Sample(kind, times[0] - started, gaps), "".join(parts)
 
 
-def job(base: str, kind: str) -> list[Sample]:
+def job(base: str, kind: str, model: str) -> list[Sample]:
     """One client's job of this kind: a conversation is three turns, one after another."""
     messages = [{"role": "user", "content": prompt(WORDS[kind])}]
     samples = []
     for turn in range(3 if kind == "conversation" else 1):
-        sample, answer = stream(base, messages, kind if turn == 0 else "next turn")
+        sample, answer = stream(base, messages, kind if turn == 0 else "next turn", model)
         samples.append(sample)
         messages += [{"role": "assistant", "content": answer},
                      {"role": "user", "content": f"and then, {turn}? say more"}]  # fmt: skip
     return samples
 
 
+def computed(server: Server) -> float:
+    """The prompt tokens a server computed itself (not found in its cache, not pulled)."""
+    return float(metric(server, "vllm:prompt_tokens_by_source_total", source="local_compute"))
+
+
 def run_cell(base: str, prefill: Server, decode: Server, concurrency: int, jobs: int) -> Cell:
     cell = Cell()
-    prefilled = metric(prefill, "vllm:prompt_tokens_total")
-    local = metric(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    prefilled, local = computed(prefill), computed(decode)
     kinds = [KINDS[i % len(KINDS)] for i in range(jobs)]
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        for samples in pool.map(lambda kind: job(base, kind), kinds):
+        for samples in pool.map(lambda kind: job(base, kind, decode.model), kinds):
             cell.samples += samples
-    cell.prefill_tokens = metric(prefill, "vllm:prompt_tokens_total") - prefilled
-    cell.decode_tokens = (
-        metric(decode, "vllm:prompt_tokens_by_source_total", source="local_compute") - local
-    )
+    cell.prefill_tokens = computed(prefill) - prefilled
+    cell.decode_tokens = computed(decode) - local
     return cell
 
 
-def first_token(base: str, words: int) -> float:
+def first_token(base: str, words: int, model: str) -> float:
     """Seconds to the first text of a streamed completion of a fresh prompt."""
     messages = [{"role": "user", "content": prompt(words)}]
-    sample, _ = stream(base, messages, "short")
+    sample, _ = stream(base, messages, "short", model)
     if sample.error is not None:
         raise RuntimeError(sample.error)
     return sample.ttft
@@ -152,8 +166,8 @@ def against_the_decode_alone(proxy: Server, decode: Server, rounds: int) -> list
     for words, size in ((4, "~16"), (90, "~128")):
         through, alone = [], []
         for _ in range(rounds):
-            through.append(first_token(proxy.url, words))
-            alone.append(first_token(decode.url, words))
+            through.append(first_token(proxy.url, words, decode.model))
+            alone.append(first_token(decode.url, words, decode.model))
         ratio = quantile(through, 0.5) / quantile(alone, 0.5)
         verdict = "MET" if ratio <= 1.25 else "NOT MET"
         lines.append(
@@ -171,7 +185,7 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def report(cells: dict[tuple[str, int], Cell], limit: int, rounds: int) -> str:
+def report(cells: dict[tuple[str, int], Cell], limit: int, rounds: int, jobs: int) -> str:
     kinds = (*KINDS, "next turn")
     head = "| setting | concurrency | " + " | ".join(f"TTFT {k} p50/p99 (ms)" for k in kinds)
     head += " | ITL p50/p99 (ms) | prompt tokens: prefill / decode | errors |"
@@ -190,16 +204,36 @@ def report(cells: dict[tuple[str, int], Cell], limit: int, rounds: int) -> str:
             + f" | {cell.prefill_tokens:.0f} / {cell.decode_tokens:.0f} | {errors} |"
         )  # fmt: skip
     lines.append(
-        f"\nQuantiles over every request of {rounds} round(s), the two proxies taking turns "
-        "each round; "
-        f"local = --max-local-prefill-tokens {limit}, pd = 0."
+        f"\nQuantiles over every request of {rounds} round(s) of {jobs} jobs a cell, the two "
+        f"proxies taking turns each round; local = --max-local-prefill-tokens {limit}, pd = 0; "
+        "prompt tokens: those each server computed itself (vLLM's local_compute)."
     )
     return "\n".join(lines)
 
 
-def start_servers(root: Path, logs: Path, limit: int) -> tuple[Server, Server, dict[str, Server]]:
+def real_pair(root: Path, logs: Path) -> tuple[Server, Server]:
     prefill = vllm_server(root, logs, "kv_producer", DECODE_MAX_MODEL_LEN, name="bench-prefill")
     decode = vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name="bench-decode")
+    return prefill, decode
+
+
+def simulated_pair(logs: Path, args: argparse.Namespace) -> tuple[Server, Server]:
+    """Two fakes, each a process, at the costs --simulated names."""
+    servers = []
+    for role in ("prefill", "decode"):
+        port, bootstrap = free_port(), free_port()
+        argv = [sys.executable, str(FAKE), "--serve", role, "--port", str(port)]
+        argv += ["--bootstrap-port", str(bootstrap), "--cache-blocks", "4096"]
+        argv += ["--token-time", str(args.token_time), "--token-delay", str(args.itl)]
+        argv += ["--pull-delay", str(args.handoff)] if role == "decode" else []
+        url, log = f"http://127.0.0.1:{port}", logs / f"{role}.log"
+        known = bootstrap if role == "prefill" else None
+        servers.append(Server(f"bench-{role}", argv, dict(os.environ), log, url, known))
+        servers[-1].model = FAKE_MODEL
+    return servers[0], servers[1]
+
+
+def start_servers(prefill: Server, decode: Server, logs: Path, limit: int) -> dict[str, Server]:
     proxies = {}
     for setting, value in (("pd", 0), ("local", limit)):
         port = free_port()
@@ -218,7 +252,7 @@ def start_servers(root: Path, logs: Path, limit: int) -> tuple[Server, Server, d
         server.warm_up()
     for proxy in proxies.values():
         proxy.wait_healthy(60)
-    return prefill, decode, proxies
+    return proxies
 
 
 def main() -> int:
@@ -228,16 +262,24 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--jobs", type=int, default=6, help="jobs a cell a round")
     parser.add_argument("--quick", action="store_true", help="one round at concurrency 1")
+    parser.add_argument("--simulated", action="store_true", help="fakes, not vLLM")
+    parser.add_argument("--token-time", type=float, default=1e-4, help="--simulated: s/token")
+    parser.add_argument("--handoff", type=float, default=0.05, help="--simulated: s a pull")
+    parser.add_argument("--itl", type=float, default=0.005, help="--simulated: s a token")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.concurrency = 1, [1]
-    default_root = Path.home() / ".cache" / "mooncake-proxy" / "real-vllm"
-    root = Path(os.environ.get("VLLM_ENV_ROOT", default_root))
-    if not (root / "venv").is_dir():
-        print(f"no real-vLLM environment at {root}: run make integration once", file=sys.stderr)
-        return 2
     logs = Path(tempfile.mkdtemp(prefix="bench-local-prefill-"))
-    prefill, decode, proxies = start_servers(root, logs, args.limit)
+    if args.simulated:
+        prefill, decode = simulated_pair(logs, args)
+    else:
+        default_root = Path.home() / ".cache" / "mooncake-proxy" / "real-vllm"
+        root = Path(os.environ.get("VLLM_ENV_ROOT", default_root))
+        if not (root / "venv").is_dir():
+            print(f"no real-vLLM environment at {root}: run make integration once", file=sys.stderr)
+            return 2
+        prefill, decode = real_pair(root, logs)
+    proxies = start_servers(prefill, decode, logs, args.limit)
     cells: dict[tuple[str, int], Cell] = {}
     verdicts: list[str] = []
     try:
@@ -253,7 +295,12 @@ def main() -> int:
     finally:
         for server in (*proxies.values(), decode, prefill):
             server.stop()
-    print(report(cells, args.limit, args.rounds))
+    if args.simulated:
+        print(
+            f"Simulated pair (fakes): {args.token_time * 1000:g} ms a prompt token, "
+            f"{args.handoff * 1000:g} ms a handoff, {args.itl * 1000:g} ms a token.\n"
+        )
+    print(report(cells, args.limit, args.rounds, args.jobs))
     print("\n" + "\n".join(verdicts))
     print(f"server logs: {logs}")
     return 0
