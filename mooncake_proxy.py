@@ -912,7 +912,9 @@ class ProxyConfig:
     # conversation's next turn whose earlier turns the decode holds, the handoff (two legs,
     # a bootstrap look-up, a pull, and the decode's wait for it) costs more than the decode
     # computing the few new tokens itself: on vLLM 0.32 (CPU, PROTOCOL.md) ~16 tokens took
-    # 350 ms through PD against 46 ms at the decode alone, ~128 tokens 53 against 22.
+    # 350 ms through PD against 46 ms at the decode alone, ~128 tokens 53 against 22. Off by
+    # default: on a decode where a prompt token costs much (that CPU, four streams at once) it
+    # paused the running streams for more than it saved; performance.md, "Local prefill".
     max_local_prefill_tokens: int = setting(
         0,
         "a PD request whose chosen decode would compute fewer than this many tokens of the "
