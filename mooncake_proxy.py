@@ -866,7 +866,8 @@ class ProxyConfig:
     load_interval: float = setting(
         1.0,
         "seconds between scrapes of each instance's /metrics (its running and waiting requests "
-        "and KV usage per engine) for prefix_aware",
+        "and KV usage per engine) for prefix_aware, and of each decode's prompt sources, "
+        "for the proof that it pulls its KV",
         seconds,
     )
     prefix_index_blocks: int = setting(
@@ -3211,6 +3212,21 @@ class Attempt:
             self.local = False
             self.decode.local_prefills -= 1
 
+    def prompt_arrived(self) -> None:
+        """Its decode has the prompt (its first bytes came): for the decode's TransferProof,
+        one PD prompt it should have pulled, or tokens it computed alone (estimated whole:
+        what it held of them is not counted computed, so the estimate errs on the side of
+        never calling a decode recomputing that is not)."""
+        proof = self.decode.proof
+        if self.engine is not None:
+            proof.answered += 1
+            return
+        exchange = self.exchange
+        proof.sent_alone += local_tokens(
+            exchange.legs.route, exchange.plan.prompt_size, 0,
+            exchange.state.config.prefix_block_bytes, exchange.state.fleet.bytes_per_token,
+        )  # fmt: skip
+
     @property
     def transfer_id(self) -> str:
         return transfer_id_for(self.request_id)
@@ -4184,6 +4200,7 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
     if attempt.watch is not None:
         attempt.watch.kv_arrived()
     attempt.prompt_computed()
+    attempt.prompt_arrived()
     if not continued:
         response.writer = await response.prepare(exchange.request)
         stats.first_byte = time.monotonic()
@@ -7941,6 +7958,14 @@ LOAD_SERIES: Final = {
 ENGINE_LABEL: Final = re.compile(r'[{,]engine="(\d+)"')
 
 
+# Where a decode's prompt tokens came from (vllm:prompt_tokens_by_source_total's source), read
+# as the series TransferProof takes: pulled over Mooncake, or computed there.
+PROMPT_SOURCES: Final = {
+    'source="external_kv_transfer"': "pulled",
+    'source="local_compute"': "computed",
+}
+
+
 # One engine's KV cache in tokens: with DP, num_gpu_blocks counts every rank's blocks.
 KV_TOKENS_LABEL: Final = re.compile(r'kv_cache_size_tokens="(\d+)"')
 
@@ -7958,7 +7983,11 @@ def parse_vllm_load(page: str) -> tuple[dict[int, dict[str, float]], int | None]
             if found := KV_TOKENS_LABEL.search(rest):
                 capacity = int(found[1])
             continue
-        if (series := LOAD_SERIES.get(name)) is None:
+        if name == "vllm:prompt_tokens_by_source_total":
+            series = next((v for k, v in PROMPT_SOURCES.items() if k in rest), None)
+        else:
+            series = LOAD_SERIES.get(name)
+        if series is None:
             continue
         labels, _, value = rest.rpartition("}")
         engine = ENGINE_LABEL.search("{" + labels)
@@ -8012,18 +8041,37 @@ async def scrape_load(state: ProxyState, backend: Backend) -> None:
             for series, value in sample.items():
                 total[series] = total.get(series, 0.0) + value
         take_load(backend, total, now, capacity, tokens or 0)
+        take_proof(backend, total)
+
+
+def take_proof(decode: DecodeInstance, sample: Mapping[str, float]) -> None:
+    """A decode's prompt sources at a scrape into its TransferProof; a line when it starts or
+    stops computing what it should pull."""
+    if "pulled" not in sample or "computed" not in sample:
+        return  # a vLLM without the series: nothing to tell by (healthcheck's null)
+    turned = decode.proof.take(sample["pulled"], sample["computed"])
+    share = decode.proof.pulled_share
+    if turned:
+        log.warning(
+            "decode %s computes the prompts it should pull over Mooncake: %.0f%% of the PD "
+            "prompt tokens since its last scrape were pulled (a failed pull under "
+            "kv_load_failure_policy recompute, or a KV connector that does not pull)",
+            decode.url, 100 * (share or 0.0),
+        )  # fmt: skip
+    elif turned is False:
+        log.warning("decode %s pulls its PD prompts again (%.0f%%)", decode.url, 100 * (share or 0))
 
 
 async def watch_load(app: web.Application) -> None:
-    """With prefix_aware routing, scrape every usable instance's /metrics, side by side,
-    every --load-interval: the load every proxy process and replica sees alike."""
+    """Scrape every usable instance's /metrics, side by side, every --load-interval: with
+    prefix_aware routing, the load every proxy process and replica sees alike; and the
+    decodes' always, for the proof that they pull their KV (TransferProof)."""
     state = app[STATE_KEY]
     fleet = state.fleet
-    if not fleet.routes_by_prefix:
-        return
     while True:
         started = time.monotonic()
-        usable = [b for b in (*fleet.prefills, *fleet.decodes) if b.usable]
+        scraped = (*fleet.prefills, *fleet.decodes) if fleet.routes_by_prefix else fleet.decodes
+        usable = [b for b in scraped if b.usable]
         for outcome in await asyncio.gather(
             *(scrape_load(state, b) for b in usable), return_exceptions=True
         ):
@@ -8516,6 +8564,54 @@ class Backend:
         }
 
 
+class TransferProof:
+    """Whether a decode pulls the KV of the PD requests sent to it or computes their prompts
+    itself: a pull that fails under kv_load_failure_policy "recompute", or a connector that
+    does not pull, gives the right answers at twice the cost, and only the decode's counters
+    tell (PROTOCOL.md). Judged per scrape of its /metrics, over the window since the last
+    one in which PD answers began there: the prompt tokens it pulled, against those it
+    computed less what this process sent it to compute alone (estimated)."""
+
+    def __init__(self) -> None:
+        self.totals: tuple[float, float] | None = None  # pulled, computed at the last scrape
+        self.answered = 0  # PD answers that began there since (the decode had their prompt)
+        self.sent_alone = 0.0  # prompt tokens it was sent to compute alone since (estimated)
+        self.pulled_share: float | None = None  # in the last window that had PD answers
+        self.recomputing = False
+        self.since: float | None = None  # wall time it started recomputing
+
+    def take(self, pulled: float, computed: float) -> bool | None:
+        """One scrape's counters; True if by them it started recomputing, False if it
+        stopped, else None."""
+        before, self.totals = self.totals, (pulled, computed)
+        answered, alone = self.answered, self.sent_alone
+        self.answered, self.sent_alone = 0, 0.0
+        if before is None or pulled < before[0] or computed < before[1] or not answered:
+            return None  # the first scrape, the counters went back (a restart), or no PD
+        moved = pulled - before[0]
+        recomputed = max(0.0, computed - before[1] - alone)
+        if moved + recomputed <= 0:
+            return None  # every prompt found in its prefix cache: neither
+        self.pulled_share = moved / (moved + recomputed)
+        if (self.pulled_share < 0.5) == self.recomputing:
+            return None
+        self.recomputing = not self.recomputing
+        self.since = time.time() if self.recomputing else None
+        return self.recomputing
+
+    def status(self) -> dict[str, Any] | None:
+        if self.pulled_share is None:
+            return None  # no window with PD answers yet, or a vLLM without the counters
+        since = self.since
+        return {
+            "pulled_share": round(self.pulled_share, 3),
+            "recomputing": self.recomputing,
+            "since": datetime.fromtimestamp(since, UTC).isoformat(timespec="seconds")
+            if since is not None
+            else None,
+        }
+
+
 class DecodeInstance(Backend, Target):
     """A decode server (vLLM ``kv_consumer``); it runs no bootstrap server. Its prefix cache
     keeps the prompts it received: a decode that holds a prefix pulls only the rest."""
@@ -8526,6 +8622,7 @@ class DecodeInstance(Backend, Target):
         Backend.__init__(self, url)
         Target.__init__(self, str(url), capacity)
         self.local_prefills = 0  # this process's requests computing their prompt here now
+        self.proof = TransferProof()
 
     def kv_full(self, config: ProxyConfig) -> bool:
         """Its KV cache is full, as a fresh scrape of its /metrics says (as the routers read
@@ -8535,7 +8632,7 @@ class DecodeInstance(Backend, Target):
 
     def status(self) -> dict[str, Any]:
         status = super().status() | self.routing_status(time.monotonic())
-        return status | {"local_prefills": self.local_prefills}
+        return status | {"local_prefills": self.local_prefills, "kv_transfer": self.proof.status()}
 
 
 class PrefillInstance(Backend):
@@ -8918,6 +9015,15 @@ class Metrics:
         ("backend", "dp_rank", "engine_id"))
     decode_in_flight = Metric(Gauge, "decode_in_flight",
         "Decode legs in flight per decode instance.", ("backend",))
+    kv_pulled_ratio = Metric(Gauge, "decode_kv_pulled_ratio",
+        "Share of a decode's PD prompt tokens that it pulled over Mooncake rather than "
+        "computed itself, over the last scrape interval that had PD answers there (its "
+        "vllm:prompt_tokens_by_source_total); absent until known.", ("backend",),
+        mode="livemin")
+    recomputing = Metric(Gauge, "decode_recomputing",
+        "1 while a decode computes the prompts it should pull (decode_kv_pulled_ratio under "
+        "0.5): a failed pull under kv_load_failure_policy recompute, or a KV connector that "
+        "does not pull.", ("backend",), mode="livemax")
     client_connections = Metric(Gauge, "client_connections", "Client connections open.")
     connections_rejected = Metric(Counter, "client_connections_rejected",
         "Client connections answered 503 and closed: --max-client-connections were open.")
@@ -9019,6 +9125,9 @@ class Metrics:
             self.usable.labels("decode", str(backend.url)).set(float(backend.usable))
             self.check_failures.labels("decode", str(backend.url))
             self.decode_in_flight.labels(str(backend.url)).set(backend.in_flight)
+            self.recomputing.labels(str(backend.url)).set(float(backend.proof.recomputing))
+            if (share := backend.proof.pulled_share) is not None:
+                self.kv_pulled_ratio.labels(str(backend.url)).set(share)
         self.client_connections.set(connections.open)
         self.admission_queue.set(state.admission.queued)
         self.connections_rejected.inc(connections.rejected - self.rejected_counted)

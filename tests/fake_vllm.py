@@ -1183,7 +1183,7 @@ INJECTABLE = frozenset(
         "die_after_head",
         *("drop_after", "drop_after_pull", "engine_dead", "metrics_status", "extra_waiting"),
         "kv_usage",
-        *("stream_interval", "keepalive_after_finish"),
+        *("stream_interval", "keepalive_after_finish", "kv_load_failure_policy"),
     }
 )
 
@@ -1276,6 +1276,9 @@ class FakeVllm:
     metrics_status: int = 200  # 404: a server without /metrics
     extra_waiting: int = 0  # added to every engine's vllm:num_requests_waiting
     kv_usage: float | None = None  # said as every engine's vllm:kv_cache_usage_perc instead
+    # decode: what a failed pull does, as vLLM's KVTransferConfig field: "fail" the request,
+    # or "recompute" the prompt and answer as if nothing happened (PROTOCOL.md).
+    kv_load_failure_policy: str = "fail"
     _blocks: dict[str, PromptBlocks] = field(default_factory=dict)
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters loaded: name -> path
     model: str = MODEL  # --served-model-name: what it serves, and what requests must name
@@ -1479,6 +1482,10 @@ class FakeVllm:
             sim.busy = asyncio.Lock()
         async with sim.busy:
             blocks = self.prompt_blocks(prompt)
+            if not self.cache_blocks:  # no prefix cache: computed whole, nothing kept
+                sim.computed_tokens += blocks.tokens
+                await asyncio.sleep(blocks.tokens * self.token_time)
+                return
             cached = sim.lookup(blocks)
             sim.local_hit_tokens += cached * BLOCK_TOKENS
             sim.computed_tokens += blocks.tokens - cached * BLOCK_TOKENS
@@ -1499,6 +1506,9 @@ class FakeVllm:
         """A decode's prefix cache: it pulls only the blocks it lacks, and keeps them."""
         sim = self.sim(0)
         blocks = self.prompt_blocks(prompt)
+        if not self.cache_blocks:  # no prefix cache: the whole prompt pulled, nothing kept
+            sim.transferred_tokens += blocks.tokens
+            return
         cached = sim.lookup(blocks)
         sim.local_hit_tokens += cached * BLOCK_TOKENS
         sim.transferred_tokens += blocks.tokens - cached * BLOCK_TOKENS
@@ -1794,6 +1804,9 @@ class FakeVllm:
             worker, failure = await self.resolve_worker(params)
             if failure is None:
                 self.resolved += 1
+        if failure is not None and self.kv_load_failure_policy == "recompute":
+            self.pull_failures.append(failure)
+            failure = None  # computed alone below, as if sent so
         if failure is not None and not stream:
             return error(500, failure)
         response: web.StreamResponse | None = None
@@ -1818,7 +1831,12 @@ class FakeVllm:
                 self.fail_pulls -= 1
                 failure = "Mooncake transfer engine returned -1"
             await asyncio.sleep(self.transfer_delay)
-            if failure is None and self.cache_blocks:
+            if failure is not None and self.kv_load_failure_policy == "recompute":
+                self.pull_failures.append(failure)
+                failure = None
+                for prompt in prompts:
+                    await self.compute_alone(prompt)
+            elif failure is None:
                 for prompt in prompts:
                     self.receive_kv(prompt)
             if failure is None and self.die_after_pull:
@@ -1834,9 +1852,8 @@ class FakeVllm:
                 )
         else:
             await asyncio.sleep(self.delay)
-            if self.cache_blocks:
-                for prompt in prompts:
-                    await self.compute_alone(prompt)
+            for prompt in prompts:
+                await self.compute_alone(prompt)
         return await self.answer(request, path, body, request_id, generations, response)
 
     # --- Mooncake, simulated over HTTP
