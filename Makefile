@@ -9,12 +9,14 @@
 #               make chaos         requests lost while faults hit the cluster (ARGS=--quick: 1-2 min)
 #               make reference     docs/reference.md from the parser, after changing a flag
 #               make flow          docs/flow.md's walk of a streamed chat, after changing the module
+# and, against a running proxy: make self-test PROXY=http://host:8000 [API_KEY=...]
+#               which pairs of prefill engine and decode move KV over Mooncake (exit 1 if one does not)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
 .PHONY: demo test integration bench bench-quick bench-routing bench-routing-scale chaos reference lint check clean
-.PHONY: flow
+.PHONY: flow self-test
 
 # What the daemon needs to run, and no more: all that make demo installs (seconds, not minutes).
 $(VENV)/.installed-run: requirements.txt
@@ -75,3 +77,12 @@ check: lint test
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+
+# The running proxy's PD self-test (POST /admin/self-test): a line per pair, exit 1 if one fails.
+PROXY ?= http://127.0.0.1:8000
+API_KEY ?=
+self-test:
+	@curl -fsS -X POST $(if $(API_KEY),-H "Authorization: Bearer $(API_KEY)") $(PROXY)/admin/self-test \
+	| python3 -c 'import json, sys; r = json.load(sys.stdin); \
+	[print("ok  " if p["ok"] else "FAIL", p["prefill"], "rank", p["dp_rank"], "->", p["decode"], ":", p["why"]) for p in r["pairs"]]; \
+	sys.exit(0 if r["ok"] and r["pairs"] else 1)'

@@ -824,6 +824,14 @@ class ProxyConfig:
         "that is only slow",
         share,
     )
+    # Off where something counts the requests each instance got from the start (tests).
+    no_start_self_test: bool = setting(
+        False,
+        "do not run the PD self-test (a request of a few tokens to each prefill engine and "
+        "decode, checked by the decode's counters) once PD requests are first served; "
+        "POST /admin/self-test runs it any time",
+        switch,
+    )
     # Three, not two: the budget is the request's, its stream's continuations included, and
     # the chaos benchmark's three faults in three seconds (a failed pull, a killed decode, a
     # prefill gone) used up two once (1 of 16,784 lost; 2026-12-07).
@@ -1479,6 +1487,8 @@ class ProxyState:
     dns_changed: asyncio.Event = field(default_factory=asyncio.Event)
     # Collects, soon after each large request, the cyclic garbage a failed one leaves.
     large_garbage: LargeGarbage = field(default_factory=lambda: LargeGarbage())
+    # The last PD self-test's result (at start, and POST /admin/self-test), for /healthcheck.
+    self_test: SelfTest | None = None
     # With --max-local-prefill-tokens: how many PD requests went each way, by "decision/reason"
     # (LOCAL_PREFILL_REASONS), for /healthcheck (the metrics count them too).
     local_prefill_decisions: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -1820,10 +1830,10 @@ def cors_allows(origins: Sequence[str], origin: str) -> bool:
 
 
 def require_key(request: web.Request, config: ProxyConfig) -> None:
-    """With --api-key, /v1/* and /inference/* (and /metrics with --protect-metrics) need the
-    bearer key."""
+    """With --api-key, /v1/*, /inference/* and /admin/* (and /metrics with --protect-metrics)
+    need the bearer key."""
     if config.api_key and (
-        request.path.startswith(("/v1/", "/inference/"))  # as vLLM's --api-key guards them
+        request.path.startswith(("/v1/", "/inference/", "/admin/"))  # /v1/, as vLLM guards
         or (config.protect_metrics and request.path == "/metrics")
     ):
         supplied = request.headers.get(hdrs.AUTHORIZATION, "").encode()
@@ -2172,6 +2182,8 @@ def healthcheck_payload(state: ProxyState) -> dict[str, Any]:
         # With --peer: the replicas told of this process's sends, and how many it heard.
         "peers": state.peers.status() if state.peers is not None else None,
         "local_prefill": local_prefill_status(state),
+        # The last PD self-test: per prefill engine and decode, whether it moved KV and why not.
+        "self_test": state.self_test.status() if state.self_test is not None else None,
         "prefill": [instance.status() for instance in fleet.prefills],
         "decode": [instance.status() for instance in fleet.decodes],
     }
@@ -2216,6 +2228,14 @@ def any_model_unserved(fleet: Fleet) -> bool:
         if not view.engines or not view.decodes:
             return True
     return False
+
+
+async def handle_self_test(request: web.Request) -> web.Response:
+    """POST /admin/self-test: the PD self-test now (every pair, a few seconds), its result."""
+    state = request.app[STATE_KEY]
+    require_ready(state)
+    result = await self_test(state)
+    return web.json_response(result.status())
 
 
 async def handle_healthcheck(request: web.Request) -> web.Response:
@@ -7316,8 +7336,9 @@ async def model_root(state: ProxyState) -> str | None:
 # ================================================================================================
 # 11. The fleet: instances, discovery, health and load
 # Holds the instances (PrefillInstance, DecodeInstance), their serving groups per model (Serving:
-# where a request's claims are made), health checks, discovery (DNS, bootstrap) and load scraping.
-# Uses: 1-3, 6, 9-10.
+# where a request's claims are made), health checks, discovery (DNS, bootstrap), load scraping,
+# the proof that each decode pulls its KV, and the PD self-test (a request down each pair).
+# Uses: 1-6, 9-10.
 # ================================================================================================
 
 
@@ -8080,6 +8101,168 @@ async def watch_load(app: web.Application) -> None:
         for router in fleet.routers.values():
             router.rescan()
         await asyncio.sleep(max(0.0, state.config.load_interval - (time.monotonic() - started)))
+
+
+# --- The PD self-test: one tiny request per prefill engine and decode, down the real PD path
+#
+# A new cluster, or one after a change, shows at once which pairs move KV and which do not:
+# each pair's answer and the decode's own counters say whether the prompt's KV was pulled,
+# computed again (a failed pull under kv_load_failure_policy "recompute"), or failed (an
+# unknown engine id, a bootstrap the decode cannot reach, a leg refused).
+
+SELF_TEST_PROMPT: Final = "mooncake-proxy self-test: this prompt's KV is pulled over Mooncake"
+# A pair whose decode waits for KV that never comes would hold the test for the KV timeout.
+SELF_TEST_TIMEOUT: Final = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class PairCheck:
+    """How one prefill engine and one decode did in the self-test."""
+
+    prefill: str  # the instance's URL
+    dp_rank: int
+    decode: str
+    ok: bool
+    why: str  # "pulled", or what went wrong
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class SelfTest:
+    at: float  # wall time it ended
+    pairs: tuple[PairCheck, ...]
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "at": datetime.fromtimestamp(self.at, UTC).isoformat(timespec="seconds"),
+            "ok": all(pair.ok for pair in self.pairs),
+            "pairs": [dataclasses.asdict(pair) for pair in self.pairs],
+        }
+
+
+async def self_test(state: ProxyState) -> SelfTest:
+    """Every usable prefill engine with every usable decode of its model: a decode's pairs one
+    after another (its counters tell one request from the next), the decodes side by side.
+    Kept for /healthcheck and the metrics; a line for each pair that does not move KV."""
+    fleet = state.fleet
+
+    async def pairs_of(decode: DecodeInstance) -> list[PairCheck]:
+        engines = [
+            engine
+            for instance in fleet.prefills
+            if instance.usable and instance.model == decode.model
+            for engine in instance.engines
+        ]
+        return [await check_pair(state, engine, decode) for engine in engines]
+
+    found = await asyncio.gather(*(pairs_of(d) for d in fleet.decodes if d.usable))
+    result = SelfTest(time.time(), tuple(itertools.chain.from_iterable(found)))
+    for pair in result.pairs:
+        if not pair.ok:
+            log.warning(
+                "self-test: prefill %s rank %d and decode %s do not move KV: %s",
+                pair.prefill, pair.dp_rank, pair.decode, pair.why,
+            )  # fmt: skip
+    moved = sum(pair.ok for pair in result.pairs)
+    log.info("self-test: %d of %d pairs move KV", moved, len(result.pairs))
+    state.self_test = result
+    return result
+
+
+async def check_pair(state: ProxyState, engine: PrefillEngine, decode: DecodeInstance) -> PairCheck:
+    started = time.monotonic()
+    try:
+        why = await pair_moves_kv(state, engine, decode)
+    except CheckFailed as failure:
+        why = str(failure)
+    seconds = round(time.monotonic() - started, 3)
+    url = str(engine.instance.url)
+    return PairCheck(url, engine.dp_rank, str(decode.url), why == "pulled", why, seconds)
+
+
+async def pair_moves_kv(state: ProxyState, engine: PrefillEngine, decode: DecodeInstance) -> str:
+    """One PD request of a few tokens to this pair, both legs at once as for a client: "pulled"
+    if the decode's counters say it pulled the prompt, else why not (CheckFailed for a leg
+    that failed)."""
+    before = await prompt_sources(state, decode)
+    request_id = mint_request_id("self-test")
+    transfer_id = transfer_id_for(request_id)
+    body = {"model": decode.model or engine.instance.model, "max_tokens": 2, "temperature": 0}
+    body["prompt"] = f"{SELF_TEST_PROMPT} {request_id}"  # nothing of it cached anywhere
+    headers = upstream_headers({}, request_id, state.config)
+    prefill_leg = self_test_leg(
+        state, engine.instance.routes[COMPLETIONS_API.path], prefill_body(body, transfer_id),
+        headers | {DP_RANK_HEADER: str(engine.dp_rank)},
+        f"prefill {engine.url} rank {engine.dp_rank}",
+    )  # fmt: skip
+    decode_leg = self_test_leg(
+        state, decode.routes[COMPLETIONS_API.path], decode_body(body, engine, transfer_id), headers,
+        f"decode {decode.url}",
+    )  # fmt: skip
+    answer = (await asyncio.gather(prefill_leg, decode_leg))[1]
+    after = await prompt_sources(state, decode)
+    if before is None or after is None:
+        return "pulled" if prompt_cached(answer) else "answered; its decode gives no counters"
+    pulled, computed = after[0] - before[0], after[1] - before[1]
+    if pulled > 0 and pulled >= computed:
+        return "pulled"
+    return (
+        f"the decode computed the prompt itself ({computed:.0f} tokens, {pulled:.0f} pulled): "
+        "its pull failed under kv_load_failure_policy recompute (its log says why)"
+    )
+
+
+async def self_test_leg(
+    state: ProxyState, url: URL, body: Mapping[str, Any], headers: Mapping[str, str], named: str
+) -> dict[str, Any]:
+    """One leg's answer; CheckFailed naming the leg where it could not be had."""
+    limits = state.config.upstream_timeout(SELF_TEST_TIMEOUT)
+    try:
+        async with state.health_session.post(
+            url, json=body, headers=headers, timeout=limits
+        ) as answer:
+            raw = await answer.read()
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise check_error(named, url, error) from None
+    if answer.status != 200:
+        said = raw[:200].decode("utf-8", "replace")
+        raise CheckFailed(f"{named} answered {answer.status}: {said}")
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        raise CheckFailed(f"{named} answered with no JSON") from None
+    return payload if isinstance(payload, dict) else {}
+
+
+def prompt_cached(answer: Mapping[str, Any]) -> bool:
+    """Whether a decode's answer says its prompt was cached when it came (vLLM's cached_tokens,
+    with --enable-prompt-tokens-details): pulled, as the self-test's prompt is new."""
+    usage = answer.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return bool(details.get("cached_tokens"))
+
+
+async def prompt_sources(state: ProxyState, decode: DecodeInstance) -> tuple[float, float] | None:
+    """A decode's prompt tokens pulled and computed so far, by its /metrics; None where it
+    does not say (or cannot be read)."""
+    limits = state.config.upstream_timeout(state.config.health_timeout)
+    try:
+        page = await get_checked(state.health_session, "metrics", decode.routes["/metrics"], limits)
+    except CheckFailed:
+        return None
+    engines, _ = parse_vllm_load(page.decode("utf-8", "replace"))
+    pulled = sum(sample.get("pulled", 0.0) for sample in engines.values())
+    computed = sum(sample.get("computed", 0.0) for sample in engines.values())
+    found = any("pulled" in sample or "computed" in sample for sample in engines.values())
+    return (pulled, computed) if found else None
+
+
+async def self_test_at_start(app: web.Application) -> None:
+    """The self-test once, as soon as PD requests are first served."""
+    state = app[STATE_KEY]
+    while not state.serving:
+        await asyncio.sleep(0.5)
+    await self_test(state)
 
 
 # --- Replicas told of each other's sends (--peer)
@@ -9024,6 +9207,10 @@ class Metrics:
         "1 while a decode computes the prompts it should pull (decode_kv_pulled_ratio under "
         "0.5): a failed pull under kv_load_failure_policy recompute, or a KV connector that "
         "does not pull.", ("backend",), mode="livemax")
+    self_test_pair = Metric(Gauge, "self_test_pair_ok",
+        "The last PD self-test (at start, or POST /admin/self-test): 1 if the prefill engine "
+        "and the decode moved the prompt's KV, 0 if not (/healthcheck's self_test says why).",
+        ("prefill", "dp_rank", "decode"), mode="livemin")
     client_connections = Metric(Gauge, "client_connections", "Client connections open.")
     connections_rejected = Metric(Counter, "client_connections_rejected",
         "Client connections answered 503 and closed: --max-client-connections were open.")
@@ -9128,6 +9315,10 @@ class Metrics:
             self.recomputing.labels(str(backend.url)).set(float(backend.proof.recomputing))
             if (share := backend.proof.pulled_share) is not None:
                 self.kv_pulled_ratio.labels(str(backend.url)).set(share)
+        if state.self_test is not None:
+            for pair in state.self_test.pairs:
+                labels = (pair.prefill, str(pair.dp_rank), pair.decode)
+                self.self_test_pair.labels(*labels).set(float(pair.ok))
         self.client_connections.set(connections.open)
         self.admission_queue.set(state.admission.queued)
         self.connections_rejected.inc(connections.rejected - self.rejected_counted)
@@ -9283,6 +9474,7 @@ def create_app(config: ProxyConfig) -> web.Application:
             background(watch_fleet),
             background(watch_dns),
             background(watch_load),
+            background(self_test_at_start, when=lambda: not config.no_start_self_test),
             background(watch_kv_events, when=lambda: config.precise),
             background(watch_tokenizer, when=lambda: config.precise),
             background(report_to_systemd, when=lambda: bool(os.environ.get("NOTIFY_SOCKET"))),
@@ -9292,6 +9484,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/health", handle_health)
     app.router.add_get("/livez", handle_livez)
     app.router.add_get("/healthcheck", handle_healthcheck)
+    app.router.add_post("/admin/self-test", handle_self_test)
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/v1/models", handle_models)
     for path in PD_PATHS:
@@ -9964,7 +10157,7 @@ FLAG_GROUPS: Final = (
         "shutdown_timeout")),
     ("Health", "when an instance leaves the rotation and comes back", ("health_interval",
         "discovery_interval", "health_timeout", "unhealthy_after", "healthy_after",
-        "panic_threshold")),
+        "panic_threshold", "no_start_self_test")),
     ("Legs", "the proxy's requests to vLLM", ("upstream_api_key", "connect_timeout",
         "keepalive_timeout", "request_timeout", "first_token_timeout", "prefill_timeout",
         "max_retries", "migration_limit", "max_connections", "pool_timeout")),

@@ -203,7 +203,7 @@ class Target:
 def proxy_argv(cluster: Cluster, port: int) -> list[str]:
     return [
         sys.executable, str(ROOT / "mooncake_proxy.py"), "--port", str(port),
-        *cluster.fleet_args(), "--log-level", "WARNING",
+        *cluster.fleet_args(), "--log-level", "WARNING", "--no-start-self-test",
         "--health-interval", str(HEALTH_INTERVAL),
         "--discovery-interval", str(DISCOVERY_INTERVAL),
         "--health-timeout", str(HEALTH_TIMEOUT),

@@ -29,4 +29,5 @@ VLLM_ENV_ROOT=$root exec .venv/bin/python -m pytest \
     integration/test_real_vllm.py integration/test_real_vllm_routing.py \
     integration/test_real_vllm_migration.py integration/test_real_vllm_differential.py \
     integration/test_real_vllm_models.py integration/test_real_vllm_local_prefill.py \
+    integration/test_real_vllm_transfer_proof.py \
     -v -p no:cacheprovider -o asyncio_mode=strict "$@"

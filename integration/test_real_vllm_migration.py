@@ -100,6 +100,7 @@ def one_prefill_two_decodes(
     )
     port = free_port()
     argv = [sys.executable, str(PROXY), "--port", str(port)]
+    argv += ["--no-start-self-test"]  # the suite counts what each server computed
     argv += ["--decode", decodes[0].url, "--decode", decodes[1].url]
     argv += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
     # Patient with three CPU vLLMs on 2 cores, as the suite's own cluster (test_real_vllm.py

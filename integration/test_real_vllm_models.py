@@ -48,6 +48,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, di
         )  # fmt: skip
     port = free_port()
     argv = [sys.executable, str(PROXY), "--port", str(port)]
+    argv += ["--no-start-self-test"]  # the suite counts what each server computed
     for prefill, decode in servers.values():
         argv += ["--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url]
     # As the main cluster's proxy (test_real_vllm.py): four CPU servers on two cores are slow

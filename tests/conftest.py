@@ -100,6 +100,8 @@ def start_cluster(aiohttp_server: AiohttpServer, aiohttp_client: AiohttpClient) 
             decode_fakes.append(fake)
             decode_urls.append(URL(fake.api_url))
         config.setdefault("discovery_interval", 0.02)
+        # Tests count the requests each fake got: no self-test's among them unless asked.
+        config.setdefault("no_start_self_test", True)
         config.setdefault("kv_events", tuple(sources))
         proxy_config = mp.ProxyConfig(prefills=tuple(specs), decodes=tuple(decode_urls), **config)
         client = await daemon_client(aiohttp_client, proxy_config, cancel_handlers)

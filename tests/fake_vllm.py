@@ -2797,7 +2797,7 @@ def die_with_parent(signum: int, parent: int) -> None:
 async def wait_for_proxy(
     proxy: asyncio.subprocess.Process, session: aiohttp.ClientSession, base: str
 ) -> str | None:
-    """Until the proxy this demo started is ready; else what went wrong.
+    """Until the proxy this demo started is ready, its self-test done; else what went wrong.
 
     Readiness is asked of /healthcheck and must come from that very process (its id and pid):
     another server on the port (vLLM's default is 8000 too) must not pass for it.
@@ -2811,7 +2811,9 @@ async def wait_for_proxy(
                 async with session.get(f"{base}/healthcheck", timeout=probe) as health:
                     state = await health.json(content_type=None)
                     ours = isinstance(state, dict) and state.get("pid") == proxy.pid
-                    if ours and state.get("id") == PROXY_ID and state.get("ready"):
+                    # Ready, and its self-test done: its line comes before the demo's tokens.
+                    tested = state.get("self_test") is not None if ours else False
+                    if ours and state.get("id") == PROXY_ID and state.get("ready") and tested:
                         return None
             await asyncio.wait([exited], timeout=0.1)
             if exited.done():

@@ -7,6 +7,7 @@ computed (local_compute) when sent alone or when a pull fails under "recompute".
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -140,3 +141,89 @@ def test_the_proof_judges_only_windows_with_pd_answers() -> None:
     assert proof.take(100, 150) is False and proof.pulled_share == 1.0
     proof.answered = 1
     assert proof.take(50, 10) is None  # went back: the decode restarted
+
+
+# --- the PD self-test: a request of a few tokens per prefill engine and decode
+
+
+async def run_self_test(cluster: Cluster, key: str | None = None) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = await cluster.client.post("/admin/self-test", headers=headers)
+    return response.status, await response.json()
+
+
+async def test_the_self_test_finds_every_pair_moving_kv(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(prefill_dp=(2, 1))
+    status, result = await run_self_test(cluster)
+    assert status == 200 and result["ok"] is True
+    pairs = {(p["prefill"], p["dp_rank"]): p for p in result["pairs"]}
+    expected = {(fake.api_url, rank) for fake in cluster.prefills for rank in range(fake.dp_size)}
+    assert set(pairs) == expected
+    assert all(p["why"] == "pulled" and p["decode"] == cluster.decodes[0].api_url
+               for p in pairs.values())  # fmt: skip
+    # Both legs of each went as a client's would: the prefill's rank told, the decode's pull.
+    assert sorted(r.headers[mp.DP_RANK_HEADER] for _, r in cluster.prefill_requests()) == [
+        "0", "0", "1",
+    ]  # fmt: skip
+    health = await (await cluster.client.get("/healthcheck")).json()
+    assert health["self_test"] == result
+    samples = await scrape(cluster)
+    for fake in cluster.prefills:
+        ok = sample(samples, "mooncake_proxy_self_test_pair_ok", prefill=fake.api_url,
+                    dp_rank="0", decode=cluster.decodes[0].api_url)  # fmt: skip
+        assert ok == 1.0
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+async def test_the_self_test_names_a_pair_that_does_not_move_kv_and_why(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture, policy: str
+) -> None:
+    """The decode cannot pull from the first prefill (its pulls fail): with vLLM's default
+    policy its leg answers 500; under "recompute" it answers, having computed the prompt."""
+    cluster = await start_cluster(
+        prefill_dp=(1, 1), each_decode=({"kv_load_failure_policy": policy},)
+    )
+    first = next(e for p in fleet_of(cluster).prefills for e in p.engines if p.url.port ==
+                 int(cluster.prefills[0].api_url.rsplit(":", 1)[1]))  # fmt: skip
+    cluster.decodes[0].fail_pulls = 1  # the self-test checks the pairs in their order
+    with caplog.at_level(logging.INFO, "mooncake_proxy"):
+        status, result = await run_self_test(cluster)
+    assert status == 200 and result["ok"] is False
+    (bad,) = [p for p in result["pairs"] if not p["ok"]]
+    (good,) = [p for p in result["pairs"] if p["ok"]]
+    assert bad["prefill"] == str(first.instance.url) and good["why"] == "pulled"
+    if policy == "fail":
+        assert bad["why"].startswith(f"decode {cluster.decodes[0].api_url} answered 500")
+    else:
+        assert bad["why"].startswith("the decode computed the prompt itself")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("self-test")]
+    assert any(bad["prefill"] in line and "do not move KV" in line for line in said), said
+    assert "self-test: 1 of 2 pairs move KV" in said
+    samples = await scrape(cluster)
+    name = "mooncake_proxy_self_test_pair_ok"
+    assert sample(samples, name, prefill=bad["prefill"], dp_rank="0",
+                  decode=bad["decode"]) == 0.0  # fmt: skip
+
+
+async def test_the_self_test_route_wants_the_api_key(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(api_key="sesame")
+    status, error = await run_self_test(cluster)
+    assert status == 401 and "API key" in error["error"]["message"]
+    assert not cluster.prefills[0].requests
+    status, result = await run_self_test(cluster, "sesame")
+    assert status == 200 and result["ok"] is True
+
+
+async def test_the_self_test_runs_once_at_start(start_cluster: StartCluster) -> None:
+    cluster = await start_cluster(no_start_self_test=False)
+
+    async def tested() -> bool:
+        health = await (await cluster.client.get("/healthcheck")).json()
+        return health["self_test"] is not None and health["self_test"]["ok"] is True
+
+    for _ in range(100):
+        if await tested():
+            break
+        await asyncio.sleep(0.05)
+    assert await tested()
+    assert len(cluster.decodes[0].requests) == 1  # once
