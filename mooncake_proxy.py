@@ -2913,6 +2913,8 @@ class Exchange:
                 raise pool_exhausted(self.state.config, named) from None
             raise
         self.tries.count += 1
+        if self.stats.first_token is None:  # a continuation's own pairs are not TTFT's
+            self.stats.legs_sent, self.stats.pairs = time.monotonic(), self.stats.pairs + 1
         request_id, legs = self.stats.request_id, self.legs
         if self.tries.count > 1:
             request_id = mint_request_id(self.request.headers.get(REQUEST_ID_HEADER))
@@ -3038,6 +3040,7 @@ class Exchange:
             body = f"its last chunks could not be read ({error})"
         if isinstance(body, str):
             cut.message = f"{cut.message}; not continued elsewhere: {body}"
+            state.metrics.of(state.metrics.migration_outcomes, "not_continued", cut.reason).inc()
             return cut
         legs = self.legs
         legs.body, legs.api, legs.shared = body, CONTINUATION_API, None
@@ -3045,6 +3048,8 @@ class Exchange:
         self.deadline = self.first_token_deadline()
         self.tries.failures.append(cut)
         state.metrics.migrations.labels(cut.reason).inc()
+        if self.stats.cut is None:  # else one cut before it still waits for its continuation
+            self.stats.cut = (time.monotonic(), cut.reason)
         log.warning("%s; going on from its last whole token on another pair", cut.message)
         return None
 
@@ -3448,6 +3453,9 @@ class Attempt:
             raise StreamCut(f"request {self.request_id}: {why}", self.decode, lost=lost)
         assert isinstance(cut, ProxyError)  # a text only says why a journal's stream stopped
         exchange.count_failure("decode", cut)
+        reason = "in_band" if cut.reason == "in_band" else "broken"
+        metrics = exchange.state.metrics
+        metrics.of(metrics.migration_outcomes, "not_continued", reason).inc()
         message = cut.message
         if (unmigratable := exchange.plan.unmigratable) is not None:
             message = f"{message}; not continued elsewhere: {unmigratable}"
@@ -3659,7 +3667,8 @@ async def send_prefill(
         if problem:
             raise ProxyError(502, f"{where} {problem}", reason="stopped_early")
         state.metrics.of(state.metrics.prompt_tokens, "prefill").inc(prompt_tokens)
-        exchange.stats.prefill_answered = time.monotonic()
+        if exchange.stats.first_token is None:  # a continuation's prefill is not TTFT's
+            exchange.stats.prefill_answered = time.monotonic()
         legs = exchange.legs
         if legs.route is not None and legs.api is exchange.plan.api:  # not a continuation's
             state.fleet.learn_bytes_per_token(legs.route.length, prompt_tokens)
@@ -4225,6 +4234,8 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
         response.writer = await response.prepare(exchange.request)
         stats.first_byte = time.monotonic()
         stats.status_sent = response.status
+    else:
+        stats.continued(exchange.state.metrics)
     assert response.writer is not None  # None only for a response already ended
     relay = DecodeRelay(exchange, gaps) if journal is None else JournalRelay(exchange, gaps)
     try:
@@ -5748,7 +5759,8 @@ def local_prefill_decision(
     The load of both pools counts: a decode computing --max-local-prefills prompts already,
     or whose KV cache is full (vLLM would preempt its running streams for the prompt), is
     spared; and where the model has no usable prefill engine left (a try whose prefill
-    went away), the decode computes the prompt whatever its length, rather than a 503."""
+    went away), the decode computes the prompt whatever its length, rather than the request
+    failing."""
     if not prefills:
         return True, "no_prefill"
     if left >= config.max_local_prefill_tokens:
@@ -5756,6 +5768,10 @@ def local_prefill_decision(
     if decode.local_prefills >= config.max_local_prefills or decode.kv_full(config):
         return False, "decode_busy"
     return True, ("cached" if held else "short")
+
+
+# What came of a stream cut mid-way (Metrics.migration_outcomes).
+MIGRATION_OUTCOMES: Final = ("continued", "not_continued", "failed", "client_gone")
 
 
 # Every (decision, reason) of local_prefill_decision, for the metrics and /healthcheck.
@@ -8961,6 +8977,7 @@ def record_request(metrics: Metrics, stats: RequestStats, status: int) -> None:
         metrics.of(metrics.first_byte, stats.route).observe(first_byte)
         if stats.first_token is not None:
             record_token_times(metrics, stats)
+        record_outcomes(metrics, stats)
     level = logging.DEBUG if probe else logging.INFO
     if access_log.isEnabledFor(level):
         fields = stats.access_fields(status, now)
@@ -8984,6 +9001,35 @@ def record_token_times(metrics: Metrics, stats: RequestStats) -> None:
         if stats.prefill_answered is not None:
             wait = max(0.0, stats.first_token - stats.prefill_answered)
             metrics.of(metrics.kv_wait, stats.route).observe(wait)
+        for phase, seconds in ttft_phases(stats).items():
+            metrics.of(metrics.phases, phase, stats.route, stats.model_label).observe(seconds)
+
+
+def ttft_phases(stats: RequestStats) -> dict[str, float]:
+    """A stream's time to its first token, in the phases that add up to it: queue (arrival to
+    its last pair's legs sent: admission, the pool, the pairs tried before), then prefill (to
+    the prefill's answer) and handoff (to the decode's first token: the KV's transfer and the
+    decode's start), or, for a decode alone, decode (to its first token)."""
+    sent, first = stats.legs_sent, stats.first_token
+    if sent is None or first is None:
+        return {}
+    phases = {"queue": sent - stats.started}
+    if (answered := stats.prefill_answered) is None:
+        return phases | {"decode": first - sent}
+    answered = min(answered, first)  # its answer may come after the decode's first token
+    return phases | {"prefill": answered - sent, "handoff": first - answered}
+
+
+def record_outcomes(metrics: Metrics, stats: RequestStats) -> None:
+    """At a request's end: a continuation that never came (its client left, or it failed), and
+    whether a request that tried several pairs before its first byte got one."""
+    if stats.cut is not None:
+        outcome = "client_gone" if stats.outcome == "client_gone" else "failed"
+        metrics.of(metrics.migration_outcomes, outcome, stats.cut[1]).inc()
+        stats.cut = None
+    if stats.pairs > 1:
+        outcome = "answered" if stats.first_byte is not None else "failed"
+        metrics.of(metrics.first_token_retries, outcome).inc()
 
 
 class Tracing:
@@ -9067,7 +9113,13 @@ class RequestStats:
     decode: str = "-"
     first_byte: float | None = None
     first_token: float | None = None  # a stream's first SSE event relayed, or a whole answer
+    # Before the first token: when the last pair's legs were sent, and its prefill answered
+    # (the phases of a stream's TTFT: Metrics.phases); how many pairs were tried.
+    legs_sent: float | None = None
     prefill_answered: float | None = None
+    pairs: int = 0
+    # A continuation under way: when its stream was cut, and why (Metrics.migration_outcomes).
+    cut: tuple[float, str] | None = None
     token_gaps: TokenGaps | None = None  # a stream's, as relayed
     trace_id: str = "-"
     span: Any = None  # the proxy's own, with --otlp-traces-endpoint
@@ -9075,6 +9127,14 @@ class RequestStats:
     status_sent: int | None = None
     bytes_out: int = 0
     outcome: str = "ok"
+
+    def continued(self, metrics: Metrics) -> None:
+        """A continuation's first bytes are relayed: its stream went on, after this wait."""
+        if self.cut is not None:
+            cut_at, reason = self.cut
+            metrics.migration_gap.observe(time.monotonic() - cut_at)
+            metrics.of(metrics.migration_outcomes, "continued", reason).inc()
+            self.cut = None
 
     def access_fields(self, status: int, now: float) -> dict[str, Any]:
         return {
@@ -9166,6 +9226,23 @@ class Metrics:
         "answer's TTFT spent moving KV and starting the decode.", ("route",))
     prefill_duration = Metric(Histogram, "prefill_duration_seconds",
         "Time of the prefill leg, sent to answered.")
+    phases = Metric(Histogram, "request_phase_seconds",
+        "A stream's time to first token in phases that add up to it: queue (arrival to its "
+        "last pair's legs sent), prefill (to the prefill's answer), handoff (to the decode's "
+        "first token), or decode (a decode alone: to its first token).",
+        ("phase", "route", "model"))
+    migration_outcomes = Metric(Counter, "migration_outcomes",
+        "Answers cut mid-way, by what came of them: continued (the continuation's first bytes "
+        "reached the client), not_continued (it could not go on, or not exactly: it ended with "
+        "an error), failed (a continuation began but none came), client_gone (the client left "
+        "before it came); reason: how it was cut (broken, in_band).",
+        ("outcome", "reason"))
+    migration_gap = Metric(Histogram, "migration_gap_seconds",
+        "How long a client waited across a cut: from the stream's cut to its continuation's "
+        "first bytes.")
+    first_token_retries = Metric(Counter, "first_token_retries",
+        "Requests that tried more than one pair before their first byte, by how they ended: "
+        "answered, or failed.", ("outcome",))
     retries = Metric(Counter, "retries",
         "Legs tried again elsewhere because their upstream could not be reached.", ("stage",))
     migrations = Metric(Counter, "migrations",
@@ -9264,6 +9341,8 @@ class Metrics:
             self.of(self.first_byte, route)
             self.of(self.inter_token, route)
             self.of(self.kv_wait, route)
+            for phase in ("queue", "prefill", "handoff", "decode"):
+                self.of(self.phases, phase, route, NO_MODEL)
         for stage, reasons in LEG_ERRORS.items():
             for reason in reasons:
                 self.errors.labels(stage, reason)
@@ -9276,6 +9355,10 @@ class Metrics:
             self.kv_event_batches.labels(result)
         for reason in ("broken", "in_band"):
             self.migrations.labels(reason)
+            for outcome in MIGRATION_OUTCOMES:
+                self.of(self.migration_outcomes, outcome, reason)
+        for outcome in ("answered", "failed"):
+            self.of(self.first_token_retries, outcome)
         for field_name in (*SAMPLE_COUNTS, "use_beam_search", "prompt"):
             self.of(self.prefill_skipped, field_name)
         for decision, reason in LOCAL_PREFILL_REASONS:

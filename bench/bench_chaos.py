@@ -605,6 +605,9 @@ async def scrape(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
                 rows[tried] += sample.value
             elif sample.name == "mooncake_proxy_migrations_total":
                 rows[moved] += sample.value
+            elif sample.name == "mooncake_proxy_migration_outcomes_total":
+                what = f"proxy: cut streams {sample.labels['outcome']}"
+                rows[what] = rows.get(what, 0.0) + sample.value
             elif sample.name == "mooncake_proxy_errors_total" and sample.value:
                 where = f"{sample.labels['stage']}, {sample.labels['reason']}"
                 rows[f"proxy: failed legs ({where})"] = sample.value
@@ -681,9 +684,37 @@ def report(runs: list[Run], args: argparse.Namespace, logs: Path) -> None:
             print(f"  a fault not applied as planned: {problem}")
         for kind, detail in examples(run).items():
             print(f"  e.g. {kind}: {detail[:300]}")
+    for run in runs:
+        if (line := outcomes_check(run)) is not None:
+            print(line)
     print("\nverdict (target: 0 client-visible failures while one healthy pair remains):")
     for run in runs:
         print(f"  {verdict(run)}")
+
+
+def outcomes_check(run: Run) -> str | None:
+    """The proxy's count of what came of its cut streams against the client's: every stream
+    the proxy continued reached its end, so the failures after a first token that the client
+    saw are those it did not continue, or whose continuation never came; and every migration
+    it began ended one way or the other."""
+    if run.metrics is None:
+        return None
+    rows = run.metrics
+    lost = rows.get("proxy: cut streams not_continued", 0) + rows.get(
+        "proxy: cut streams failed", 0
+    )
+    mid = sum(o.tokens > 0 for o in run.failures())
+    began = rows.get("proxy: streams gone on elsewhere", 0)
+    ended = sum(
+        rows.get(f"proxy: cut streams {o}", 0) for o in ("continued", "failed", "client_gone")
+    )
+    same = "EQUAL" if lost == mid and began == ended else "DIFFERENT"
+    return (
+        f"\n{run.target}: cut streams, the proxy's count against the client's: {same}: "
+        f"{mid:g} failures after their first token, {lost:g} not continued or failed by the "
+        f"proxy's metrics; {began:g} migrations begun, {ended:g} ended (continued, failed, "
+        "client gone)"
+    )
 
 
 def examples(run: Run) -> dict[str, str]:
