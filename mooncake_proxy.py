@@ -2913,8 +2913,9 @@ class Exchange:
                 raise pool_exhausted(self.state.config, named) from None
             raise
         self.tries.count += 1
-        if self.stats.first_token is None:  # a continuation's own pairs are not TTFT's
-            self.stats.legs_sent, self.stats.pairs = time.monotonic(), self.stats.pairs + 1
+        if (stats := self.stats).first_token is None:  # a continuation's pairs are not TTFT's
+            stats.legs_sent, stats.pairs = time.monotonic(), stats.pairs + 1
+            stats.prefill_answered = None  # an earlier pair's prefill is not this one's
         request_id, legs = self.stats.request_id, self.legs
         if self.tries.count > 1:
             request_id = mint_request_id(self.request.headers.get(REQUEST_ID_HEADER))

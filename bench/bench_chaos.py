@@ -594,11 +594,13 @@ async def load_under_chaos(target: Target, cluster: Cluster, args: argparse.Name
 
 
 async def scrape(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
-    """The proxy's retries, its streams gone on elsewhere, its failed legs by stage and reason."""
+    """The proxy's retries, its streams gone on elsewhere and what came of them, its failed legs
+    by stage and reason, and the mean of each phase of its streams' TTFT."""
     async with session.get(base + "/metrics") as answer:
         text = await answer.text()
     tried, moved = "proxy: legs tried again (retries_total)", "proxy: streams gone on elsewhere"
     rows: dict[str, float] = {tried: 0.0, moved: 0.0}
+    phases: dict[tuple[str, str], float] = collections.defaultdict(float)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "mooncake_proxy_retries_total":
@@ -608,9 +610,16 @@ async def scrape(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
             elif sample.name == "mooncake_proxy_migration_outcomes_total":
                 what = f"proxy: cut streams {sample.labels['outcome']}"
                 rows[what] = rows.get(what, 0.0) + sample.value
+            elif sample.name.startswith("mooncake_proxy_request_phase_seconds_"):
+                kind = sample.name.rsplit("_", 1)[1]  # sum, count
+                if kind in ("sum", "count"):
+                    phases[sample.labels["phase"], kind] += sample.value
             elif sample.name == "mooncake_proxy_errors_total" and sample.value:
                 where = f"{sample.labels['stage']}, {sample.labels['reason']}"
                 rows[f"proxy: failed legs ({where})"] = sample.value
+    for phase in ("queue", "prefill", "handoff", "decode"):  # where the streams' TTFT went
+        if count := phases[phase, "count"]:
+            rows[f"proxy: TTFT phase {phase}, mean (ms)"] = 1000 * phases[phase, "sum"] / count
     return rows
 
 

@@ -132,6 +132,12 @@ async def test_retries_before_the_first_byte_are_counted_by_how_they_ended(
     await streamed(cluster, COMPLETIONS, completion(stream=True))  # retried, answered
     await streamed(cluster, COMPLETIONS, completion(stream=True))  # first time
     samples = await scrape(cluster)
+    # The retried one's phases are its last pair's: no prefill phase before its legs went.
+    assert sample(samples, f"{PHASES}_count", phase="prefill") == 2
+    ttft = sample(samples, "mooncake_proxy_time_to_first_token_seconds_sum", route=COMPLETIONS)
+    sums = phase_sums(samples)
+    assert min(sums.values()) >= 0
+    assert sums["queue"] + sums["prefill"] + sums["handoff"] == pytest.approx(ttft, abs=1e-6)
     name = "mooncake_proxy_first_token_retries_total"
     assert sample(samples, name, outcome="answered") == 1
     assert sample(samples, name, outcome="failed") == 0
