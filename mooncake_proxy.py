@@ -939,6 +939,15 @@ class ProxyConfig:
         "past that, a short prompt goes through PD, sparing the decode's running streams",
         at_least(1),
     )
+    # Off by default: a decode that recomputes still answers right, only slower and dearer;
+    # an operator may rather have its PD requests go where pulls work.
+    avoid_recomputing: bool = setting(
+        False,
+        "pass over a decode that computes the prompts it should pull (its pulls fail under "
+        "kv_load_failure_policy recompute) for PD requests while another decode is left; it is "
+        "tried again a minute after it was last judged so",
+        switch,
+    )
     kv_events_port: int | None = setting(
         None,
         "route on what each engine really holds, from vLLM's KV cache events: the port every "
@@ -2939,7 +2948,11 @@ class Exchange:
         fleet, tries, route = self.state.fleet, self.tries, self.legs.route
         try:
             group = fleet.serving(self.plan.model)
-            decode, held = group.claim_decode_holding(tries.tried, route, tries.sends)
+            avoid: Collection[Backend] = tries.tried
+            if self.state.config.avoid_recomputing and self.plan.alone is None:
+                now = time.monotonic()
+                avoid = tries.tried | {d for d in group.decodes if d.proof.held_out(now)}
+            decode, held = group.claim_decode_holding(avoid, route, tries.sends)
             if self.plan.alone is not None:
                 return None, decode, False
             if self.computes_alone(decode, held, prefills=bool(group.engines)):
@@ -8079,10 +8092,10 @@ async def scrape_load(state: ProxyState, backend: Backend) -> None:
             for series, value in sample.items():
                 total[series] = total.get(series, 0.0) + value
         take_load(backend, total, now, capacity, tokens or 0)
-        take_proof(backend, total)
+        take_proof(backend, total, state.config.avoid_recomputing)
 
 
-def take_proof(decode: DecodeInstance, sample: Mapping[str, float]) -> None:
+def take_proof(decode: DecodeInstance, sample: Mapping[str, float], avoid: bool) -> None:
     """A decode's prompt sources at a scrape into its TransferProof; a line when it starts or
     stops computing what it should pull."""
     if "pulled" not in sample or "computed" not in sample:
@@ -8093,8 +8106,10 @@ def take_proof(decode: DecodeInstance, sample: Mapping[str, float]) -> None:
         log.warning(
             "decode %s computes the prompts it should pull over Mooncake: %.0f%% of the PD "
             "prompt tokens since its last scrape were pulled (a failed pull under "
-            "kv_load_failure_policy recompute, or a KV connector that does not pull)",
+            "kv_load_failure_policy recompute, or a KV connector that does not pull)%s",
             decode.url, 100 * (share or 0.0),
+            "; passed over for PD requests while another decode is left "
+            "(--avoid-recomputing)" if avoid else "",
         )  # fmt: skip
     elif turned is False:
         log.warning("decode %s pulls its PD prompts again (%.0f%%)", decode.url, 100 * (share or 0))
@@ -8764,6 +8779,11 @@ class Backend:
         }
 
 
+# How long a decode judged recomputing is passed over (--avoid-recomputing) before a PD
+# request may go to it again: its next window with PD answers judges it anew.
+RECOMPUTE_HOLD: Final = 60.0
+
+
 class TransferProof:
     """Whether a decode pulls the KV of the PD requests sent to it or computes their prompts
     itself: a pull that fails under kv_load_failure_policy "recompute", or a connector that
@@ -8779,6 +8799,7 @@ class TransferProof:
         self.pulled_share: float | None = None  # in the last window that had PD answers
         self.recomputing = False
         self.since: float | None = None  # wall time it started recomputing
+        self.judged_at = -math.inf  # monotonic: the last window that had PD answers
 
     def take(self, pulled: float, computed: float) -> bool | None:
         """One scrape's counters; True if by them it started recomputing, False if it
@@ -8793,11 +8814,17 @@ class TransferProof:
         if moved + recomputed <= 0:
             return None  # every prompt found in its prefix cache: neither
         self.pulled_share = moved / (moved + recomputed)
+        self.judged_at = time.monotonic()
         if (self.pulled_share < 0.5) == self.recomputing:
             return None
         self.recomputing = not self.recomputing
         self.since = time.time() if self.recomputing else None
         return self.recomputing
+
+    def held_out(self, now: float) -> bool:
+        """With --avoid-recomputing: passed over for PD requests, as recomputing when
+        last judged, less than RECOMPUTE_HOLD ago (then tried again, and judged anew)."""
+        return self.recomputing and now - self.judged_at < RECOMPUTE_HOLD
 
     def status(self) -> dict[str, Any] | None:
         if self.pulled_share is None:
@@ -10248,7 +10275,8 @@ FLAG_GROUPS: Final = (
     ("Routing", "which engine and which decode a request goes to", ("policy",
         "prefill_policy", "decode_policy", "load_interval", "prefix_index_blocks",
         "prefix_block_bytes", "balance_factor", "prefill_load_weight", "decode_load_weight",
-        "peers", "max_local_prefill_tokens", "max_local_prefills")),
+        "peers", "max_local_prefill_tokens", "max_local_prefills",
+        "avoid_recomputing")),
     ("KV-events", "routing on what each engine holds", ("kv_events_port",
         "kv_events_replay_port", "kv_events", "tokenizer")),
     ("Limits", "what clients may ask, and how long they may take", ("max_request_bytes",

@@ -227,3 +227,38 @@ async def test_the_self_test_runs_once_at_start(start_cluster: StartCluster) -> 
         await asyncio.sleep(0.05)
     assert await tested()
     assert len(cluster.decodes[0].requests) == 1  # once
+
+
+async def test_a_recomputing_decode_is_passed_over_for_pd_when_asked(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--avoid-recomputing: once judged recomputing, a decode gets no PD request while
+    another pulls, and the log says so."""
+    cluster = await start_cluster(
+        decodes=2,
+        each_decode=({"kv_load_failure_policy": "recompute", "fail_pulls": 100}, {}),
+        decode_policy=mp.Policy.ROUND_ROBIN,
+        load_interval=SCRAPE,
+        avoid_recomputing=True,
+    )
+    bad = fleet_of(cluster).decodes[0]
+    await eventually(lambda: bad.proof.totals is not None)
+    with caplog.at_level(logging.WARNING, "mooncake_proxy"):
+        await send(cluster, 4)  # two to each
+        await eventually(lambda: bad.proof.recomputing)
+    said = [r.getMessage() for r in caplog.records if "should pull" in r.getMessage()]
+    assert len(said) == 1 and "passed over for PD requests" in said[0]
+    before = len(cluster.decodes[0].requests)
+    await send(cluster, 4)
+    assert len(cluster.decodes[0].requests) == before  # all four to the one that pulls
+    assert len(cluster.decodes[1].requests) == 2 + 4
+
+
+def test_a_recomputing_decode_is_held_out_for_a_while_after_its_last_judgment() -> None:
+    proof = mp.TransferProof()
+    proof.take(0, 0)
+    proof.answered = 1
+    assert proof.take(0, 100) is True
+    judged = proof.judged_at
+    assert proof.held_out(judged + mp.RECOMPUTE_HOLD - 1)
+    assert not proof.held_out(judged + mp.RECOMPUTE_HOLD)  # tried again, to be judged anew
