@@ -328,10 +328,8 @@ class ProxyProcess:
         if port is None:
             port = free_port()
             argv = ("--port", str(port), *argv)
-        if "--start-self-test" in argv:  # the one test of it at start
-            argv = tuple(a for a in argv if a != "--start-self-test")
-        else:  # tests count the requests each fake got: no self-test's among them
-            argv = ("--no-start-self-test", *argv)
+        # Tests count the requests each fake got: no self-test's among them.
+        argv = ("--no-start-self-test", *argv)
         env = {**os.environ, **(env or {})}
         # Under --workers one worker's /health says nothing of the others: ready is when the
         # supervisor tells systemd so, once every worker serves.
