@@ -1199,6 +1199,12 @@ class ProxyConfig:
             return "no upstream key (clients' Authorization is for the proxy, not forwarded)"
         return "no upstream key (clients' Authorization is forwarded)"
 
+    @property
+    def load_fresh_for(self) -> float:
+        """How old a scrape of an instance's /metrics may be and still count: three
+        --load-interval, so that one late scrape does not drop what it said."""
+        return 3 * self.load_interval
+
     def upstream_timeout(self, total: float | None) -> aiohttp.ClientTimeout:
         """A per-call timeout that keeps the connect limit (a ClientTimeout replaces, not adds)."""
         return client_timeout(total, self.connect_timeout)
@@ -1498,9 +1504,11 @@ class ProxyState:
     large_garbage: LargeGarbage = field(default_factory=lambda: LargeGarbage())
     # The last PD self-test's result (at start, and POST /admin/self-test), for /healthcheck.
     self_test: SelfTest | None = None
-    # With --max-local-prefill-tokens: how many PD requests went each way, by "decision/reason"
+    # With --max-local-prefill-tokens: how many PD requests went each way, by (decision, reason)
     # (LOCAL_PREFILL_REASONS), for /healthcheck (the metrics count them too).
-    local_prefill_decisions: collections.Counter[str] = field(default_factory=collections.Counter)
+    local_prefill_decisions: collections.Counter[tuple[str, str]] = field(
+        default_factory=collections.Counter
+    )
 
     def __post_init__(self) -> None:
         self.fleet = Fleet(self.config)
@@ -1568,7 +1576,7 @@ class ProxyState:
         """One decision of local_prefill_decision, in the metrics and in /healthcheck; the
         tokens a decode is to compute itself (``left``), in prompt_tokens."""
         decision = "local" if alone else "pd"
-        self.local_prefill_decisions[f"{decision}/{why}"] += 1
+        self.local_prefill_decisions[decision, why] += 1
         metrics = self.metrics
         metrics.of(metrics.local_prefill_decisions, decision, why).inc()
         if alone:
@@ -2207,7 +2215,7 @@ def local_prefill_status(state: ProxyState) -> dict[str, Any] | None:
     counts = state.local_prefill_decisions
     decisions: dict[str, dict[str, int]] = {}
     for decision, reason in LOCAL_PREFILL_REASONS:
-        decisions.setdefault(decision, {})[reason] = counts[f"{decision}/{reason}"]
+        decisions.setdefault(decision, {})[reason] = counts[decision, reason]
     return {
         "max_tokens": config.max_local_prefill_tokens,
         "max_per_decode": config.max_local_prefills,
@@ -7482,7 +7490,7 @@ class Fleet:
         router.load_weight = (
             config.prefill_load_weight if stage == "prefill" else config.decode_load_weight
         )
-        router.balance, router.fresh_for = config.balance_factor, 3 * config.load_interval
+        router.balance, router.fresh_for = config.balance_factor, config.load_fresh_for
         router.policy = config.policies[0 if stage == "prefill" else 1]
         router.observe = self.observe
         router.tell = self.tell if stage == "prefill" else None
@@ -8087,12 +8095,18 @@ async def scrape_load(state: ProxyState, backend: Backend) -> None:
         for engine in backend.engines:
             take_load(engine, engines.get(engine.dp_rank, {}), now, capacity, tokens or 0)
     elif isinstance(backend, DecodeInstance):
-        total: dict[str, float] = {}  # a decode is one target, whatever its DP size
-        for sample in engines.values():
-            for series, value in sample.items():
-                total[series] = total.get(series, 0.0) + value
+        total = whole_instance(engines)  # a decode is one target, whatever its DP size
         take_load(backend, total, now, capacity, tokens or 0)
         take_proof(backend, total, state.config.avoid_recomputing)
+
+
+def whole_instance(engines: Mapping[int, Mapping[str, float]]) -> dict[str, float]:
+    """parse_vllm_load's series summed over an instance's engines (DP ranks)."""
+    total: dict[str, float] = {}
+    for sample in engines.values():
+        for series, value in sample.items():
+            total[series] = total.get(series, 0.0) + value
+    return total
 
 
 def take_proof(decode: DecodeInstance, sample: Mapping[str, float], avoid: bool) -> None:
@@ -8282,11 +8296,10 @@ async def prompt_sources(state: ProxyState, decode: DecodeInstance) -> tuple[flo
         page = await get_checked(state.health_session, "metrics", decode.routes["/metrics"], limits)
     except CheckFailed:
         return None
-    engines, _ = parse_vllm_load(page.decode("utf-8", "replace"))
-    pulled = sum(sample.get("pulled", 0.0) for sample in engines.values())
-    computed = sum(sample.get("computed", 0.0) for sample in engines.values())
-    found = any("pulled" in sample or "computed" in sample for sample in engines.values())
-    return (pulled, computed) if found else None
+    total = whole_instance(parse_vllm_load(page.decode("utf-8", "replace"))[0])
+    if "pulled" not in total and "computed" not in total:
+        return None
+    return total.get("pulled", 0.0), total.get("computed", 0.0)
 
 
 async def self_test_at_start(app: web.Application) -> None:
@@ -8854,7 +8867,7 @@ class DecodeInstance(Backend, Target):
     def kv_full(self, config: ProxyConfig) -> bool:
         """Its KV cache is full, as a fresh scrape of its /metrics says (as the routers read
         one): a prompt computed there would preempt its running streams."""
-        fresh = time.monotonic() - self.load.scraped_at <= 3 * config.load_interval
+        fresh = time.monotonic() - self.load.scraped_at <= config.load_fresh_for
         return fresh and self.load.kv_usage >= KV_FULL
 
     def status(self) -> dict[str, Any]:
