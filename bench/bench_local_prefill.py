@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration"))
-from test_real_vllm import (  # type: ignore[import-not-found]  # noqa: E402  (its servers)
+from real_vllm import (  # type: ignore[import-not-found]  # noqa: E402  (its servers)
     DECODE_MAX_MODEL_LEN,
     PROXY,
     Server,

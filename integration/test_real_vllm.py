@@ -19,7 +19,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -28,166 +27,33 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-
-HERE = Path(__file__).resolve().parent
-PROXY = HERE.parent / "mooncake_proxy.py"
-sys.path.insert(0, str(HERE.parent / "tests"))
-from fake_vllm import free_port  # noqa: E402  (ports vLLM's own start-up cannot take)
-
-MODEL = "tiny"
-# The prefill accepts shorter prompts than the decode: a prompt between the two is rejected by
-# the prefill alone, the one case where only fail-fast saves the client from the KV timeout.
-PREFILL_MAX_MODEL_LEN = 384
-DECODE_MAX_MODEL_LEN = 512
-KV_ABORT_TIMEOUT = 30  # seconds; a broken proxy's stranded requests clear this fast
-FAIL_FAST = 10.0  # seconds within which a doomed request must be answered
-
-
-def http_get(url: str, timeout: float = 5) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
-
-@dataclass
-class Server:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log: Path
-    url: str
-    bootstrap_port: int | None = None
-    process: subprocess.Popen[bytes] | None = None
-    kv_events: list[str] = field(default_factory=list)  # the proxy's --kv-events entry for it
-    model: str = MODEL  # the name it serves its model under (--served-model-name)
-
-    def start(self) -> None:
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.argv,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: vLLM forks engine workers
-            )
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, sig)
-            self.process.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
-
-    def wait_healthy(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: see {self.log}\n{self.tail()}")
-            try:
-                if http_get(f"{self.url}/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not healthy after {seconds} s: {self.log}\n{self.tail()}")
-
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
-
-    def logged(self) -> int:
-        """Where its log ends now: what it says from here on can be read with `said_since`."""
-        return self.log.stat().st_size
-
-    def said_since(self, offset: int) -> str:
-        with self.log.open("rb") as log:
-            log.seek(offset)
-            return log.read().decode(errors="replace")
-
-    def warm_up(self) -> None:
-        """One request of its own: a CPU vLLM's first ones are slow (the proxy's health checks
-        timed out on them), and the tests' requests should not be those."""
-        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
-        client.with_options(timeout=120).completions.create(
-            model=self.model, prompt="warm up", max_tokens=2
-        )
-
-
-# The one failure a test may meet and go on: on these loaded 2-core machines Mooncake's TCP
-# transport now and then stalls one transfer for its whole timeout, whichever server it came
-# from; the decode logs one of these and fails the request. Anything else fails the test.
-STALL_SIGNATURES = (
-    "no transfer progress within",
-    "Mooncake transfer engine returned -1",
-    "Sync batch data transfer timeout",
+from real_vllm import (  # the suite's servers and their HTTP
+    DECODE_MAX_MODEL_LEN,
+    KV_ABORT_TIMEOUT,
+    MODEL,
+    PREFILL_MAX_MODEL_LEN,
+    PROXY,
+    Server,
+    free_port,
+    healthcheck,
+    http_call,
+    http_get,
+    metric,
+    running,
+    stall_in,
+    unique_prompt,
+    vllm_server,
+    wait_for,
 )
 
-
-def stall_in(decode: Server, since: int) -> str | None:
-    """The stall signature the decode logged after `since`, if any."""
-    said = decode.said_since(since)
-    return next((s for s in STALL_SIGNATURES if s in said), None)
-
-
-def vllm_server(
-    root: Path,
-    logs: Path,
-    role: str,
-    max_len: int,
-    *extra: str,
-    name: str | None = None,
-    model: str = MODEL,
-    kv_config: dict[str, Any] | None = None,
-) -> Server:
-    """A vLLM server of ``role`` (kv_producer, kv_consumer); ``kv_config``: fields added to
-    its --kv-transfer-config (kv_load_failure_policy, say)."""
-    port, bootstrap = free_port(), free_port()
-    libs = f"{root}/sysroot/usr/lib/x86_64-linux-gnu:{root}/sysroot/lib/x86_64-linux-gnu"
-    env = {
-        **os.environ,
-        "LD_LIBRARY_PATH": libs,
-        "PYTHONPATH": f"{root}/shim",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        # Without these vLLM pins every worker to core 0 and Mooncake transfers crawl.
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap),
-        "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(KV_ABORT_TIMEOUT),
-    }
-    kv_config = {
-        "kv_connector": "MooncakeConnector",
-        "kv_role": role,
-        "kv_connector_module_path": "cpu_mooncake_shim",
-        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
-        **(kv_config or {}),
-    }
-    argv = [
-        f"{root}/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
-        "--model", f"{root}/tiny", "--served-model-name", model,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", str(max_len), "--dtype", "float32", "--enforce-eager",
-        "--kv-transfer-config", json.dumps(kv_config), *extra,
-    ]  # fmt: skip
-    name = name or role
-    url = f"http://127.0.0.1:{port}"
-    return Server(name, argv, env, logs / f"{name}.log", url, bootstrap, model=model)
+FAIL_FAST = 10.0  # seconds within which a doomed request must be answered
 
 
 @dataclass
@@ -246,31 +112,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
 # --- helpers
 
 
-def metric(server: Server, name: str, timeout: float = 5, **labels: str) -> float:
-    """The sum of a Prometheus series on a vLLM server, over the lines matching labels."""
-    text = http_get(f"{server.url}/metrics", timeout)[1]
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
-        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
-
-
 def kv_tokens(cluster: RealCluster) -> float:
     return metric(
         cluster.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
     )
-
-
-def running(server: Server) -> float:
-    return metric(server, "vllm:num_requests_running")
-
-
-def unique_prompt(words: int = 12) -> str:
-    # A fresh start for every prompt: no prefix-cache hit can stand in for a transfer.
-    nonce = " ".join(uuid.uuid4().hex[:8])
-    return f"{nonce} " + " ".join(["the proxy sends the prompt to the prefill"] * (words // 8 + 1))
 
 
 def completion_text(client: openai.OpenAI, stream: bool, **params: Any) -> tuple[str, int]:
@@ -325,15 +170,6 @@ def refuses(url: str) -> bool:
     except OSError:
         return False
     return False
-
-
-def wait_for(check: Any, seconds: float, every: float = 0.2) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(every)
-    return bool(check())
 
 
 # --- answers equal the decode's local generation, and the KV really travelled
@@ -499,18 +335,6 @@ def generated(raw: bytes, stream: bool) -> list[int]:
         return [t for choice in json.loads(raw)["choices"] for t in choice["token_ids"]]
     events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
     return [t for e in events for choice in e.get("choices", ()) for t in choice["token_ids"]]
-
-
-def http_call(base: str, method: str, path: str, body: Any = None) -> tuple[int, str, bytes]:
-    """Status, Content-Type and body of one request, error statuses included."""
-    data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json"} if data is not None else {}
-    request = urllib.request.Request(base + path, data, headers, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, answer.headers["Content-Type"], answer.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.headers["Content-Type"], error.read()
 
 
 HELLO = {"role": "user", "content": "hi"}
@@ -927,8 +751,3 @@ def test_a_decode_killed_during_a_plain_answer_is_answered_whole_by_another(
     assert took < KV_ABORT_TIMEOUT, (took, gone - killed, outcome)
     local, _ = completion_text(cluster.client(cluster.decode.url), False, **params)
     assert outcome["text"] == local
-
-
-def healthcheck(base: str) -> dict[str, Any]:
-    payload: dict[str, Any] = json.loads(http_get(f"{base}/healthcheck")[1])
-    return payload

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from test_real_vllm import (  # the suite's own servers and helpers
+from real_vllm import (  # the suite's servers and their HTTP
     KV_ABORT_TIMEOUT,
     MODEL,
     Server,

@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from test_real_vllm import (  # the suite's own servers and helpers
+from real_vllm import (  # the suite's servers and their HTTP
     DECODE_MAX_MODEL_LEN,
     MODEL,
     PROXY,

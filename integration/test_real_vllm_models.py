@@ -17,7 +17,7 @@ from typing import Any
 
 import openai
 import pytest
-from test_real_vllm import (  # the suite's own servers and helpers
+from real_vllm import (  # the suite's servers and their HTTP
     DECODE_MAX_MODEL_LEN,
     PREFILL_MAX_MODEL_LEN,
     PROXY,

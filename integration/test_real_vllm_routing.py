@@ -26,7 +26,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_real_vllm import (  # the suite's own servers and helpers
+from real_vllm import (  # the suite's servers and their HTTP
     MODEL,
     PROXY,
     Server,

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_real_vllm import (  # the suite's own servers and helpers
+from real_vllm import (  # the suite's servers and their HTTP
     DECODE_MAX_MODEL_LEN,
     MODEL,
     PROXY,
