@@ -48,7 +48,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
@@ -136,6 +136,21 @@ class Recorded:
     peer: Any = None  # the client's (host, port): tells connection reuse apart
 
 
+# A whole answer's usage, as vLLM 0.32's UsageInfo.model_dump() writes it: its fields in order,
+# the details null where not given (a stream's usage chunk leaves the null ones out).
+USAGE_FIELDS: Final = (
+    "prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details",
+    "completion_tokens_details",
+)  # fmt: skip
+
+
+def cached_when_came(generations: list[Generation], cached: list[int]) -> None:
+    """Each prompt's tokens cached when it came (pulled or held), onto its choices."""
+    count = len(generations) // len(cached)  # n choices a prompt, the prompts in turn
+    for index, generation in enumerate(generations):
+        generation.cached_tokens = cached[index // count]
+
+
 @dataclass
 class Generation:
     """One choice's answer as vLLM 0.32's engine and detokenizer give it (v1/engine/
@@ -153,6 +168,8 @@ class Generation:
     # The prompt's token ids as the model read them (model_input), 4 bytes each.
     prompt_input: bytes = b""
     cap: int = 0  # the max_tokens it ran with (vLLM's sampling_params.max_tokens)
+    # The prompt's tokens found cached or pulled when it came (vLLM's num_cached_tokens).
+    cached_tokens: int = 0
     # With a reasoning parser: whether the prompt's ids end its reasoning already
     # (is_reasoning_end: a think-end token after the last think-start).
     prompt_reasoning_ended: bool = False
@@ -1184,6 +1201,7 @@ INJECTABLE = frozenset(
         *("drop_after", "drop_after_pull", "engine_dead", "metrics_status", "extra_waiting"),
         "kv_usage",
         *("stream_interval", "keepalive_after_finish", "kv_load_failure_policy"),
+        "prompt_tokens_details",
     }
 )
 
@@ -1258,6 +1276,7 @@ class FakeVllm:
     aborted: list[str] = field(default_factory=list)  # request ids whose client went away
     dropped: int = 0  # connections dropped unanswered after their KV was pulled
     running: int = 0
+    in_flight: list[str] = field(default_factory=list)  # the ids of the requests running
     kv_tokens_received: int = 0
     resolved: int = 0  # decode legs whose prefill engine the bootstrap named (resolve_worker)
     transfers_served: int = 0
@@ -1279,6 +1298,8 @@ class FakeVllm:
     # decode: what a failed pull does, as vLLM's KVTransferConfig field: "fail" the request,
     # or "recompute" the prompt and answer as if nothing happened (PROTOCOL.md).
     kv_load_failure_policy: str = "fail"
+    # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens.
+    prompt_tokens_details: bool = False
     _blocks: dict[str, PromptBlocks] = field(default_factory=dict)
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters loaded: name -> path
     model: str = MODEL  # --served-model-name: what it serves, and what requests must name
@@ -1356,6 +1377,7 @@ class FakeVllm:
         app.router.add_post("/_fake/warm", self.handle_warm)
         app.router.add_get("/_fake/stats", self.handle_stats)
         app.router.add_post("/_fake/inject", self.handle_inject)
+        app.router.add_post("/_fake/die", self.handle_die)
         app.cleanup_ctx.append(self._session_ctx)
         return app
 
@@ -1427,6 +1449,19 @@ class FakeVllm:
         stats = {"requests": len(self.requests), "running": self.running}
         return web.json_response(stats | {"engine_ids": self.engine_ids})
 
+    async def handle_die(self, request: web.Request) -> web.Response:
+        """SIGKILL itself, as the chaos benchmark kills a decode, having written to the file
+        named {"record": path} what was running then: the requests, and those of them whose
+        answer had begun (bytes written). Nothing runs between the count and the death (no
+        await), so the benchmark knows how many answers the kill cut after their first bytes:
+        the streams a proxy must continue elsewhere."""
+        record = Path((await request.json())["record"])
+        begun = sum(bool(self.sent.get(request_id)) for request_id in self.in_flight)
+        # Blocking on purpose: an await here would let the streams go on before the death.
+        record.write_text(json.dumps({"running": self.running, "begun": begun}))  # noqa: ASYNC240
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("not reached")  # pragma: no cover
+
     async def handle_inject(self, request: web.Request) -> web.Response:
         """Set failure-injection fields ({"fail_pulls": 3}) of a fake in another process (one
         started with --serve), as a test sets them on a fake in its own: the chaos benchmark
@@ -1472,11 +1507,11 @@ class FakeVllm:
             if queued:  # cancelled while waiting (the proxy closed the connection)
                 sim.waiting -= 1
 
-    async def compute_alone(self, prompt: Any) -> None:
+    async def compute_alone(self, prompt: Any) -> int:
         """A decode computing a prompt sent to it alone (no KV to pull): what its prefix cache
         lacks, at token_time a token, its running streams paused meanwhile (between_tokens),
         as vLLM's steps carry the prompt's chunks beside their tokens (here the whole pause
-        at once, a simplification)."""
+        at once, a simplification). The prompt's tokens its prefix cache held."""
         sim = self.sim(0)
         if sim.busy is None:
             sim.busy = asyncio.Lock()
@@ -1485,12 +1520,13 @@ class FakeVllm:
             if not self.cache_blocks:  # no prefix cache: computed whole, nothing kept
                 sim.computed_tokens += blocks.tokens
                 await asyncio.sleep(blocks.tokens * self.token_time)
-                return
+                return 0
             cached = sim.lookup(blocks)
             sim.local_hit_tokens += cached * BLOCK_TOKENS
             sim.computed_tokens += blocks.tokens - cached * BLOCK_TOKENS
             await asyncio.sleep((blocks.tokens - cached * BLOCK_TOKENS) * self.token_time)
             sim.store(blocks)
+            return cached * BLOCK_TOKENS
 
     async def between_tokens(self) -> None:
         """A stream's wait for its next token: token_delay, and on a decode computing a prompt
@@ -1502,17 +1538,19 @@ class FakeVllm:
             async with busy:
                 pass
 
-    def receive_kv(self, prompt: Any) -> None:
-        """A decode's prefix cache: it pulls only the blocks it lacks, and keeps them."""
+    def receive_kv(self, prompt: Any) -> int:
+        """A decode's prefix cache: it pulls only the blocks it lacks, and keeps them. The
+        prompt's tokens cached when it came: all of them, pulled or held."""
         sim = self.sim(0)
         blocks = self.prompt_blocks(prompt)
         if not self.cache_blocks:  # no prefix cache: the whole prompt pulled, nothing kept
             sim.transferred_tokens += blocks.tokens
-            return
+            return blocks.tokens
         cached = sim.lookup(blocks)
         sim.local_hit_tokens += cached * BLOCK_TOKENS
         sim.transferred_tokens += blocks.tokens - cached * BLOCK_TOKENS
         sim.store(blocks)
+        return blocks.tokens
 
     async def handle_models(self, request: web.Request) -> web.Response:
         if (denied := self.check_auth(request)) is not None:
@@ -1690,6 +1728,7 @@ class FakeVllm:
         peer = request.transport.get_extra_info("peername") if request.transport else None
         self.requests.append(Recorded(request.path, CIMultiDict(request.headers), body, peer))
         self.running += 1
+        self.in_flight.append(request_id)
         try:
             path = api_path(request.path, body)
             response = await self.complete(request, path, body, request_id)
@@ -1709,6 +1748,7 @@ class FakeVllm:
             raise
         finally:
             self.running -= 1
+            self.in_flight.remove(request_id)
 
     async def complete(
         self, request: web.Request, path: str, body: dict[str, Any], request_id: str
@@ -1834,11 +1874,9 @@ class FakeVllm:
             if failure is not None and self.kv_load_failure_policy == "recompute":
                 self.pull_failures.append(failure)
                 failure = None
-                for prompt in prompts:
-                    await self.compute_alone(prompt)
+                cached_when_came(generations, [await self.compute_alone(p) for p in prompts])
             elif failure is None:
-                for prompt in prompts:
-                    self.receive_kv(prompt)
+                cached_when_came(generations, [self.receive_kv(p) for p in prompts])
             if failure is None and self.die_after_pull:
                 assert request.transport is not None
                 request.transport.abort()  # as a process killed while it generates
@@ -1852,8 +1890,7 @@ class FakeVllm:
                 )
         else:
             await asyncio.sleep(self.delay)
-            for prompt in prompts:
-                await self.compute_alone(prompt)
+            cached_when_came(generations, [await self.compute_alone(p) for p in prompts])
         return await self.answer(request, path, body, request_id, generations, response)
 
     # --- Mooncake, simulated over HTTP
@@ -2140,14 +2177,19 @@ class FakeVllm:
         count = sample_count(sampling_of(path, body))
         prompt_tokens = sum(g.prompt_tokens for g in generations[::count])  # once per prompt
         completion_tokens = sum(len(g.token_ids) for g in generations)
-        usage = {  # in vLLM's order
+        usage: dict[str, Any] = {  # in vLLM's order (UsageInfo)
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
         }
+        if self.prompt_tokens_details:  # the last prompt's, as vLLM's whole answer gives
+            usage["prompt_tokens_details"] = {"cached_tokens": generations[-1].cached_tokens}
         if chat:
             usage = self.chat_usage(usage, generations)
         if not body.get("stream"):
+            # A whole answer is model_dump()'s: its null fields written; a stream's usage not.
+            usage = {"prompt_tokens_details": None, "completion_tokens_details": None} | usage
+            usage = {key: usage[key] for key in USAGE_FIELDS}
             longest = max(len(g.token_ids) for g in generations)
             await asyncio.sleep(self.token_delay * longest)  # generating them
             if tokens_only:
@@ -2920,6 +2962,7 @@ async def serve_one(args: argparse.Namespace) -> int:
         cache_blocks=args.cache_blocks,
         token_time=args.token_time,
         pull_delay=args.pull_delay,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     fake.api_url = f"http://{args.host}:{args.port}"
     apps = [fake.api_app()]
@@ -2975,6 +3018,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="with --serve decode: seconds a KV pull waits before it starts (the handoff)",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="with --serve: vLLM's flag of that name (usage.prompt_tokens_details.cached_tokens)",
     )
     parser.add_argument(
         "--drain-delay",

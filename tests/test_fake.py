@@ -12,6 +12,8 @@ import asyncio
 import json
 import random
 import re
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -35,10 +37,12 @@ from fake_vllm import (
     DecodeStream,
     FakeVllm,
     build_tokenizer,
+    free_port,
     generate,
     start_fake,
     tokenizer_bytes,
 )
+from testing_support import until_healthy
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -678,3 +682,45 @@ async def test_a_decode_sent_a_prompt_alone_computes_it_and_pauses_its_streams(
     await post(fake.url, COMPLETIONS, {"prompt": long_prompt, "max_tokens": 1})
     counted = await by_source()
     assert counted["local_cache_hit"] > 0 and counted["local_compute"] - before < prompt_tokens
+
+
+async def test_a_fake_told_to_die_says_which_answers_it_cut(tmp_path: Path) -> None:
+    """/_fake/die, as the chaos benchmark kills a decode: the fake SIGKILLs itself, having
+    written down what ran, and which of those answers had begun. A stream with a token out is
+    begun; a whole answer still generating is not (its bytes come at its end)."""
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(Path(__file__).parent / "fake_vllm.py"), "--serve", "decode",
+        "--port", str(port), "--token-delay", "0.05",
+    )  # fmt: skip
+    base, record = f"http://127.0.0.1:{port}", tmp_path / "killed.json"
+    try:
+        async with aiohttp.ClientSession() as session:
+            await until_healthy(session, base)
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "ignore_eos": True}
+
+            async def whole_answer() -> bytes:
+                async with session.post(base + COMPLETIONS, json=body) as answer:
+                    return await answer.read()
+
+            async def running() -> int:
+                async with session.get(base + "/_fake/stats") as stats:
+                    count: int = (await stats.json())["running"]
+                    return count
+
+            whole = asyncio.create_task(whole_answer())
+            async with session.post(base + COMPLETIONS, json=body | {"stream": True}) as stream:
+                assert (await stream.content.readuntil(b"\n\n")).startswith(b"data: {")
+                while await running() < 2:
+                    await asyncio.sleep(0.01)
+                with pytest.raises(aiohttp.ClientError):
+                    async with session.post(base + "/_fake/die", json={"record": str(record)}):
+                        pass
+            with pytest.raises(aiohttp.ClientError):
+                await whole
+        assert await asyncio.wait_for(process.wait(), 10) == -signal.SIGKILL
+        assert json.loads(record.read_text()) == {"running": 2, "begun": 1}
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
