@@ -3274,6 +3274,23 @@ class Attempt:
             exchange.state.config.prefix_block_bytes, exchange.state.fleet.bytes_per_token,
         )  # fmt: skip
 
+    def prompt_reported(self, tail: bytes) -> None:
+        """A whole PD answer's usage (in ``tail``, its last bytes), where it has one: for the
+        decode's TransferProof, whether its prompt's KV was pulled, by vLLM's cached_tokens;
+        said once where the decode does not report them."""
+        if (report := answer_prompt_cache(tail)) is None:
+            return  # no usage at its end: a stream without include_usage, a Responses answer
+        decode, metrics = self.decode, self.exchange.state.metrics
+        first = decode.proof.cached_reported is None
+        if (source := decode.proof.take_answer(*report)) is not None:
+            metrics.pd_answers.labels(str(decode.url), source).inc()
+        elif first:
+            log.info(
+                "decode %s reports no cached_tokens in its answers (vLLM's "
+                "--enable-prompt-tokens-details): its requests whose KV was recomputed are not "
+                "counted; its prompt-source counters still tell whether it pulls", decode.url,
+            )  # fmt: skip
+
     @property
     def transfer_id(self) -> str:
         return transfer_id_for(self.request_id)
@@ -4278,6 +4295,9 @@ async def relay_body(attempt: Attempt, leg: HttpLeg, url: URL) -> None:
         raise ClientGone
     if gaps is None and leg.status == 200:
         stats.first_token = time.monotonic()  # a whole answer: its first token came with it
+    if not continued and attempt.engine is not None and leg.status == 200:
+        last = relay.last  # the usage is at the answer's end: in its last write, or across two
+        attempt.prompt_reported(last if b'"usage":' in last else relay.before[-512:] + last)
     await attempt.end_stream(None)  # a client that closed once it read the last bytes had it all
 
 
@@ -4413,11 +4433,12 @@ class DecodeRelay:
     decode instead of filling the proxy's memory.
     """
 
-    __slots__ = ("client", "gaps", "stats")
+    __slots__ = ("before", "client", "gaps", "last", "stats")
 
     def __init__(self, exchange: Exchange, gaps: TokenGaps | None) -> None:
         self.client = ClientWire(exchange.request, exchange.response)
         self.stats, self.gaps = exchange.stats, gaps
+        self.before = self.last = b""  # the last two writes: where the answer's usage is
 
     def __call__(self, pieces: list[bytes]) -> bool | None:
         """The pieces one read of the decode brought (HttpLeg.stream_to's Sink): None if the
@@ -4437,6 +4458,7 @@ class DecodeRelay:
         a JSON payload has no raw newline, so counting b"\n\n" finds the events unparsed."""
         stats = self.stats
         stats.bytes_out += len(data)
+        self.before, self.last = self.last, data
         if self.gaps is not None and (events := data.count(b"\n\n")):
             now = time.monotonic()
             self.gaps.events(events, now)
@@ -8109,6 +8131,24 @@ def whole_instance(engines: Mapping[int, Mapping[str, float]]) -> dict[str, floa
     return total
 
 
+# The usage a completion, chat or generate answer ends with, as vLLM 0.32 writes it (UsageInfo
+# in its field order; a stream's without null fields): prompt_tokens, and cached_tokens where
+# the decode runs with --enable-prompt-tokens-details.
+USAGE_CACHED: Final = re.compile(
+    rb'"usage":\s*\{\s*"prompt_tokens":\s*(\d+)(?:\s*,\s*"(?:total|completion)_tokens":\s*\d+)*'
+    rb'(?:\s*,\s*"prompt_tokens_details":\s*(?:null|\{\s*"cached_tokens":\s*(\d+|null)))?'
+)
+
+
+def answer_prompt_cache(tail: bytes) -> tuple[int, int | None] | None:
+    """(prompt_tokens, cached_tokens) of the usage in an answer's last bytes, cached_tokens
+    None where the decode does not report them; None where there is no usage there."""
+    if (at := tail.rfind(b'"usage":')) < 0 or (match := USAGE_CACHED.match(tail, at)) is None:
+        return None
+    cached = match.group(2)
+    return int(match.group(1)), None if cached in (None, b"null") else int(cached)
+
+
 def take_proof(decode: DecodeInstance, sample: Mapping[str, float], avoid: bool) -> None:
     """A decode's prompt sources at a scrape into its TransferProof; a line when it starts or
     stops computing what it should pull."""
@@ -8813,6 +8853,10 @@ class TransferProof:
         self.recomputing = False
         self.since: float | None = None  # wall time it started recomputing
         self.judged_at = -math.inf  # monotonic: the last window that had PD answers
+        # Its PD answers' own word (usage.prompt_tokens_details.cached_tokens): None until
+        # one was read, False where it gives none (vLLM without --enable-prompt-tokens-details)
+        self.cached_reported: bool | None = None
+        self.answers: collections.Counter[str] = collections.Counter()  # pulled, recomputed
 
     def take(self, pulled: float, computed: float) -> bool | None:
         """One scrape's counters; True if by them it started recomputing, False if it
@@ -8833,6 +8877,22 @@ class TransferProof:
         self.recomputing = not self.recomputing
         self.since = time.time() if self.recomputing else None
         return self.recomputing
+
+    def take_answer(self, prompt_tokens: int, cached_tokens: int | None) -> str | None:
+        """One PD answer's usage: where its prompt's KV came from ("pulled": the whole prompt
+        was cached when it came, but for the one token vLLM may compute; else
+        "recomputed"), or None where the decode does not say."""
+        self.cached_reported = cached_tokens is not None
+        if cached_tokens is None:
+            return None
+        source = "pulled" if prompt_tokens - cached_tokens <= 1 else "recomputed"
+        self.answers[source] += 1
+        return source
+
+    def answers_status(self) -> dict[str, Any] | None:
+        if self.cached_reported is None:
+            return None  # no PD answer with usage read yet
+        return {"cached_tokens_reported": self.cached_reported, **self.answers}
 
     def held_out(self, now: float) -> bool:
         """With --avoid-recomputing: passed over for PD requests, as recomputing when
@@ -8872,7 +8932,12 @@ class DecodeInstance(Backend, Target):
 
     def status(self) -> dict[str, Any]:
         status = super().status() | self.routing_status(time.monotonic())
-        return status | {"local_prefills": self.local_prefills, "kv_transfer": self.proof.status()}
+        proof = self.proof
+        return status | {
+            "local_prefills": self.local_prefills,
+            "kv_transfer": proof.status(),
+            "kv_answers": proof.answers_status(),
+        }
 
 
 class PrefillInstance(Backend):
@@ -9321,6 +9386,11 @@ class Metrics:
         "computed itself, over the last scrape interval that had PD answers there (its "
         "vllm:prompt_tokens_by_source_total); absent until known.", ("backend",),
         mode="livemin")
+    pd_answers = Metric(Counter, "pd_answers_by_prompt_source",
+        "PD answers by where their decode says the prompt's KV came from (its usage's "
+        "cached_tokens, with vLLM's --enable-prompt-tokens-details): pulled (the whole prompt "
+        "was cached when it came), recomputed (the decode computed more than a token of it).",
+        ("backend", "source"))
     recomputing = Metric(Gauge, "decode_recomputing",
         "1 while a decode computes the prompts it should pull (decode_kv_pulled_ratio under "
         "0.5): a failed pull under kv_load_failure_policy recompute, or a KV connector that "

@@ -100,8 +100,8 @@ def proof_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProofClu
     logs.mkdir(parents=True, exist_ok=True)
     prefill = vllm_server(root, logs, "kv_producer", DECODE_MAX_MODEL_LEN, name="proof-prefill")
     decode = vllm_server(
-        root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name="proof-decode",
-        kv_config={"kv_load_failure_policy": "recompute"},
+        root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, "--enable-prompt-tokens-details",
+        name="proof-decode", kv_config={"kv_load_failure_policy": "recompute"},
     )  # fmt: skip
     bootstrap = SplitBootstrap(f"http://127.0.0.1:{prefill.bootstrap_port}")
     threading.Thread(target=bootstrap.serve_forever, daemon=True).start()
@@ -142,10 +142,16 @@ def complete(base: str) -> dict[str, Any]:
     return payload
 
 
-def decode_state(proxy: Server) -> dict[str, Any] | None:
+def decode_state(proxy: Server, key: str = "kv_transfer") -> dict[str, Any] | None:
     (decode,) = json.loads(http_get(f"{proxy.url}/healthcheck")[1])["decode"]
-    state: dict[str, Any] | None = decode["kv_transfer"]
+    state: dict[str, Any] | None = decode[key]
     return state
+
+
+def cached(answer: dict[str, Any]) -> int:
+    """The prompt's tokens cached when it came, by the decode (--enable-prompt-tokens-details)."""
+    tokens: int = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return tokens
 
 
 def sources(decode: Server) -> tuple[float, float]:
@@ -176,6 +182,10 @@ def test_a_healthy_pair_reports_every_prompt_pulled(proof_cluster: ProofCluster)
     }  # fmt: skip
     now_pulled, now_computed = sources(proof_cluster.decode)
     assert now_pulled - pulled == prompts and now_computed == computed
+    # Each answer says it too: its whole prompt was cached when it came, and the proxy counts it.
+    assert [cached(a) for a in answers] == [a["usage"]["prompt_tokens"] for a in answers]
+    answered = decode_state(proof_cluster.healthy, "kv_answers")
+    assert answered == {"cached_tokens_reported": True, "pulled": 3}, answered
 
 
 def test_a_decode_recomputing_what_it_cannot_pull_is_reported(
@@ -189,6 +199,9 @@ def test_a_decode_recomputing_what_it_cannot_pull_is_reported(
     prompts = sum(a["usage"]["prompt_tokens"] for a in answers)
     now_pulled, now_computed = sources(decode)
     assert now_pulled == pulled and now_computed - computed == prompts  # computed, not pulled
+    assert [cached(a) for a in answers] == [0, 0, 0]  # fresh prompts, none of them pulled
+    counted = decode_state(proxy, "kv_answers")
+    assert counted == {"cached_tokens_reported": True, "recomputed": 3}, counted
     assert any("httpx" in agent for agent in proof_cluster.bootstrap.asked_by)
     recomputing = lambda: (decode_state(proxy) or {}).get("recomputing") is True  # noqa: E731
     # Two scrape intervals, and the time one scrape of a busy CPU vLLM's /metrics may take.

@@ -117,6 +117,102 @@ async def test_prompts_sent_to_a_decode_alone_do_not_make_it_recomputing(
     assert decode["kv_transfer"]["recomputing"] is False
 
 
+# --- each answer's own word: usage.prompt_tokens_details.cached_tokens
+
+
+async def send_both_ways(cluster: Cluster) -> None:
+    """A whole answer and a stream with include_usage: both end with their usage."""
+    await send(cluster, 1)
+    options = {"include_usage": True}
+    await send(cluster, 1, stream=True, stream_options=options)
+    await send(cluster, 1, stream=True)  # no usage at its end: not counted either way
+
+
+async def test_answers_whose_kv_was_pulled_or_recomputed_are_counted_by_their_cached_tokens(
+    start_cluster: StartCluster,
+) -> None:
+    """With --enable-prompt-tokens-details a pulled prompt is cached whole when it came;
+    one whose pull failed under "recompute" was computed: each PD answer counted so."""
+    decode = {"prompt_tokens_details": True, "kv_load_failure_policy": "recompute"}
+    cluster = await start_cluster(decode=decode)
+    await send_both_ways(cluster)
+    cluster.decodes[0].fail_pulls = 2
+    await send_both_ways(cluster)  # the first two pulls fail, the third answer has no usage
+    assert len(cluster.decodes[0].pull_failures) == 2
+    status = (await health_of_decode(cluster))["kv_answers"]
+    assert status == {"cached_tokens_reported": True, "pulled": 2, "recomputed": 2}
+    samples = await scrape(cluster)
+    url = str(cluster.decodes[0].api_url)
+    for source in ("pulled", "recomputed"):
+        assert (
+            sample(
+                samples,
+                "mooncake_proxy_pd_answers_by_prompt_source_total",
+                backend=url,
+                source=source,
+            )
+            == 2
+        )
+
+
+async def test_a_decode_without_cached_tokens_is_said_once_and_judged_by_its_counters(
+    start_cluster: StartCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = await start_cluster(load_interval=SCRAPE)
+    await scrapes(cluster)
+    with caplog.at_level(logging.INFO, "mooncake_proxy"):
+        await send_both_ways(cluster)
+        await send_both_ways(cluster)
+        await scrapes(cluster)
+    decode = await health_of_decode(cluster)
+    assert decode["kv_answers"] == {"cached_tokens_reported": False}
+    assert decode["kv_transfer"]["pulled_share"] == 1.0  # the counters still judge it
+    said = [r.getMessage() for r in caplog.records if "no cached_tokens" in r.getMessage()]
+    assert len(said) == 1 and str(cluster.decodes[0].api_url) in said[0], said
+
+
+@pytest.mark.parametrize(
+    ("tail", "report"),
+    [
+        (
+            b'"usage":{"prompt_tokens":80,"total_tokens":96,"completion_tokens":16,'
+            b'"prompt_tokens_details":{"cached_tokens":80,"created_cache_tokens":null},'
+            b'"completion_tokens_details":null},"kv_transfer_params":null}',
+            (80, 80),
+        ),
+        (
+            b'"usage":{"prompt_tokens":80,"total_tokens":96,"completion_tokens":16,'
+            b'"prompt_tokens_details":null,"completion_tokens_details":null}}',
+            (80, None),
+        ),
+        (
+            b'"choices":[],"usage":{"prompt_tokens":80,"total_tokens":82,"completion_tokens":2,'
+            b'"prompt_tokens_details":{"cached_tokens":0}}}\n\ndata: [DONE]\n\n',
+            (80, 0),
+        ),
+        (
+            b'"choices":[],"usage":{"prompt_tokens":80,"total_tokens":82,"completion_tokens":2}}'
+            b"\n\ndata: [DONE]\n\n",
+            (80, None),
+        ),
+        (
+            b'"usage": {"prompt_tokens": 7, "total_tokens": 9, "completion_tokens": 2, '
+            b'"prompt_tokens_details": {"cached_tokens": 7}}',
+            (7, 7),
+        ),
+        (b'"text":" the","usage":null}\n\ndata: [DONE]\n\n', None),
+        (b'data: {"choices":[{"text":"usage"}]}\n\ndata: [DONE]\n\n', None),
+        (b"", None),
+    ],
+)
+def test_an_answers_usage_is_read_from_its_last_bytes(
+    tail: bytes, report: tuple[int, int | None] | None
+) -> None:
+    """vLLM 0.32's whole answers (model_dump: null details written), its streams' usage chunk
+    (null ones left out), spaced JSON; no usage, or a null one: nothing to tell by."""
+    assert mp.answer_prompt_cache(tail) == report
+
+
 def test_a_decodes_prompt_sources_are_read_from_its_metrics() -> None:
     page = "\n".join(
         [
