@@ -53,6 +53,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(2, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_mooncake_proxy import percentile, wait_http
 from fake_vllm import MODEL, VOCAB, free_port, generate, prompt_of
+from mooncake_proxy import MIGRATION_OUTCOMES
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent  # the repository: the daemon at its top, the fakes in tests/
@@ -416,6 +417,7 @@ class Chaos:
         self.applied: collections.Counter[str] = collections.Counter()
         self.windows: list[Window] = []
         self.in_flight_killed = 0  # requests running on the decodes when they were killed
+        self.begun_killed = 0  # ... of them, answers begun: streams a proxy must continue
         self.problems: list[str] = []  # faults that could not be applied as planned
 
     async def run(self) -> None:
@@ -472,8 +474,16 @@ class Chaos:
 
     async def kill(self, nodes: list[Node]) -> None:
         (node,) = nodes
-        self.in_flight_killed += await self.running(node)
-        await node.stop(signal.SIGKILL)
+        record = node.log.with_suffix(f".killed{self.applied[KILL]}.json")
+        with contextlib.suppress(aiohttp.ClientError):  # it dies answering: the fake's SIGKILL
+            async with self.session.post(node.url + "/_fake/die", json={"record": str(record)}):
+                pass
+        await node.stop(signal.SIGKILL)  # dead: waited for
+        if not record.exists():
+            raise RuntimeError(f"{node.url} did not say what ran as it was killed")
+        running = json.loads(record.read_text())
+        self.in_flight_killed += running["running"]
+        self.begun_killed += running["begun"]
         await asyncio.sleep(DOWN_SECONDS)
         await node.start()
 
@@ -505,11 +515,6 @@ class Chaos:
         async with self.session.post(node.url + "/_fake/inject", json=fields) as answer:
             answer.raise_for_status()
 
-    async def running(self, node: Node) -> int:
-        async with self.session.get(node.url + "/_fake/stats") as answer:
-            running: int = (await answer.json())["running"]
-            return running
-
 
 # --- one run: a target in front of a fresh cluster, the load and the schedule
 
@@ -522,6 +527,7 @@ class Run:
     applied: collections.Counter[str]
     windows: list[Window]
     in_flight_killed: int
+    begun_killed: int  # answers the kills cut after their first bytes, as the fakes counted
     problems: list[str]
     metrics: dict[str, float] | None  # the proxy's counters, by row
 
@@ -586,10 +592,10 @@ async def load_under_chaos(target: Target, cluster: Cluster, args: argparse.Name
         chaos = Chaos(cluster, control, args.seconds)
         await asyncio.gather(load.run(args.concurrency), chaos.run())
         metrics = await scrape(control, target.url) if target.scraped else None
-    killed, problems = chaos.in_flight_killed, chaos.problems
+    killed, begun, problems = chaos.in_flight_killed, chaos.begun_killed, chaos.problems
     return Run(
-        target.name, chaos.started, load.outcomes, chaos.applied, chaos.windows, killed, problems,
-        metrics,
+        target.name, chaos.started, load.outcomes, chaos.applied, chaos.windows, killed, begun,
+        problems, metrics,
     )  # fmt: skip
 
 
@@ -687,42 +693,49 @@ def report(runs: list[Run], args: argparse.Namespace, logs: Path) -> None:
     )
     print(table(runs))
     for run in runs:
-        print(f"\n{run.target}: {run.in_flight_killed} requests ran on the decodes as killed")
+        print(
+            f"\n{run.target}: {run.in_flight_killed} requests ran on the decodes as killed, "
+            f"{run.begun_killed} of them answers begun"
+        )
         print(f"  its faults and failures in time: {logs / run.target / 'timeline.jsonl'}")
         for problem in run.problems:
             print(f"  a fault not applied as planned: {problem}")
         for kind, detail in examples(run).items():
             print(f"  e.g. {kind}: {detail[:300]}")
     for run in runs:
-        if (line := outcomes_check(run)) is not None:
-            print(line)
+        if (check := outcomes_check(run)) is not None:
+            print(check[1])
     print("\nverdict (target: 0 client-visible failures while one healthy pair remains):")
     for run in runs:
         print(f"  {verdict(run)}")
 
 
-def outcomes_check(run: Run) -> str | None:
-    """The proxy's count of what came of its cut streams against the client's: every stream
-    the proxy continued reached its end, so the failures after a first token that the client
-    saw are those it did not continue, or whose continuation never came; and every migration
-    it began ended one way or the other."""
+def outcomes_check(run: Run) -> tuple[bool, str] | None:
+    """The proxy's count of its cut streams against the benchmark's own: every answer a kill
+    cut after its first bytes (the fakes counted them as they died) was begun again elsewhere
+    or not continued, by the proxy's metrics; every migration it began ended one way or the
+    other; and the failures after a first token that the clients saw are those it did not
+    continue, or whose continuation failed."""
     if run.metrics is None:
         return None
     rows = run.metrics
-    lost = rows.get("proxy: cut streams not_continued", 0) + rows.get(
-        "proxy: cut streams failed", 0
-    )
+    outcome = {o: rows.get(f"proxy: cut streams {o}", 0.0) for o in MIGRATION_OUTCOMES}
+    began = rows.get("proxy: streams gone on elsewhere", 0.0)
+    cut = began + outcome["not_continued"]
+    lost = outcome["not_continued"] + outcome["failed"]
+    ended = outcome["continued"] + outcome["failed"] + outcome["client_gone"]
     mid = sum(o.tokens > 0 for o in run.failures())
-    began = rows.get("proxy: streams gone on elsewhere", 0)
-    ended = sum(
-        rows.get(f"proxy: cut streams {o}", 0) for o in ("continued", "failed", "client_gone")
-    )
-    same = "EQUAL" if lost == mid and began == ended else "DIFFERENT"
-    return (
-        f"\n{run.target}: cut streams, the proxy's count against the client's: {same}: "
-        f"{mid:g} failures after their first token, {lost:g} not continued or failed by the "
-        f"proxy's metrics; {began:g} migrations begun, {ended:g} ended (continued, failed, "
-        "client gone)"
+    same = cut == run.begun_killed and began == ended and lost == mid
+    return same, (
+        f"\n{run.target}: cut streams, the proxy's metrics against the benchmark's count: "
+        f"{'EQUAL' if same else 'DIFFERENT'}:\n"
+        f"  answers the kills cut after their first bytes: {run.begun_killed} by the fakes, "
+        f"{cut:g} by the proxy ({began:g} migrations begun, {outcome['not_continued']:g} not "
+        f"continued)\n"
+        f"  migrations begun {began:g}, ended {ended:g} ({outcome['continued']:g} continued, "
+        f"{outcome['failed']:g} failed, {outcome['client_gone']:g} client gone)\n"
+        f"  failures after their first token: {mid} by the clients, {lost:g} by the proxy "
+        "(not continued or failed)"
     )
 
 
@@ -744,7 +757,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY)
     parser.add_argument("--no-router", action="store_true", help="the proxy alone")
     parser.add_argument(
-        "--strict", action="store_true", help="exit 1 on any client-visible failure"
+        "--strict",
+        action="store_true",
+        help="exit 1 on any client-visible failure, or the proxy's counts differing from ours",
     )
     args = parser.parse_args(argv)
     args.seconds = args.seconds or (QUICK_SECONDS if args.quick else FULL_SECONDS)
@@ -775,7 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = asyncio.run(run_all(args, logs))
     report(runs, args, logs)
     failed = any(run.failures() for run in runs)
-    return 1 if args.strict and failed else 0
+    counted_apart = any(not check[0] for run in runs if (check := outcomes_check(run)))
+    return 1 if args.strict and (failed or counted_apart) else 0
 
 
 if __name__ == "__main__":
