@@ -417,7 +417,7 @@ class Chaos:
         self.applied: collections.Counter[str] = collections.Counter()
         self.windows: list[Window] = []
         self.in_flight_killed = 0  # requests running on the decodes when they were killed
-        self.begun_killed = 0  # ... of them, answers begun: streams a proxy must continue
+        self.streams_cut = 0  # ... of them, streams cut after a token: a proxy continues them
         self.problems: list[str] = []  # faults that could not be applied as planned
 
     async def run(self) -> None:
@@ -483,7 +483,7 @@ class Chaos:
             raise RuntimeError(f"{node.url} did not say what ran as it was killed")
         running = json.loads(record.read_text())
         self.in_flight_killed += running["running"]
-        self.begun_killed += running["begun"]
+        self.streams_cut += running["streaming"]
         await asyncio.sleep(DOWN_SECONDS)
         await node.start()
 
@@ -527,7 +527,7 @@ class Run:
     applied: collections.Counter[str]
     windows: list[Window]
     in_flight_killed: int
-    begun_killed: int  # answers the kills cut after their first bytes, as the fakes counted
+    streams_cut: int  # streams the kills cut after a token, before their last, as the fakes saw
     problems: list[str]
     metrics: dict[str, float] | None  # the proxy's counters, by row
 
@@ -592,7 +592,7 @@ async def load_under_chaos(target: Target, cluster: Cluster, args: argparse.Name
         chaos = Chaos(cluster, control, args.seconds)
         await asyncio.gather(load.run(args.concurrency), chaos.run())
         metrics = await scrape(control, target.url) if target.scraped else None
-    killed, begun, problems = chaos.in_flight_killed, chaos.begun_killed, chaos.problems
+    killed, begun, problems = chaos.in_flight_killed, chaos.streams_cut, chaos.problems
     return Run(
         target.name, chaos.started, load.outcomes, chaos.applied, chaos.windows, killed, begun,
         problems, metrics,
@@ -695,7 +695,7 @@ def report(runs: list[Run], args: argparse.Namespace, logs: Path) -> None:
     for run in runs:
         print(
             f"\n{run.target}: {run.in_flight_killed} requests ran on the decodes as killed, "
-            f"{run.begun_killed} of them answers begun"
+            f"{run.streams_cut} of them streams cut after a token"
         )
         print(f"  its faults and failures in time: {logs / run.target / 'timeline.jsonl'}")
         for problem in run.problems:
@@ -711,9 +711,9 @@ def report(runs: list[Run], args: argparse.Namespace, logs: Path) -> None:
 
 
 def outcomes_check(run: Run) -> tuple[bool, str] | None:
-    """The proxy's count of its cut streams against the benchmark's own: every answer a kill
-    cut after its first bytes (the fakes counted them as they died) was begun again elsewhere
-    or not continued, by the proxy's metrics; every migration it began ended one way or the
+    """The proxy's count of its cut streams against the benchmark's own: every stream a kill
+    cut after a token (the fakes counted them as they died) went on elsewhere or was not
+    continued, by the proxy's metrics; every migration it began ended one way or the
     other; and the failures after a first token that the clients saw are those it did not
     continue, or whose continuation failed."""
     if run.metrics is None:
@@ -725,11 +725,11 @@ def outcomes_check(run: Run) -> tuple[bool, str] | None:
     lost = outcome["not_continued"] + outcome["failed"]
     ended = outcome["continued"] + outcome["failed"] + outcome["client_gone"]
     mid = sum(o.tokens > 0 for o in run.failures())
-    same = cut == run.begun_killed and began == ended and lost == mid
+    same = cut == run.streams_cut and began == ended and lost == mid
     return same, (
         f"\n{run.target}: cut streams, the proxy's metrics against the benchmark's count: "
         f"{'EQUAL' if same else 'DIFFERENT'}:\n"
-        f"  answers the kills cut after their first bytes: {run.begun_killed} by the fakes, "
+        f"  streams the kills cut after a token: {run.streams_cut} by the fakes, "
         f"{cut:g} by the proxy ({began:g} migrations begun, {outcome['not_continued']:g} not "
         f"continued)\n"
         f"  migrations begun {began:g}, ended {ended:g} ({outcome['continued']:g} continued, "

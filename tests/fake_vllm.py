@@ -1277,6 +1277,9 @@ class FakeVllm:
     dropped: int = 0  # connections dropped unanswered after their KV was pulled
     running: int = 0
     in_flight: list[str] = field(default_factory=list)  # the ids of the requests running
+    # The ids of the streams (completions, chats, generate) that sent a token but not yet their
+    # last: a client has part of their answer.
+    streaming: set[str] = field(default_factory=set)
     kv_tokens_received: int = 0
     resolved: int = 0  # decode legs whose prefill engine the bootstrap named (resolve_worker)
     transfers_served: int = 0
@@ -1451,14 +1454,15 @@ class FakeVllm:
 
     async def handle_die(self, request: web.Request) -> web.Response:
         """SIGKILL itself, as the chaos benchmark kills a decode, having written to the file
-        named {"record": path} what was running then: the requests, and those of them whose
-        answer had begun (bytes written). Nothing runs between the count and the death (no
-        await), so the benchmark knows how many answers the kill cut after their first bytes:
-        the streams a proxy must continue elsewhere."""
+        named {"record": path} what was running then: the requests, and the streams among
+        them cut after a token and before their last (a chat's role chunk alone is no token,
+        and a PD proxy holds it back). Nothing runs between the count and the death (no
+        await), so the benchmark knows how many answers the kill cut after the client had
+        part of them: the streams a proxy must continue elsewhere."""
         record = Path((await request.json())["record"])
-        begun = sum(bool(self.sent.get(request_id)) for request_id in self.in_flight)
+        streaming = len(self.streaming)
         # Blocking on purpose: an await here would let the streams go on before the death.
-        record.write_text(json.dumps({"running": self.running, "begun": begun}))  # noqa: ASYNC240
+        record.write_text(json.dumps({"running": self.running, "streaming": streaming}))  # noqa: ASYNC240
         os.kill(os.getpid(), signal.SIGKILL)
         raise AssertionError("not reached")  # pragma: no cover
 
@@ -1749,6 +1753,7 @@ class FakeVllm:
         finally:
             self.running -= 1
             self.in_flight.remove(request_id)
+            self.streaming.discard(request_id)
 
     async def complete(
         self, request: web.Request, path: str, body: dict[str, Any], request_id: str
@@ -2274,7 +2279,10 @@ class FakeVllm:
                     chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
                 if (chunk := merged(pending, chunk, index, last, self.stream_interval)) is None:
                     continue
+                self.streaming.add(request_id)  # no await before its bytes reach the transport
                 await self.frame(response, request_id, chunk, ids)
+            if position == longest - 1:  # every finish_reason went out: the rest is its end
+                self.streaming.discard(request_id)
             await self.between_tokens()
         if self.keepalive_after_finish:
             await self.write(response, request_id, b": keep-alive\n\n")

@@ -686,8 +686,9 @@ async def test_a_decode_sent_a_prompt_alone_computes_it_and_pauses_its_streams(
 
 async def test_a_fake_told_to_die_says_which_answers_it_cut(tmp_path: Path) -> None:
     """/_fake/die, as the chaos benchmark kills a decode: the fake SIGKILLs itself, having
-    written down what ran, and which of those answers had begun. A stream with a token out is
-    begun; a whole answer still generating is not (its bytes come at its end)."""
+    written down what ran, and how many of those were streams cut after a token: a client
+    has part of their answer. A whole answer still generating is not one (its bytes come at
+    its end)."""
     port = free_port()
     process = await asyncio.create_subprocess_exec(
         sys.executable, str(Path(__file__).parent / "fake_vllm.py"), "--serve", "decode",
@@ -719,7 +720,7 @@ async def test_a_fake_told_to_die_says_which_answers_it_cut(tmp_path: Path) -> N
             with pytest.raises(aiohttp.ClientError):
                 await whole
         assert await asyncio.wait_for(process.wait(), 10) == -signal.SIGKILL
-        assert json.loads(record.read_text()) == {"running": 2, "begun": 1}
+        assert json.loads(record.read_text()) == {"running": 2, "streaming": 1}
     finally:
         if process.returncode is None:
             process.kill()
