@@ -7169,6 +7169,12 @@ REPLAY_TIMEOUT: Final = 10.0
 REPLAY_SLICE: Final = 32  # replayed batches applied between two turns of the event loop
 
 
+# Seconds of silence after a replay's batches began that mean the rest was dropped: vLLM sends
+# a replay all at once, and its ROUTER drops what its queue cannot hold when the reader lags.
+# The rest is asked for again, from where it stopped.
+REPLAY_STALL: Final = 2.0
+
+
 # After a replay that did not answer, gaps are counted as missed for this long instead of
 # asked for again: each ask would hold this engine's live events back for REPLAY_TIMEOUT.
 REPLAY_PAUSE: Final = 30.0
@@ -7310,43 +7316,32 @@ async def replay_kv_events(
 ) -> None:
     """Ask the engine's replay socket (a ROUTER) for the batches from feed.next_seq (before
     ``upto``, a live batch's seq; None when joining as this process subscribes); it answers
-    each as (topic, seq, batch), then a sequence number of -1. Joining, an engine that is not
-    up yet is no problem: its first batch will bring us here."""
+    each as (topic, seq, batch), then a sequence number of -1. An answer whose tail was
+    dropped on the way is asked for again from where it stopped. Joining, an engine that is
+    not up yet is no problem: its first batch will bring us here."""
     import zmq
 
     joining = upto is None
-    start = feed.next_seq or 0  # None: from the oldest batch it kept
+    if joining:  # from here (or from the oldest batch kept: take_replay) to where it ends
+        feed.replayed = range(feed.next_seq or 0, feed.next_seq or 0)
     # Joining, the engine may replay thousands of batches: until they are applied its view is
     # not used, and other work gets the loop between every few of them.
     feed.joining = feed.next_seq is None
-    applied = 0
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.IPV6, 1)
     # vLLM sends the whole buffer at once (10,000 batches by default), and its ROUTER drops
     # what exceeds its queue (1,000) while we read slower than it sends; ZMQ's I/O thread
     # takes them all in here, our reading pace aside. Dropped, the batches were missed
-    # again, and the end marker with them: the join waited REPLAY_TIMEOUT.
+    # again, and the end marker with them (take_replay's stall asks for them again).
     dealer.setsockopt(zmq.RCVHWM, KV_EVENTS_HWM)
     dealer.connect(feed.replay)
     try:
-        await dealer.send_multipart([b"", start.to_bytes(8, "big")])
         while True:
-            # Not asyncio.wait_for: on 3.11 it swallows a cancel that comes as the answer does.
-            async with asyncio.timeout(REPLAY_TIMEOUT):
-                frames = await dealer.recv_multipart()
-            seq = int.from_bytes(frames[2], "big", signed=True) if len(frames) == 4 else -1
-            if seq < 0:
+            start = feed.next_seq or 0  # None: from the oldest batch it kept
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            if await take_replay(state, feed, dealer, decode, upto):
                 return
-            if (upto is not None and seq >= upto) or (
-                feed.next_seq is not None and seq < feed.next_seq
-            ):
-                continue
-            if feed.next_seq is None:
-                feed.next_seq = start = seq  # joining: from the oldest batch kept, none missed
-            take_kv_batch(state, feed, seq, decode(frames[3]))
-            if (applied := applied + 1) % REPLAY_SLICE == 0:
-                await asyncio.sleep(0)
     except TimeoutError:
         feed.replay_paused_until = time.monotonic() + REPLAY_PAUSE
         if not joining:
@@ -7355,8 +7350,38 @@ async def replay_kv_events(
     finally:
         feed.joining = False
         if joining and feed.next_seq is not None:  # the live stream repeats some of these
-            feed.replayed = range(start, feed.next_seq)
+            feed.replayed = range(feed.replayed.start, feed.next_seq)
         dealer.close(linger=0)
+
+
+async def take_replay(
+    state: ProxyState, feed: KvFeed, dealer: Any, decode: Callable[[bytes], Any], upto: int | None
+) -> bool:
+    """Apply one replay answer's batches: True at its end marker, False if it fell silent
+    for REPLAY_STALL after some came (its tail was dropped); TimeoutError if none came."""
+    wait, applied = REPLAY_TIMEOUT, 0
+    while True:
+        try:
+            # Not asyncio.wait_for: on 3.11 it swallows a cancel that comes as the answer does.
+            async with asyncio.timeout(wait):
+                frames = await dealer.recv_multipart()
+        except TimeoutError:
+            if wait == REPLAY_TIMEOUT:
+                raise
+            return False
+        seq = int.from_bytes(frames[2], "big", signed=True) if len(frames) == 4 else -1
+        if seq < 0:
+            return True
+        wait = REPLAY_STALL
+        if (upto is not None and seq >= upto) or (
+            feed.next_seq is not None and seq < feed.next_seq
+        ):
+            continue
+        if feed.next_seq is None:  # joining: from the oldest batch kept, none missed
+            feed.next_seq, feed.replayed = seq, range(seq, seq)
+        take_kv_batch(state, feed, seq, decode(frames[3]))
+        if (applied := applied + 1) % REPLAY_SLICE == 0:
+            await asyncio.sleep(0)
 
 
 async def watch_tokenizer(app: web.Application) -> None:

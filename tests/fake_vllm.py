@@ -1042,6 +1042,9 @@ class KvEventPublisher:
         self.drop: set[int] = set()  # sequence numbers to lose on the way (still replayable)
         self.replay_delay = 0.0  # seconds a replay request waits before it is answered
         self.replay_requests = 0
+        # The next replay answer stops after this many batches, without its end marker: as a
+        # ROUTER that dropped the rest of it while its reader lagged.
+        self.replay_cut: int | None = None
         self.batch_as_map = False  # {"ts", "events", "data_parallel_rank"}: not array-like
         self.replay_task: asyncio.Task[None] | None = None
         if replay_port is not None:
@@ -1084,7 +1087,10 @@ class KvEventPublisher:
         once, whatever the reader's pace (its ROUTER drops what its queue cannot hold), but
         giving the fake's HTTP server turns, as vLLM's thread leaves its API server alone."""
         await asyncio.sleep(self.replay_delay)
+        cut, self.replay_cut = self.replay_cut, None
         for n, (seq, payload) in enumerate(list(self.buffer)):
+            if cut is not None and seq >= start + cut:
+                return  # the rest dropped on the way, the end marker with it
             if seq >= start:
                 await self.router.send_multipart([client, b"", *self.frames(seq, payload)])
             if n % 256 == 255:

@@ -583,6 +583,30 @@ async def test_a_proxy_that_joins_late_learns_earlier_blocks_by_replay(
     assert feed.gaps == 0 and feed.held.match(chain) == len(chain)
 
 
+async def test_a_replay_whose_tail_was_dropped_is_asked_again_from_where_it_stopped(
+    start_cluster: StartCluster, tokenizer: Any, aiohttp_client: AiohttpClient
+) -> None:
+    """A ROUTER whose queue overflowed drops the rest of a replay, end marker included (a
+    loaded machine's proxy read slower than vLLM sent): once the batches stop coming for
+    REPLAY_STALL, the proxy asks for the rest, and misses nothing."""
+    cluster = await start_cluster(prefill=precise(tokenizer), kv_events=True, kv_replay=True)
+    publisher = cluster.prefills[0].sim(0).events
+    assert publisher is not None
+    for n in range(100):
+        publisher.publish([{
+            "type": "BlockStored", "block_hashes": [n], "block_size": 16,
+            "parent_block_hash": n - 1 if n else None, "token_ids": list(range(16)),
+        }])  # fmt: skip
+    publisher.replay_cut, asked = 40, publisher.replay_requests
+    late = await daemon_client(aiohttp_client, cluster.config)
+    await wait_ready_(late)
+    (feed,) = (f for f in late.app[mp.STATE_KEY].fleet.feeds.values() if f.engine_id)
+    await eventually(lambda: feed.live, seconds=mp.REPLAY_STALL + FAST)
+    assert publisher.replay_requests == asked + 2  # the join's, and the rest's from batch 40
+    assert feed.gaps == 0 and feed.next_seq == 100 and len(feed.held) == 100
+    assert feed.problem is None
+
+
 async def test_a_proxy_that_joins_a_full_replay_buffer_misses_nothing(
     start_cluster: StartCluster, tokenizer: Any, aiohttp_client: AiohttpClient
 ) -> None:
