@@ -139,14 +139,16 @@ class Node:
         if self.process is not None and self.process.returncode is None:
             self.process.send_signal(signum)
 
-    async def stop(self, signum: int = signal.SIGKILL) -> None:
+    async def stop(self, signum: int | None = signal.SIGKILL) -> None:
         if self.process is not None:
             await stop_process(self.process, signum)
 
 
-async def stop_process(process: asyncio.subprocess.Process, signum: int) -> None:
-    """Signal it and wait for its end; one that takes longer than STOP_GRACE is killed."""
-    if process.returncode is None:
+async def stop_process(process: asyncio.subprocess.Process, signum: int | None) -> None:
+    """Signal it (None: it was told to end itself) and wait for its end; one that takes
+    longer than STOP_GRACE is killed. A signal to one that ended unseen would reap it
+    (Popen.send_signal polls), and asyncio's own wait would then find no child."""
+    if process.returncode is None and signum is not None:
         process.send_signal(signum)
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(STOP_GRACE):
@@ -478,7 +480,7 @@ class Chaos:
         with contextlib.suppress(aiohttp.ClientError):  # it dies answering: the fake's SIGKILL
             async with self.session.post(node.url + "/_fake/die", json={"record": str(record)}):
                 pass
-        await node.stop(signal.SIGKILL)  # dead: waited for
+        await node.stop(None)  # its own SIGKILL: waited for
         if not record.exists():
             raise RuntimeError(f"{node.url} did not say what ran as it was killed")
         running = json.loads(record.read_text())
@@ -592,9 +594,9 @@ async def load_under_chaos(target: Target, cluster: Cluster, args: argparse.Name
         chaos = Chaos(cluster, control, args.seconds)
         await asyncio.gather(load.run(args.concurrency), chaos.run())
         metrics = await scrape(control, target.url) if target.scraped else None
-    killed, begun, problems = chaos.in_flight_killed, chaos.streams_cut, chaos.problems
+    killed, cut, problems = chaos.in_flight_killed, chaos.streams_cut, chaos.problems
     return Run(
-        target.name, chaos.started, load.outcomes, chaos.applied, chaos.windows, killed, begun,
+        target.name, chaos.started, load.outcomes, chaos.applied, chaos.windows, killed, cut,
         problems, metrics,
     )  # fmt: skip
 

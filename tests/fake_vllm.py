@@ -1282,7 +1282,6 @@ class FakeVllm:
     aborted: list[str] = field(default_factory=list)  # request ids whose client went away
     dropped: int = 0  # connections dropped unanswered after their KV was pulled
     running: int = 0
-    in_flight: list[str] = field(default_factory=list)  # the ids of the requests running
     # The ids of the streams (completions, chats, generate) that sent a token but not yet their
     # last: a client has part of their answer.
     streaming: set[str] = field(default_factory=set)
@@ -1738,7 +1737,6 @@ class FakeVllm:
         peer = request.transport.get_extra_info("peername") if request.transport else None
         self.requests.append(Recorded(request.path, CIMultiDict(request.headers), body, peer))
         self.running += 1
-        self.in_flight.append(request_id)
         try:
             path = api_path(request.path, body)
             response = await self.complete(request, path, body, request_id)
@@ -1758,7 +1756,6 @@ class FakeVllm:
             raise
         finally:
             self.running -= 1
-            self.in_flight.remove(request_id)
             self.streaming.discard(request_id)
 
     async def complete(
