@@ -8346,11 +8346,12 @@ async def self_test_leg(
 
 
 def prompt_cached(answer: Mapping[str, Any]) -> bool:
-    """Whether a decode's answer says its prompt was cached when it came (vLLM's cached_tokens,
-    with --enable-prompt-tokens-details): pulled, as the self-test's prompt is new."""
+    """Whether a decode's answer says its whole prompt was cached when it came (vLLM's
+    cached_tokens, with --enable-prompt-tokens-details): pulled, as the self-test's prompt is
+    new."""
     usage = answer.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return bool(details.get("cached_tokens"))
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return isinstance(cached, int) and pulled_whole(usage.get("prompt_tokens") or 0, cached)
 
 
 async def prompt_sources(state: ProxyState, decode: DecodeInstance) -> tuple[float, float] | None:
@@ -8862,6 +8863,12 @@ class Backend:
 RECOMPUTE_HOLD: Final = 60.0
 
 
+def pulled_whole(prompt_tokens: int, cached_tokens: int) -> bool:
+    """Whether an answer's usage says its prompt was cached whole when it came (pulled, or
+    held), but for the one token vLLM may compute."""
+    return prompt_tokens - cached_tokens <= 1
+
+
 class TransferProof:
     """Whether a decode pulls the KV of the PD requests sent to it or computes their prompts
     itself: a pull that fails under kv_load_failure_policy "recompute", or a connector that
@@ -8904,13 +8911,12 @@ class TransferProof:
         return self.recomputing
 
     def take_answer(self, prompt_tokens: int, cached_tokens: int | None) -> str | None:
-        """One PD answer's usage: where its prompt's KV came from ("pulled": the whole prompt
-        was cached when it came, but for the one token vLLM may compute; else
+        """One PD answer's usage: where its prompt's KV came from ("pulled", else
         "recomputed"), or None where the decode does not say."""
         self.cached_reported = cached_tokens is not None
         if cached_tokens is None:
             return None
-        source = "pulled" if prompt_tokens - cached_tokens <= 1 else "recomputed"
+        source = "pulled" if pulled_whole(prompt_tokens, cached_tokens) else "recomputed"
         self.answers[source] += 1
         return source
 
