@@ -52,10 +52,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration"))
 from real_vllm import (  # type: ignore[import-not-found]  # noqa: E402  (its servers)
     DECODE_MAX_MODEL_LEN,
-    PROXY,
     Server,
+    bring_up,
     free_port,
     metric,
+    proxy_server,
     vllm_server,
 )
 
@@ -236,23 +237,9 @@ def simulated_pair(logs: Path, args: argparse.Namespace) -> tuple[Server, Server
 def start_servers(prefill: Server, decode: Server, logs: Path, limit: int) -> dict[str, Server]:
     proxies = {}
     for setting, value in (("pd", 0), ("local", limit)):
-        port = free_port()
-        argv = [sys.executable, str(PROXY), "--port", str(port), "--decode", decode.url]
-        argv += ["--no-start-self-test"]  # the suite counts what each server computed
-        argv += ["--prefill", prefill.url, str(prefill.bootstrap_port), "--log-level", "WARNING"]
-        argv += ["--connect-timeout", "30", "--health-timeout", "10"]
-        argv += ["--max-local-prefill-tokens", str(value)]
-        proxies[setting] = Server(
-            f"bench-proxy-{setting}", argv, dict(os.environ), logs / f"proxy-{setting}.log",
-            f"http://127.0.0.1:{port}",
-        )  # fmt: skip
-    for server in (prefill, decode, *proxies.values()):
-        server.start()
-    for server in (prefill, decode):
-        server.wait_healthy(300)
-        server.warm_up()
-    for proxy in proxies.values():
-        proxy.wait_healthy(60)
+        extra = ("--log-level", "WARNING", "--max-local-prefill-tokens", str(value))
+        proxies[setting] = proxy_server(f"bench-proxy-{setting}", logs, prefill, decode, *extra)
+    bring_up((prefill, decode), list(proxies.values()))
     return proxies
 
 

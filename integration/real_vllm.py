@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,32 @@ class Server:
         status, _, answer = http_call(self.url, "POST", "/v1/completions", body, timeout=120)
         if status != 200:
             raise RuntimeError(f"{self.name} failed its warm-up ({status}): {answer[:200]!r}")
+
+
+def proxy_server(
+    name: str, logs: Path, prefill: Server, decode: Server, *extra: str, bootstrap: str = ""
+) -> Server:
+    """The proxy as the suite starts it in front of ``prefill`` (told ``bootstrap``, else its
+    own bootstrap port) and ``decode``: no self-test at start (the suite counts what each
+    server computed), and slack for a loaded 2-core machine, whose vLLM servers once took
+    over 5 s to accept a connection and over 3 s to answer their checks."""
+    port = free_port()
+    argv = [sys.executable, str(PROXY), "--port", str(port), "--decode", decode.url]
+    argv += ["--no-start-self-test", "--prefill", prefill.url]
+    argv += [bootstrap or str(prefill.bootstrap_port)]
+    argv += ["--connect-timeout", "30", "--health-timeout", "10", *extra]
+    return Server(name, argv, dict(os.environ), logs / f"{name}.log", f"http://127.0.0.1:{port}")
+
+
+def bring_up(engines: Sequence[Server], proxies: Sequence[Server]) -> None:
+    """Start them all: each vLLM server healthy and warmed up, then each proxy healthy."""
+    for server in (*engines, *proxies):
+        server.start()
+    for server in engines:
+        server.wait_healthy(300)
+        server.warm_up()
+    for proxy in proxies:
+        proxy.wait_healthy(60)
 
 
 # The one failure a test may meet and go on: on these loaded 2-core machines Mooncake's TCP

@@ -14,7 +14,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,10 +25,10 @@ import pytest
 from real_vllm import (  # the suite's servers and their HTTP
     DECODE_MAX_MODEL_LEN,
     MODEL,
-    PROXY,
     Server,
-    free_port,
+    bring_up,
     metric,
+    proxy_server,
     unique_prompt,
     vllm_server,
 )
@@ -54,23 +53,13 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
     logs.mkdir(parents=True, exist_ok=True)
     prefill = vllm_server(root, logs, "kv_producer", DECODE_MAX_MODEL_LEN, name="local-prefill")
     decode = vllm_server(root, logs, "kv_consumer", DECODE_MAX_MODEL_LEN, name="local-decode")
-    port = free_port()
-    argv = [sys.executable, str(PROXY), "--port", str(port), "--decode", decode.url]
-    argv += ["--no-start-self-test"]  # the suite counts what each server computed
-    argv += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
-    argv += ["--connect-timeout", "30", "--health-timeout", "10"]
-    argv += ["--max-local-prefill-tokens", str(LIMIT), "--log-level", "WARNING"]
-    proxy = Server(
-        "local-proxy", argv, dict(os.environ), logs / "local-proxy.log", f"http://127.0.0.1:{port}"
-    )
+    proxy = proxy_server(
+        "local-proxy", logs, prefill, decode,
+        "--max-local-prefill-tokens", str(LIMIT), "--log-level", "WARNING",
+    )  # fmt: skip
     servers = (prefill, decode, proxy)
     try:
-        for server in servers:
-            server.start()
-        for server in (prefill, decode):
-            server.wait_healthy(300)
-            server.warm_up()
-        proxy.wait_healthy(60)
+        bring_up((prefill, decode), (proxy,))
         cluster = LocalCluster(prefill, decode, proxy)
         yield cluster
         for line in cluster.figures:

@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -34,11 +33,11 @@ import pytest
 from real_vllm import (  # the suite's servers and their HTTP
     DECODE_MAX_MODEL_LEN,
     MODEL,
-    PROXY,
     Server,
-    free_port,
+    bring_up,
     http_get,
     metric,
+    proxy_server,
     unique_prompt,
     vllm_server,
 )
@@ -105,24 +104,15 @@ def proof_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProofClu
     )  # fmt: skip
     bootstrap = SplitBootstrap(f"http://127.0.0.1:{prefill.bootstrap_port}")
     threading.Thread(target=bootstrap.serve_forever, daemon=True).start()
-    proxies = {}
-    for name, told in (("healthy", str(prefill.bootstrap_port)), ("misled", bootstrap.url)):
-        port = free_port()
-        argv = [sys.executable, str(PROXY), "--port", str(port), "--decode", decode.url]
-        argv += ["--no-start-self-test"]  # the suite counts what each server computed
-        argv += ["--prefill", prefill.url, told, "--load-interval", str(SCRAPE)]
-        argv += ["--connect-timeout", "30", "--health-timeout", "10"]
-        url = f"http://127.0.0.1:{port}"
-        proxies[name] = Server(f"proof-{name}", argv, dict(os.environ), logs / f"{name}.log", url)
+    proxies = {
+        name: proxy_server(
+            f"proof-{name}", logs, prefill, decode, "--load-interval", str(SCRAPE), bootstrap=told
+        )
+        for name, told in (("healthy", ""), ("misled", bootstrap.url))
+    }
     servers = (prefill, decode, *proxies.values())
     try:
-        for server in servers:
-            server.start()
-        for server in (prefill, decode):
-            server.wait_healthy(300)
-            server.warm_up()
-        for proxy in proxies.values():
-            proxy.wait_healthy(60)
+        bring_up((prefill, decode), list(proxies.values()))
         yield ProofCluster(prefill, decode, proxies["healthy"], proxies["misled"], bootstrap)
     finally:
         for server in reversed(servers):
