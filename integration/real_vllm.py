@@ -18,7 +18,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,22 @@ class Server:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
 
+    @contextmanager
+    def engine_paused(self) -> Iterator[None]:
+        """Its engine stopped (SIGSTOP to the EngineCore and Worker processes) while its API
+        server goes on: requests sent meanwhile are taken, tokenized and queued, and none is
+        scheduled, so a decode pulls no KV, until the engine goes on where it stood."""
+        assert self.process is not None
+        engine = [pid for pid in in_group(self.process.pid) if comm(pid).startswith("VLLM::")]
+        assert engine, f"{self.name}: no VLLM:: engine process in its group"
+        for pid in engine:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in engine:
+                os.kill(pid, signal.SIGCONT)
+
     def wait_healthy(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -123,6 +140,28 @@ class Server:
         status, _, answer = http_call(self.url, "POST", "/v1/completions", body, timeout=120)
         if status != 200:
             raise RuntimeError(f"{self.name} failed its warm-up ({status}): {answer[:200]!r}")
+
+
+def in_group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (Linux: read from /proc)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    members.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return members
+
+
+def comm(pid: int) -> str:
+    """The name a process gave itself (vLLM names its engine processes VLLM::EngineCore and
+    VLLM::Worker)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def proxy_server(
