@@ -8121,6 +8121,7 @@ async def scrape_load(state: ProxyState, backend: Backend) -> None:
     """One scrape of an instance's /metrics into its targets' load views."""
     config, fleet = state.config, state.fleet
     limits = config.upstream_timeout(config.health_timeout)
+    sent = backend.proof.asked() if isinstance(backend, DecodeInstance) else (0, 0.0)
     try:
         page = await get_checked(
             state.health_session, "metrics", backend.routes["/metrics"], limits
@@ -8144,7 +8145,7 @@ async def scrape_load(state: ProxyState, backend: Backend) -> None:
     elif isinstance(backend, DecodeInstance):
         total = whole_instance(engines)  # a decode is one target, whatever its DP size
         take_load(backend, total, now, capacity, tokens or 0)
-        take_proof(backend, total, state.config.avoid_recomputing)
+        take_proof(backend, total, sent, state.config.avoid_recomputing)
 
 
 def whole_instance(engines: Mapping[int, Mapping[str, float]]) -> dict[str, float]:
@@ -8174,12 +8175,15 @@ def answer_prompt_cache(tail: bytes) -> tuple[int, int | None] | None:
     return int(match.group(1)), None if cached in (None, b"null") else int(cached)
 
 
-def take_proof(decode: DecodeInstance, sample: Mapping[str, float], avoid: bool) -> None:
-    """A decode's prompt sources at a scrape into its TransferProof; a line when it starts or
-    stops computing what it should pull."""
+def take_proof(
+    decode: DecodeInstance, sample: Mapping[str, float], sent: tuple[int, float], avoid: bool
+) -> None:
+    """A decode's prompt sources at a scrape, and what it had been sent as the scrape was
+    asked for, into its TransferProof; a line when it starts or stops computing what it
+    should pull."""
     if "pulled" not in sample or "computed" not in sample:
         return  # a vLLM without the series: nothing to tell by (healthcheck's null)
-    turned = decode.proof.take(sample["pulled"], sample["computed"])
+    turned = decode.proof.take(sample["pulled"], sample["computed"], sent)
     share = decode.proof.pulled_share
     if turned:
         log.warning(
@@ -8879,8 +8883,9 @@ class TransferProof:
 
     def __init__(self) -> None:
         self.totals: tuple[float, float] | None = None  # pulled, computed at the last scrape
-        self.answered = 0  # PD answers that began there since (the decode had their prompt)
-        self.sent_alone = 0.0  # prompt tokens it was sent to compute alone since (estimated)
+        self.answered = 0  # PD answers that began there (the decode had their prompt), ever
+        self.sent_alone = 0.0  # prompt tokens it was sent to compute alone (estimated), ever
+        self.asked_at = (0, 0.0)  # answered, sent_alone as the last scrape was asked for
         self.pulled_share: float | None = None  # in the last window that had PD answers
         self.recomputing = False
         self.since: float | None = None  # wall time it started recomputing
@@ -8890,12 +8895,20 @@ class TransferProof:
         self.cached_reported: bool | None = None
         self.answers: collections.Counter[str] = collections.Counter()  # pulled, recomputed
 
-    def take(self, pulled: float, computed: float) -> bool | None:
-        """One scrape's counters; True if by them it started recomputing, False if it
-        stopped, else None."""
+    def asked(self) -> tuple[int, float]:
+        """What it had been sent (answered, sent_alone) as its /metrics are asked for: what
+        the counters it serves then include, as vLLM records a step's counts before that
+        step's tokens go out. Read at the scrape's end instead, answers that began while a
+        busy vLLM's page was on its way counted against counters without them, and were
+        lost to the window after (on CPU vLLM, a healthy pair was never judged)."""
+        return self.answered, self.sent_alone
+
+    def take(self, pulled: float, computed: float, asked: tuple[int, float]) -> bool | None:
+        """One scrape's counters, and what it had been sent when that scrape was asked for;
+        True if by them it started recomputing, False if it stopped, else None."""
         before, self.totals = self.totals, (pulled, computed)
-        answered, alone = self.answered, self.sent_alone
-        self.answered, self.sent_alone = 0, 0.0
+        (answered_at, alone_at), self.asked_at = self.asked_at, asked
+        answered, alone = asked[0] - answered_at, asked[1] - alone_at
         if before is None or pulled < before[0] or computed < before[1] or not answered:
             return None  # the first scrape, the counters went back (a restart), or no PD
         moved = pulled - before[0]

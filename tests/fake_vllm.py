@@ -1205,6 +1205,7 @@ INJECTABLE = frozenset(
         *("die_after_pull", "fail_pulls", "linger_after_done", "health_status", "health_delay"),
         "die_after_head",
         *("drop_after", "drop_after_pull", "engine_dead", "metrics_status", "extra_waiting"),
+        "metrics_delay",
         "kv_usage",
         *("stream_interval", "keepalive_after_finish", "kv_load_failure_policy"),
         "prompt_tokens_details",
@@ -1301,6 +1302,10 @@ class FakeVllm:
     engine_prefix: str = field(default_factory=lambda: str(uuid.uuid4()))
     sims: list[EngineSim] = field(default_factory=list)
     metrics_status: int = 200  # 404: a server without /metrics
+    # A busy server: its /metrics page is made when asked, with the counters as they stand
+    # then, and reaches the scraper this many seconds later.
+    metrics_delay: float = 0.0
+    metrics_count: int = 0  # /metrics requests begun
     extra_waiting: int = 0  # added to every engine's vllm:num_requests_waiting
     kv_usage: float | None = None  # said as every engine's vllm:kv_cache_usage_perc instead
     # decode: what a failed pull does, as vLLM's KVTransferConfig field: "fail" the request,
@@ -1414,6 +1419,7 @@ class FakeVllm:
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         """vLLM's series, one per engine (the "engine" label is the DP rank)."""
+        self.metrics_count += 1
         if self.metrics_status != 200:
             return web.Response(status=self.metrics_status)
         lines = []
@@ -1442,6 +1448,7 @@ class FakeVllm:
                 f'kv_cache_size_tokens="{sim.capacity * BLOCK_TOKENS}",'
                 f'num_gpu_blocks="{sim.capacity * self.dp_size}"}} 1.0',
             ]
+        await asyncio.sleep(self.metrics_delay)
         return web.Response(text="\n".join(["# a fake vLLM", *lines, ""]))
 
     async def handle_warm(self, request: web.Request) -> web.Response:

@@ -228,15 +228,48 @@ def test_a_decodes_prompt_sources_are_read_from_its_metrics() -> None:
 
 def test_the_proof_judges_only_windows_with_pd_answers() -> None:
     proof = mp.TransferProof()
-    assert proof.take(0, 0) is None  # the first scrape: a baseline
-    proof.sent_alone = 50
-    assert proof.take(0, 50) is None and proof.pulled_share is None  # no PD answer
-    proof.answered = 2
-    assert proof.take(0, 150) is True and proof.pulled_share == 0.0
-    proof.answered = 1
-    assert proof.take(100, 150) is False and proof.pulled_share == 1.0
-    proof.answered = 1
-    assert proof.take(50, 10) is None  # went back: the decode restarted
+    assert proof.take(0, 0, proof.asked()) is None  # the first scrape: a baseline
+    proof.sent_alone += 50
+    assert proof.take(0, 50, proof.asked()) is None and proof.pulled_share is None  # no PD
+    proof.answered += 2
+    assert proof.take(0, 150, proof.asked()) is True and proof.pulled_share == 0.0
+    proof.answered += 1
+    assert proof.take(100, 150, proof.asked()) is False and proof.pulled_share == 1.0
+    proof.answered += 1
+    assert proof.take(50, 10, proof.asked()) is None  # went back: the decode restarted
+
+
+def test_answers_begun_while_a_scrape_is_out_count_in_the_window_after_it() -> None:
+    """The counters a scrape brings back are those of when it was asked for: answers that
+    began since are not in them, and are judged with the next scrape's."""
+    proof = mp.TransferProof()
+    proof.take(0, 0, proof.asked())
+    asked = proof.asked()  # a scrape is asked for; while its page is on its way ...
+    proof.answered += 3  # ... three PD answers begin, their pulls not in that page
+    assert proof.take(0, 0, asked) is None and proof.pulled_share is None
+    assert proof.take(300, 0, proof.asked()) is None and proof.pulled_share == 1.0
+
+
+async def test_a_decode_whose_metrics_come_late_is_judged_on_the_answers_they_count(
+    start_cluster: StartCluster,
+) -> None:
+    """A busy vLLM's /metrics page reaches the proxy late, with its counters as they stood when
+    asked. Answers that began meanwhile were once judged against that page (answers, no
+    pull) and then lost to the next window (a pull, no answers): a healthy decode was never
+    judged."""
+    cluster = await start_cluster(load_interval=SCRAPE)
+    await scrapes(cluster)
+    decode = cluster.decodes[0]
+    decode.metrics_delay = 1.0
+    asked = decode.metrics_count
+    await eventually(lambda: decode.metrics_count > asked)  # a scrape out, its page made
+    await send(cluster, 3)  # within that second
+    decode.metrics_delay = 0.0
+    await scrapes(cluster, 2)
+    decode_health = await health_of_decode(cluster)
+    assert decode_health["kv_transfer"] == {
+        "pulled_share": 1.0, "recomputing": False, "since": None,
+    }  # fmt: skip
 
 
 # --- the PD self-test: a request of a few tokens per prefill engine and decode
@@ -352,9 +385,9 @@ async def test_a_recomputing_decode_is_passed_over_for_pd_when_asked(
 
 def test_a_recomputing_decode_is_held_out_for_a_while_after_its_last_judgment() -> None:
     proof = mp.TransferProof()
-    proof.take(0, 0)
-    proof.answered = 1
-    assert proof.take(0, 100) is True
+    proof.take(0, 0, proof.asked())
+    proof.answered += 1
+    assert proof.take(0, 100, proof.asked()) is True
     judged = proof.judged_at
     assert proof.held_out(judged + mp.RECOMPUTE_HOLD - 1)
     assert not proof.held_out(judged + mp.RECOMPUTE_HOLD)  # tried again, to be judged anew
