@@ -188,6 +188,15 @@ def bring_up(engines: Sequence[Server], proxies: Sequence[Server]) -> None:
         server.warm_up()
     for proxy in proxies:
         proxy.wait_healthy(60)
+        wait_all_checked(proxy)
+
+
+def wait_all_checked(proxy: Server) -> None:
+    """Until the proxy uses every server it was given: its /health says 200 once it has one
+    prefill engine and one decode, while a check of another may still be under way (on CI
+    one took over 3 s), and a test would find that one, or its model, missing."""
+    ok = lambda: healthcheck(proxy.url)["status"] == "ok"  # noqa: E731
+    assert wait_for(ok, 60), healthcheck(proxy.url)
 
 
 # The one failure a test may meet and go on: on these loaded 2-core machines Mooncake's TCP
@@ -277,12 +286,21 @@ def unique_prompt(words: int = 12) -> str:
 
 
 def wait_for(check: Any, seconds: float, every: float = 0.2) -> bool:
+    """Whether ``check()`` came true within ``seconds``. A check that cannot reach its server
+    (an OSError: a /metrics page over its timeout on a loaded machine) is not true yet."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if check():
+        if answered(check):
             return True
         time.sleep(every)
-    return bool(check())
+    return answered(check)
+
+
+def answered(check: Any) -> bool:
+    try:
+        return bool(check())
+    except OSError:
+        return False
 
 
 def healthcheck(base: str) -> dict[str, Any]:

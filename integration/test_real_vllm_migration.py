@@ -253,7 +253,8 @@ class Pacer:
                 signal_group(self.victim, signal.SIGKILL)
                 self.killed_at, self.killed_time = self.read, time.monotonic()
                 self.running = False
-                self.victim.process.wait(10)
+                # Reaping a decode killed mid-answer once took 30 s on CI's loaded cores.
+                self.victim.process.wait(KV_ABORT_TIMEOUT * 3)
             elif self.running:
                 self.stop()
 

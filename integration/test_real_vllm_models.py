@@ -27,6 +27,7 @@ from real_vllm import (  # the suite's servers and their HTTP
     metric,
     unique_prompt,
     vllm_server,
+    wait_all_checked,
 )
 
 MODELS = ("tiny-a", "tiny-b")
@@ -66,6 +67,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, di
         proxy.start()
         started.append(proxy)
         proxy.wait_healthy(60)
+        wait_all_checked(proxy)
         yield proxy, servers
     finally:
         for server in reversed(started):
