@@ -561,11 +561,19 @@ def test_clients_gone_while_their_decode_legs_wait_free_the_prefills_kv(
             await asyncio.gather(*sent, return_exceptions=True)
         # the session's close closed every connection
 
+    def legs_aborted() -> bool:
+        """The decode's API server has ended the six legs the proxy closed: vLLM counts an
+        HTTP request once its handler is over, and a closed stream's handler ends by sending
+        the engine its abort (queued while the engine is paused, and read before it goes on)."""
+        ended = metric(cluster.decode, "http_requests_total", handler="/v1/completions")
+        return ended - handled >= len(prompts)
+
+    handled = metric(cluster.decode, "http_requests_total", handler="/v1/completions")
     legs_closed = lambda: healthcheck(cluster.proxy.url)["decode"][0]["in_flight"] == 0  # noqa: E731
     with cluster.decode.engine_paused():
         asyncio.run(asyncio.wait_for(leave_once_the_prefill_holds_kv(), 120))
         assert wait_for(legs_closed, 10, every=0.1)
-        time.sleep(1)  # for the decode's API server to see its legs closed and abort them
+        assert wait_for(legs_aborted, 30, every=0.1)
     resumed = time.monotonic()
     free = lambda: (  # noqa: E731
         metric(cluster.prefill, "vllm:kv_cache_usage_perc") == 0
@@ -611,8 +619,9 @@ def test_restarted_prefill_is_served_again_with_its_new_engine_id(cluster: RealC
     cluster.prefill.stop(signal.SIGKILL)  # idempotent: the previous test may have killed it
     cluster.prefill.start()
     cluster.prefill.wait_healthy(300)
-    # Back in the rotation with the engine id the restarted vLLM minted.
-    assert wait_for(lambda: healthcheck()["prefill"][0]["usable"], 15)
+    # Back in the rotation with the engine id the restarted vLLM minted: within one check
+    # interval (5 s) and three checks of a vLLM just started (each allowed --health-timeout 10).
+    assert wait_for(lambda: healthcheck()["prefill"][0]["usable"], 60)
     (new,) = healthcheck()["prefill"]
     assert new["engine_ids"] and new["engine_ids"] != old["engine_ids"]
     params: dict[str, Any] = {"prompt": unique_prompt(), "max_tokens": 16}
