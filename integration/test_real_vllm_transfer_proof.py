@@ -150,6 +150,22 @@ def scraped(proxy: Server) -> bool:
     return load is not None and load["age_s"] is not None
 
 
+def scraped_at(proxy: Server) -> float:
+    """When (this process's monotonic clock) the proxy last had the decode's /metrics page."""
+    load = decode_state(proxy, "load")
+    assert load is not None and load["age_s"] is not None
+    return time.monotonic() - float(load["age_s"])
+
+
+def new_window(proxy: Server) -> None:
+    """Until the proxy has scraped the decode with a page asked for from now on, so that the
+    decode's counters until now are out of its next window. Two scrapes: the first may have
+    been asked for before now; the second was asked for after the first came back."""
+    for _ in range(2):
+        mark = time.monotonic()
+        assert wait_for(lambda at=mark: scraped_at(proxy) > at, 2 * SCRAPE + 10, every=0.1)
+
+
 def cached(answer: dict[str, Any]) -> int:
     """The prompt's tokens cached when it came, by the decode (--enable-prompt-tokens-details)."""
     tokens: int = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -194,6 +210,10 @@ def test_a_decode_recomputing_what_it_cannot_pull_is_reported(
     proof_cluster: ProofCluster, tmp_path: Path
 ) -> None:
     proxy, decode = proof_cluster.misled, proof_cluster.decode
+    # The healthy pair's pulls just before must be out of this proxy's window: a window that
+    # held them read 0.246 pulled once, and one holding all three with these three answers
+    # would read 0.5, not recomputing, with no window of answers after it.
+    new_window(proxy)
     pulled, computed = sources(decode)
     logged = proxy.logged()
     answers = [complete(proxy.url) for _ in range(3)]  # answered all the same: 200, no error
@@ -211,8 +231,6 @@ def test_a_decode_recomputing_what_it_cannot_pull_is_reported(
     assert took is not None, ("not reported as recomputing", decode_state(proxy))
     print(f"\nreported recomputing {time.monotonic() - answered:.1f} s after the last answer")
     state = decode_state(proxy)
-    # Under half pulled: the interval may hold pulls of the healthy proxy's requests that
-    # vLLM's counters showed late (seen: 0.246), as any decode shared by proxies would.
     assert state is not None and state["pulled_share"] < 0.5 and state["since"]
     said = proxy.said_since(logged)
     assert re.search(rf"decode {re.escape(decode.url)} computes the prompts it should pull", said)
