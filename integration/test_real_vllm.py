@@ -44,7 +44,6 @@ from real_vllm import (  # the suite's servers and their HTTP
     free_port,
     healthcheck,
     http_call,
-    http_get,
     metric,
     running,
     stall_in,
@@ -611,18 +610,15 @@ def test_killed_prefill_makes_requests_fail_fast(cluster: RealCluster) -> None:
 
 
 def test_restarted_prefill_is_served_again_with_its_new_engine_id(cluster: RealCluster) -> None:
-    def healthcheck() -> dict[str, Any]:
-        payload: dict[str, Any] = json.loads(http_get(f"{cluster.proxy.url}/healthcheck")[1])
-        return payload
-
-    (old,) = healthcheck()["prefill"]
+    proxy = cluster.proxy.url
+    (old,) = healthcheck(proxy)["prefill"]
     cluster.prefill.stop(signal.SIGKILL)  # idempotent: the previous test may have killed it
     cluster.prefill.start()
     cluster.prefill.wait_healthy(300)
     # Back in the rotation with the engine id the restarted vLLM minted: within one check
     # interval (5 s) and three checks of a vLLM just started (each allowed --health-timeout 10).
-    assert wait_for(lambda: healthcheck()["prefill"][0]["usable"], 60)
-    (new,) = healthcheck()["prefill"]
+    assert wait_for(lambda: healthcheck(proxy)["prefill"][0]["usable"], 60)
+    (new,) = healthcheck(proxy)["prefill"]
     assert new["engine_ids"] and new["engine_ids"] != old["engine_ids"]
     params: dict[str, Any] = {"prompt": unique_prompt(), "max_tokens": 16}
     before = kv_tokens(cluster)
@@ -680,8 +676,7 @@ def test_a_prefill_restarted_under_light_load_costs_at_most_its_request_in_fligh
             stop.wait(0.25)
 
     def engine_ids() -> list[str]:
-        health = json.loads(http_get(f"{proxy.url}/healthcheck")[1])
-        (entry,) = [p for p in health["prefill"] if p["url"] == second.url]
+        (entry,) = [p for p in healthcheck(proxy.url)["prefill"] if p["url"] == second.url]
         return list(entry["engine_ids"]) if entry["usable"] else []
 
     def served() -> float:

@@ -36,6 +36,7 @@ from real_vllm import (  # the suite's servers and their HTTP
     MODEL,
     Server,
     bring_up,
+    healthcheck,
     http_get,
     metric,
     proxy_server,
@@ -139,7 +140,7 @@ def complete(base: str) -> dict[str, Any]:
 
 
 def decode_state(proxy: Server, key: str = "kv_transfer") -> dict[str, Any] | None:
-    (decode,) = json.loads(http_get(f"{proxy.url}/healthcheck")[1])["decode"]
+    (decode,) = healthcheck(proxy.url)["decode"]
     state: dict[str, Any] | None = decode[key]
     return state
 
