@@ -1621,6 +1621,27 @@ class KvLoadFailed(ProxyError):
                     await self.pair[0].checked.wait()
 
 
+class PrefillFailed(ProxyError):
+    """A prefill's own 5xx: the KV it was to compute will never come, and nothing reached the
+    client. A vLLM stopping answers so while its port still takes requests (500 "cannot
+    schedule new futures after shutdown", seen on real vLLM 0.32 under SIGTERM), so the pair
+    starts again on another prefill instance where the model has one not tried
+    (Exchange.try_again); with none, vLLM's answer reaches the client as it came. The
+    instance is checked at once (upstream_failure) but stays in the rotation: one 5xx says
+    nothing of the next request."""
+
+    instance: Backend  # the prefill instance that answered it (set by ``of``)
+
+    @classmethod
+    def of(cls, said: ProxyError, instance: Backend) -> PrefillFailed:
+        failure = cls(
+            said.status, said.message, body=said.body, content_type=said.content_type,
+            reason=said.reason,
+        )  # fmt: skip
+        failure.instance = instance
+        return failure
+
+
 class StreamCut(ProxyError):
     """A stream's decode failed after tokens reached the client (StreamJournal): its
     connection was lost (``lost``), it sent an error, or its answer ended unfinished."""
@@ -2815,8 +2836,8 @@ class Tries:
 
     left: int  # retries not yet used
     count: int = 0
-    failures: list[ProxyError] = field(default_factory=list)  # Unreachable or KvLoadFailed
-    tried: set[Backend] = field(default_factory=set)  # unreachable, or failed a KV load
+    failures: list[ProxyError] = field(default_factory=list)  # those tried again (try_again)
+    tried: set[Backend] = field(default_factory=set)  # unreachable, failed a KV load or a 5xx
     sends: list[Sent] = field(default_factory=list)  # what its picks added to routing's index
 
     def exhausted(self) -> Unreachable:
@@ -3009,8 +3030,9 @@ class Exchange:
 
     async def try_again(self, failure: ProxyError) -> ProxyError | None:
         """None to start the pair again: nothing of this attempt reached the client, and an
-        instance was unreachable or lost the request before answering, or the decode failed
-        before its first token (KvLoadFailed). A decode that took the request may have pulled
+        instance was unreachable or lost the request before answering, the decode failed
+        before its first token (KvLoadFailed), or a prefill answered 5xx while another is
+        left (PrefillFailed). A decode that took the request may have pulled
         the KV, which the prefill gives out once, so the pair starts again whole. A stream cut
         after tokens goes on elsewhere from them (migrate). Else the error the request ends
         with: ``failure``, or one naming every try once none is left."""
@@ -3024,11 +3046,38 @@ class Exchange:
                 self.tries.tried.update(failure.pair or ())  # another pair, where there is one
             elif isinstance(failure, Unreachable) and failure.backend is not None:
                 self.fail_over(failure.backend.role, failure.backend, failure)
+            elif isinstance(failure, PrefillFailed):
+                if (last := self.prefill_failed(failure)) is not None:
+                    return last
             else:
                 return failure
         except ProxyError as exhausted:
             return exhausted
         return self.too_late(failure)
+
+    def prefill_failed(self, failure: PrefillFailed) -> ProxyError | None:
+        """None to try again on another prefill instance, where the model has one not tried;
+        else the error the request ends with: vLLM's answer as it came, or, after other
+        tries, one naming each (raised by fail_over once --max-retries are used)."""
+        tries = self.tries
+        if self.another_prefill(failure.instance):
+            self.fail_over("prefill", None, failure)
+            tries.tried.add(failure.instance)
+            return None
+        self.state.metrics.errors.labels("prefill", failure.reason).inc()
+        if not tries.failures:
+            return failure
+        tries.failures.append(failure)
+        return tries.exhausted()
+
+    def another_prefill(self, failed: Backend) -> bool:
+        """Whether the model's serving group has a usable prefill instance that this request
+        has not tried, ``failed`` aside."""
+        try:
+            engines = self.state.fleet.serving(self.plan.model).engines
+        except ProxyError:
+            return False
+        return any(e.instance is not failed and e.instance not in self.tries.tried for e in engines)
 
     def too_late(self, failure: ProxyError) -> ProxyError | None:
         """A whole answer's retry, once --first-token-timeout has passed since the request
@@ -3097,7 +3146,8 @@ class Exchange:
         return False
 
     def count_failure(self, stage: str, failure: ProxyError) -> None:
-        if not isinstance(failure, Unreachable | KvLoadFailed | StreamCut):  # counted as tried
+        # Those are counted as they are tried again, or as they end the request (try_again).
+        if not isinstance(failure, Unreachable | KvLoadFailed | StreamCut | PrefillFailed):
             self.state.metrics.errors.labels(stage, failure.reason).inc()
 
     async def fail(self, error: ProxyError) -> web.StreamResponse:
@@ -3701,7 +3751,8 @@ async def send_prefill(
             leg = await state.upstreams.send(b"POST", url, headers, payload)
             body = await leg.whole()  # to the end, so the connection goes back to the pool
         if not 200 <= leg.status < 300:
-            raise upstream_failure(where, url, leg, body, suspect=engine.instance)
+            said = upstream_failure(where, url, leg, body, suspect=engine.instance)
+            raise PrefillFailed.of(said, engine.instance) if leg.status >= 500 else said
         problem, prompt_tokens = prefill_outcome(body)
         if problem:
             raise ProxyError(502, f"{where} {problem}", reason="stopped_early")

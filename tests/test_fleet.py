@@ -891,6 +891,47 @@ async def test_an_upstream_4xx_is_never_retried(start_cluster: StartCluster) -> 
     assert all(b.usable for b in fleet_of(cluster).prefills)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prefills_5xx_is_tried_again_on_another_prefill(
+    start_cluster: StartCluster, stream: bool
+) -> None:
+    """A vLLM that is stopping still takes requests on its open connections and answers them
+    500 ("cannot schedule new futures after shutdown": real vLLM 0.32 under SIGTERM, seen in
+    CI). Nothing reached the client, so another prefill computes the prompt; the one that
+    answered 500 is checked, and stays in the rotation."""
+    cluster = await start_cluster(
+        prefill_dp=(1, 1), each_prefill=({"fail_status": 500},), health_interval=60,
+        prefill_policy=mp.Policy.ROUND_ROBIN,
+    )  # fmt: skip
+    failing, healthy = cluster.prefills
+    for _ in range(4):
+        response = await cluster.client.post(COMPLETIONS, json=completion(stream=stream))
+        assert response.status == 200, await response.text()
+        assert b"error" not in await response.read()
+    assert len(failing.requests) >= 1 and len(healthy.requests) == 4
+    samples = await scrape(cluster)
+    failed = len(failing.requests)
+    assert sample(samples, "mooncake_proxy_errors_total", stage="prefill", reason="http_500") == (
+        failed
+    )  # once each, not again as it is tried
+    assert sample(samples, "mooncake_proxy_retries_total", stage="prefill") == failed
+    assert all(b.usable for b in fleet_of(cluster).prefills)
+    await eventually(lambda: all(d.running == 0 for d in cluster.decodes))
+
+
+async def test_a_prefills_5xx_with_no_other_prefill_left_is_vllms_answer(
+    start_cluster: StartCluster,
+) -> None:
+    """Both prefills answer 500: each is tried once, and the client hears of both."""
+    cluster = await start_cluster(prefill_dp=(1, 1), prefill={"fail_status": 500})
+    response = await cluster.client.post(COMPLETIONS, json=completion())
+    assert response.status == 500
+    message = (await response.json())["error"]["message"]
+    assert message.startswith("2 attempts failed"), message
+    assert all(fake.api_url in message for fake in cluster.prefills)
+    assert [len(fake.requests) for fake in cluster.prefills] == [1, 1]
+
+
 async def test_no_retry_once_a_token_reached_the_client(start_cluster: StartCluster) -> None:
     """Without migration (test_migration.py), a stream cut after a token ends in band."""
     cluster = await start_cluster(
