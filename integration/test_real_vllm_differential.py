@@ -160,7 +160,12 @@ KILLED: dict[str, int] = {
     "completion-logprobs": KILL_AFTER,
     "chat-n2-seeded": KILL_AFTER,
 }
-LEFT_AFTER_KILL = 20  # token chunks the uninterrupted answer must have after the kill's
+# Token chunks the uninterrupted answer must have after the kill's: a decode that ran this far
+# ahead of its client has written its whole answer, and the try is void. With 20, CI's
+# chat-include-usage drew answers of 60 to 62 chunks, killed after 40: 4 tries in a row were
+# void. Where an answer is shorter, the kill comes earlier (kill_point), not later than asked.
+LEFT_AFTER_KILL = 40
+EARLIEST_KILL = 10  # chunks read at least before a kill moved earlier: held-back stop text
 REDRAWS = 6  # fresh prompts tried for one long enough (the model may sample EOS early)
 # Tries at a kill mid-stream, and of them how many may kill a decode whose answer was whole
 # already (a restart each) before the case fails. Such voids were 1 to 4 of 11 to 14 tries in a
@@ -406,24 +411,33 @@ def test_the_proxys_answer_is_vllms_own(
 # --- the streamed shapes again, their decode killed mid-stream
 
 
-def reference(cluster: MigrationCluster, shape: Shape, kill_after: int) -> tuple[dict, Stream]:
+def reference(cluster: MigrationCluster, shape: Shape, kill_after: int) -> tuple[dict, Stream, int]:
     """A fresh streamed body of the shape whose uninterrupted answer, from a decode alone,
-    runs long enough to be killed mid-way (this model may sample its EOS early), and that
-    answer: vLLM's own, what the client must get.
+    runs long enough to be killed mid-way (this model may sample its EOS early), that answer
+    (vLLM's own, what the client must get), and the token chunks to kill after (kill_point).
+    """
+    for _ in range(REDRAWS):
+        body = shape.body(stream=True)
+        own = read_stream(cluster.decodes[0].url, shape.path, body)
+        if (at := kill_point(own.token_chunks(), kill_after)) is not None:
+            return body, own, at
+    raise AssertionError(f"no answer of {REDRAWS} was long enough, with text at the kill")
 
-    Its chunk read as the kill comes carries text. The proxy gives again the last tokens the
+
+def kill_point(chunks: list[dict[str, Any]], most: int) -> int | None:
+    """The most chunks, up to ``most``, a kill may come after in an answer of ``chunks``:
+    LEFT_AFTER_KILL of them left after it (a few where ``most`` is that small: a completion
+    without a cap has 16 tokens), and not before EARLIEST_KILL. None for an answer too short.
+
+    The chunk read as the kill comes carries text. The proxy gives again the last tokens the
     client has that carried none (StreamJournal.settle): a completion without a cap killed
     after one textless token went on from the prompt alone, twice, and a continuation that
     took the wrong cap went unseen (with 4 tokens sent it ended 4 tokens too long)."""
     # Chunks, not tokens: a decode alone may send its first few tokens in one chunk.
-    least = kill_after + min(LEFT_AFTER_KILL, max(4, kill_after // 2))
-    for _ in range(REDRAWS):
-        body = shape.body(stream=True)
-        own = read_stream(cluster.decodes[0].url, shape.path, body)
-        chunks = own.token_chunks()
-        if len(chunks) >= least and has_text(chunks[kill_after - 1]):
-            return body, own
-    raise AssertionError(f"no answer of {REDRAWS} ran {least} chunks, with text at the kill")
+    left = LEFT_AFTER_KILL if most >= EARLIEST_KILL else 4
+    latest = min(most, len(chunks) - left)
+    earliest = min(most, EARLIEST_KILL)
+    return next((at for at in range(latest, earliest - 1, -1) if has_text(chunks[at - 1])), None)
 
 
 def has_text(chunk: dict[str, Any]) -> bool:
@@ -439,7 +453,7 @@ def test_a_stream_whose_decode_is_killed_ends_as_vllms_own_or_says_why(
 ) -> None:
     cluster, shape = differential_cluster, SHAPES[name]
     cluster.all_decodes_up()
-    body, own = reference(cluster, shape, kill_after)
+    body, own, kill_after = reference(cluster, shape, kill_after)
     # A try is void where the decode had written its whole answer before the kill (Trial.void)
     # or before the client read KILL_AFTER chunks (the pacer holds it from the stream's head
     # on: its first chunks may come written together). One that killed nothing costs nothing;
