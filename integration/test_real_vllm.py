@@ -770,15 +770,17 @@ def test_a_decode_killed_during_a_plain_answer_is_answered_whole_by_another(
         usable = lambda: all(d["usable"] for d in healthcheck(proxy.url)["decode"])  # noqa: E731
         assert wait_for(usable, 30)
         request = threading.Thread(target=send)
-        request.start()
 
         def on_victim() -> bool:  # the proxy says so at once, whatever the load
             decodes = healthcheck(proxy.url)["decode"]
             return any(d["url"] == victim.url and d["in_flight"] for d in decodes)
 
-        # Asked often: the whole answer takes about a second here, and once (2026-12-06) it
-        # came and went between checks 0.2 s apart.
-        reached = wait_for(on_victim, 20, every=0.01)
+        # Sent while the victim's engine is paused, so that it stays in flight there until
+        # seen: the whole answer takes about a second here, and once (2026-12-06) it came and
+        # went between checks 0.2 s apart.
+        with victim.engine_paused():
+            request.start()
+            reached = wait_for(on_victim, 20, every=0.05)
         assert reached, ("the request did not reach decode-2", outcome)
         # Killed once vLLM counts it running (460 tokens take about a second here), or after 5 s
         # of it not saying so: its /metrics took over 5 s in CI while it generated on these 2
