@@ -169,10 +169,11 @@ EARLIEST_KILL = 10  # chunks read at least before a kill moved earlier: held-bac
 REDRAWS = 6  # fresh prompts tried for one long enough (the model may sample EOS early)
 # Tries at a kill mid-stream, and of them how many may kill a decode whose answer was whole
 # already (a restart each) before the case fails. Such voids were 1 to 4 of 11 to 14 tries in a
-# run of the table here, and in CI (2026-12-07) 4 of 4 for chat-include-usage; one with 260
-# chunks of a 300-chunk answer left after the kill was void here too (the client's process
-# starved as the stream's head came, so the pacer stopped the decode too late). A void try
-# judges nothing either way: a case still fails unless a try kills its decode mid-answer.
+# run of the table here, in CI (2026-12-07) 4 of 4 for chat-include-usage, and here (12-08) 4
+# of 14, 300-chunk answers killed after 40: the decode ran 260 chunks ahead of its client.
+# Holding the decodes from before the request, not from the stream's head, left 2 of 12 void,
+# so the head's window is not the whole cause. A void try judges nothing either way: a case
+# still fails unless a try kills its decode mid-answer.
 TRIES = 10
 VOID_KILLS = ATTEMPTS + 1
 
