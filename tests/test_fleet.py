@@ -919,10 +919,11 @@ async def test_a_prefills_5xx_is_tried_again_on_another_prefill(
     await eventually(lambda: all(d.running == 0 for d in cluster.decodes))
 
 
-async def test_a_prefills_5xx_with_no_other_prefill_left_is_vllms_answer(
+async def test_prefills_that_all_answer_5xx_are_each_tried_once_and_named(
     start_cluster: StartCluster,
 ) -> None:
-    """Both prefills answer 500: each is tried once, and the client hears of both."""
+    """Both prefills answer 500: each is tried once, and the client hears of both (one prefill
+    alone passes vLLM's answer as it came: test_prefill_error_reaches_client_before_kv_timeout)."""
     cluster = await start_cluster(prefill_dp=(1, 1), prefill={"fail_status": 500})
     response = await cluster.client.post(COMPLETIONS, json=completion())
     assert response.status == 500
